@@ -1,0 +1,10 @@
+"""monodecode: fast low-concurrency decoding of DeepSeek-V4-family MoE models (Python + Triton)."""
+
+from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
+from .config import ConfigError, ModelConfig, load_config, preset
+
+__version__ = "0.1.0"
+__all__ = [
+    "Checkpoint", "CheckpointError", "ConfigError", "ModelConfig", "load_config", "preset",
+    "write_synthetic_checkpoint",
+]

@@ -1,0 +1,166 @@
+"""`monodecode ...`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
+from .config import PRESETS, ConfigError, ModelConfig, load_config
+from .schema import STORAGE_ITEMSIZE, step_bytes, tensor_specs
+
+GiB, MiB = 2**30, 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="monodecode", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser(
+        "inspect", help="show a model's config, layer kinds, tensors and decode-step bytes"
+    )
+    inspect.add_argument("model", help=f"a checkpoint directory or a preset ({', '.join(PRESETS)})")
+    inspect.add_argument("--rows", type=int, default=1, help="decode-step rows for the byte table")
+    inspect.set_defaults(run=run_inspect)
+
+    make = commands.add_parser(
+        "make-checkpoint", help="write a synthetic checkpoint (official quantized format)"
+    )
+    make.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    make.add_argument("--out", required=True, type=Path, help="a new directory")
+    make.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(run=run_make_checkpoint)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, CheckpointError) as e:
+        print(f"monodecode {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> int:
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    config = load_config(args.preset, **overrides)
+    out = write_synthetic_checkpoint(config, args.out, seed=args.seed)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({config.num_hidden_layers} layers, {size / GiB:.2f} GiB)")
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    if Path(args.model).is_dir():
+        checkpoint = Checkpoint(args.model)
+        checkpoint.validate()
+        config, source = checkpoint.config, f"checkpoint {args.model} (all tensors checked)"
+    else:
+        config, source = load_config(args.model), f"preset {args.model}"
+    print(f"{source}\n")
+    print(describe_config(config))
+    print(describe_layers(config))
+    print(describe_tensors(config))
+    print(describe_step_bytes(config, args.rows))
+    return 0
+
+
+def describe_config(c: ModelConfig) -> str:
+    lines = [
+        "config",
+        f"  hidden {c.hidden_size}, {c.num_hidden_layers} layers, vocab {c.vocab_size}",
+        f"  attention: {c.num_attention_heads} heads x {c.head_dim} (rope {c.qk_rope_head_dim}), "
+        f"one shared K=V head, q_lora {c.q_lora_rank}, output {c.o_groups} groups x {c.o_lora_rank}, "
+        f"window {c.sliding_window}",
+        f"  compressed: CSA ratio 4 with indexer top-{c.index_topk} ({c.index_n_heads} heads x "
+        f"{c.index_head_dim}), HCA ratios {sorted({r for r in c.compress_ratios if r not in (0, 4)})}",
+        f"  MoE: {c.n_routed_experts} routed experts, top-{c.num_experts_per_tok}, "
+        f"{c.n_shared_experts} shared, intermediate {c.moe_intermediate_size}, "
+        f"{c.scoring_func}, scale {c.routed_scaling_factor}, hash-routed layers: "
+        f"{_ranges(range(c.num_hash_layers)) or 'none'}",
+        f"  mHC: {c.hc_mult} streams, {c.hc_sinkhorn_iters} Sinkhorn iterations",
+        f"  rope: theta {c.rope_theta:g}; compressed layers theta {c.compress_rope_theta:g}"
+        + (f" with YaRN x{c.rope_scaling.factor:g} from {c.rope_scaling.original_max_position_embeddings}"
+           if c.rope_scaling else ""),
+    ]
+    if c.has_dspark:
+        lines.append(
+            f"  DSpark draft: {c.num_nextn_predict_layers} stages, block {c.dspark_block_size}, "
+            f"markov rank {c.dspark_markov_rank}, targets {list(c.dspark_target_layer_ids)}, "
+            f"{c.draft_n_routed_experts} experts top-{c.draft_num_experts_per_tok}"
+        )
+    if c.quantization_config:
+        b = c.fp8_block
+        lines.append(f"  weights: FP8 e4m3 + UE8M0 per {b[0]}x{b[1]}, experts "
+                     f"{'MXFP4 (e2m1 + E8M0 per 32)' if c.experts_fp4 else 'FP8'}")
+    else:
+        lines.append("  weights: unquantized")
+    return "\n".join(lines) + "\n"
+
+
+def describe_layers(c: ModelConfig) -> str:
+    lines = ["layers"]
+    for kind in ("window", "csa", "hca"):
+        ids = [i for i, k in enumerate(c.layer_kinds) if k == kind]
+        if ids:
+            lines.append(f"  {kind:<7} {len(ids):>3}  {_ranges(ids)}")
+    return "\n".join(lines) + "\n"
+
+
+def describe_tensors(c: ModelConfig) -> str:
+    count, size = Counter(), Counter()
+    for spec in tensor_specs(c):
+        for shape, kind in spec.stored().values():
+            n = 1
+            for dim in shape:
+                n *= dim
+            key = f"{spec.group}/{kind}"
+            count[key] += 1
+            size[key] += n * STORAGE_ITEMSIZE[kind]
+    lines = ["stored tensors by format (group/format: count, size)"]
+    for key in sorted(count):
+        lines.append(f"  {key:<14} {count[key]:>7}  {size[key] / GiB:10.3f} GiB")
+    lines.append(f"  {'total':<14} {sum(count.values()):>7}  {sum(size.values()) / GiB:10.3f} GiB")
+    return "\n".join(lines) + "\n"
+
+
+def describe_step_bytes(c: ModelConfig, rows: int) -> str:
+    specs = tensor_specs(c)
+    lines = [f"weight bytes one decode step reads at {rows} row(s) (experts: top-"
+             f"{c.num_experts_per_tok} a row, distinct picks)",
+             f"  {'layer kind':<22} {'dense':>11} {'experts':>11} {'total':>11}"]
+    seen = set()
+    for i, kind in enumerate(c.layer_kinds):
+        key = (kind, c.is_hash_layer(i))
+        if key in seen:
+            continue
+        seen.add(key)
+        dense, experts = step_bytes(c, specs, f"layers.{i}.", rows)
+        label = f"{kind}{' (hash-routed)' if key[1] else ''}"
+        lines.append(f"  {label:<22} {_size(dense)} {_size(experts)} {_size(dense + experts)}"
+                     f"   e.g. layer {i}")
+    top = sum(step_bytes(c, specs, p, rows)[0] for p in ("embed.", "norm.", "hc_head_", "head."))
+    lines.append(f"  {'embed rows, head':<22} {_size(top)} {_size(0)} {_size(top)}")
+    layers = [sum(step_bytes(c, specs, f"layers.{i}.", rows)) for i in range(c.num_hidden_layers)]
+    lines.append(f"  {'whole target model':<22} {'':>11} {'':>11} {_size(top + sum(layers))}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:7.2f} {unit}"
+    return f"{n:7d} B  "
+
+
+def _ranges(ids) -> str:
+    ids = list(ids)
+    if len(ids) > 2 and all(b - a == ids[1] - ids[0] for a, b in zip(ids, ids[1:])):
+        step = ids[1] - ids[0]
+        return f"{ids[0]}-{ids[-1]}" + (f" step {step}" if step > 1 else "")
+    return ", ".join(map(str, ids))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

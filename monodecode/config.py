@@ -1,0 +1,442 @@
+"""ModelConfig: the DeepSeek-V4 hyper-parameters, from a Hugging Face `config.json` or a preset.
+
+Two spellings of `config.json` exist in the wild and both are accepted:
+- the official one, as published with the checkpoints: `compress_ratios` (one int per layer, with
+  trailing entries for the MTP/DSpark layers), `num_hash_layers`, `qk_rope_head_dim`,
+  `rope_scaling` (YaRN) and `compress_rope_theta`;
+- transformers' one: `layer_types`, `compress_rates`, `mlp_layer_types`, `partial_rotary_factor`
+  and `rope_parameters` (nested as {"main": ..., "compress": ...}, or flat).
+
+A layer's attention kind follows from its compression ratio: 0 is a sliding-window layer, 4 a CSA
+layer (overlapping compressor and lightning indexer), any other ratio an HCA layer (one compressor
+window per `ratio` tokens, all entries attended). `to_dict()` writes the official spelling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+CSA_RATIO = 4
+LAYER_TYPE_BY_KIND = {
+    "window": "sliding_attention",
+    "csa": "compressed_sparse_attention",
+    "hca": "heavily_compressed_attention",
+}
+KIND_BY_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_BY_KIND.items()}
+DEFAULT_HCA_RATIO = 128
+
+
+class ConfigError(ValueError):
+    """A config field is missing, inconsistent or unsupported; the message names the field."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]  # one per decoder layer: 0 window, 4 CSA, else HCA
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    num_hash_layers: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: YarnScaling | None = field(default_factory=YarnScaling)
+    max_position_embeddings: int = 1048576
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    num_key_value_heads: int = 1
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    # Speculative draft. num_nextn_predict_layers counts the `mtp.{k}` stages in the checkpoint.
+    num_nextn_predict_layers: int = 0
+    dspark_block_size: int | None = None
+    dspark_markov_rank: int | None = None
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] | None = None
+    dspark_n_routed_experts: int | None = None
+    dspark_num_experts_per_tok: int | None = None
+    quantization_config: dict[str, Any] | None = None
+    model_type: str = "deepseek_v4"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- derived ---------------------------------------------------------------------------
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple(layer_kind(r) for r in self.compress_ratios)
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer < self.num_hash_layers
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def has_dspark(self) -> bool:
+        return self.num_nextn_predict_layers > 0 and self.dspark_block_size is not None
+
+    @property
+    def draft_n_routed_experts(self) -> int:
+        return self.dspark_n_routed_experts or self.n_routed_experts
+
+    @property
+    def draft_num_experts_per_tok(self) -> int:
+        return self.dspark_num_experts_per_tok or self.num_experts_per_tok
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The (rows, cols) of one FP8 scale block, or None for an unquantized checkpoint."""
+        q = self.quantization_config
+        if not q:
+            return None
+        return tuple(q.get("weight_block_size", (128, 128)))
+
+    @property
+    def experts_fp4(self) -> bool:
+        q = self.quantization_config or {}
+        return q.get("expert_dtype") == "fp4"
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        return cls(**_parse_hf(raw))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise ConfigError(f"no config.json at {config_file}")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{config_file} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        return with_overrides(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The official `config.json` spelling (also read by transformers)."""
+        d = dataclasses.asdict(self)
+        d["compress_ratios"] = list(self.compress_ratios)
+        d["rope_scaling"] = (
+            {"type": "yarn", **dataclasses.asdict(self.rope_scaling)} if self.rope_scaling else None
+        )
+        if self.dspark_target_layer_ids is not None:
+            d["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
+        d["architectures"] = ["DeepseekV4ForCausalLM"]
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def layer_kind(ratio: int) -> str:
+    if ratio == 0:
+        return "window"
+    return "csa" if ratio == CSA_RATIO else "hca"
+
+
+def with_overrides(config: ModelConfig, **overrides: Any) -> ModelConfig:
+    """A copy with fields replaced. Changing the layer count trims or extends the per-layer
+    lists (extending repeats the CSA/HCA alternation) and moves DSpark target layers that fall
+    past the end onto the last layers, so `preset("v4-flash", num_hidden_layers=2)` just works."""
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"unknown config field(s) {sorted(unknown)}")
+    n = overrides.get("num_hidden_layers", config.num_hidden_layers)
+    if n != config.num_hidden_layers and "compress_ratios" not in overrides:
+        ratios = list(config.compress_ratios[:n])
+        hca = next((r for r in config.compress_ratios if r not in (0, CSA_RATIO)), DEFAULT_HCA_RATIO)
+        while len(ratios) < n:
+            ratios.append(CSA_RATIO if len(ratios) % 2 == 0 else hca)
+        overrides["compress_ratios"] = tuple(ratios)
+    if "num_hash_layers" not in overrides:
+        overrides["num_hash_layers"] = min(config.num_hash_layers, n)
+    targets = overrides.get("dspark_target_layer_ids", config.dspark_target_layer_ids)
+    if targets is not None and any(t >= n for t in targets):
+        overrides["dspark_target_layer_ids"] = tuple(
+            max(n - len(targets) + i, 0) for i in range(len(targets))
+        )
+    return dataclasses.replace(config, **overrides)
+
+
+# --- parsing ----------------------------------------------------------------------------------
+_REQUIRED = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+    "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
+    "index_topk", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "routed_scaling_factor", "swiglu_limit",
+)
+_OPTIONAL = (
+    "n_shared_experts", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps",
+    "max_position_embeddings", "scoring_func", "norm_topk_prob", "num_key_value_heads",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "num_nextn_predict_layers",
+    "dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok", "quantization_config", "model_type",
+)
+
+
+def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise ConfigError(f"config.json lacks required field(s) {missing}")
+    out: dict[str, Any] = {k: raw[k] for k in _REQUIRED}
+    out.update({k: raw[k] for k in _OPTIONAL if raw.get(k) is not None})
+    if isinstance(out.get("eos_token_id"), list):
+        out["eos_token_id"] = out["eos_token_id"][0]
+    n = raw["num_hidden_layers"]
+    out["compress_ratios"] = _parse_ratios(raw, n)
+    out["num_hash_layers"] = _parse_hash_layers(raw, n)
+    out["qk_rope_head_dim"] = _parse_rope_dim(raw)
+    out.update(_parse_rope(raw))
+    if raw.get("dspark_target_layer_ids") is not None:
+        out["dspark_target_layer_ids"] = tuple(raw["dspark_target_layer_ids"])
+    q = raw.get("quantization_config")
+    if q is not None and raw.get("expert_dtype") and "expert_dtype" not in q:
+        out["quantization_config"] = {**q, "expert_dtype": raw["expert_dtype"]}
+    return out
+
+
+def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
+    if raw.get("compress_ratios") is not None:
+        ratios = list(raw["compress_ratios"])
+        if len(ratios) < n:
+            raise ConfigError(
+                f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {n}"
+            )
+        return tuple(int(r) for r in ratios[:n])  # trailing entries describe the MTP layers
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        raise ConfigError("config.json has neither compress_ratios nor layer_types")
+    if len(layer_types) != n:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
+    rates = {
+        "compressed_sparse_attention": CSA_RATIO,
+        "heavily_compressed_attention": DEFAULT_HCA_RATIO,
+        **(raw.get("compress_rates") or {}),
+    }
+    ratios = []
+    for i, t in enumerate(layer_types):
+        if t not in KIND_BY_LAYER_TYPE:
+            raise ConfigError(f"layer_types[{i}] = {t!r} is not one of {list(KIND_BY_LAYER_TYPE)}")
+        ratios.append(0 if t == "sliding_attention" else int(rates[t]))
+    if rates["compressed_sparse_attention"] != CSA_RATIO:
+        raise ConfigError(f"compress_rates.compressed_sparse_attention must be {CSA_RATIO}, "
+                          f"got {rates['compressed_sparse_attention']}")
+    if rates["heavily_compressed_attention"] in (0, CSA_RATIO):
+        raise ConfigError("compress_rates.heavily_compressed_attention must differ from 0 and "
+                          f"{CSA_RATIO}, got {rates['heavily_compressed_attention']}")
+    return tuple(ratios)
+
+
+def _parse_hash_layers(raw: dict[str, Any], n: int) -> int:
+    mlp_types = raw.get("mlp_layer_types")
+    if mlp_types is None:
+        return min(int(raw.get("num_hash_layers", 0)), n)
+    if len(mlp_types) != n:
+        raise ConfigError(f"mlp_layer_types has {len(mlp_types)} entries but num_hidden_layers is {n}")
+    num_hash = sum(t == "hash_moe" for t in mlp_types)
+    expected = ["hash_moe"] * num_hash + ["moe"] * (n - num_hash)
+    if list(mlp_types) != expected:
+        raise ConfigError(
+            f"mlp_layer_types = {mlp_types} is not supported: hash_moe layers must come first, "
+            "then moe layers"
+        )
+    return num_hash
+
+
+def _parse_rope_dim(raw: dict[str, Any]) -> int:
+    if raw.get("qk_rope_head_dim") is not None:
+        return int(raw["qk_rope_head_dim"])
+    factor = raw.get("partial_rotary_factor")
+    if factor is None:
+        params = raw.get("rope_parameters") or {}
+        factor = (params.get("main") or params).get("partial_rotary_factor")
+    if factor is None:
+        raise ConfigError("config.json has neither qk_rope_head_dim nor partial_rotary_factor")
+    return round(raw["head_dim"] * factor)
+
+
+def _parse_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    params = raw.get("rope_parameters")
+    if params and isinstance(params.get("main"), dict):
+        main, compress = params["main"], params.get("compress") or {}
+    else:
+        main, compress = {}, params or {}
+    scaling = raw.get("rope_scaling") or compress
+    nested = bool(main)
+    out = {
+        "rope_theta": float(main["rope_theta"] if nested else raw.get("rope_theta", 10000.0)),
+        "compress_rope_theta": float(
+            compress["rope_theta"] if nested else raw.get("compress_rope_theta", 160000.0)
+        ),
+    }
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "yarn":
+        out["rope_scaling"] = YarnScaling(
+            factor=float(scaling["factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast", 32)),
+            beta_slow=float(scaling.get("beta_slow", 1)),
+        )
+    elif rope_type in ("default", None):
+        out["rope_scaling"] = None
+    else:
+        raise ConfigError(f"rope scaling type {rope_type!r} is not supported (only yarn or none)")
+    return out
+
+
+# --- validation -------------------------------------------------------------------------------
+def _validate(c: ModelConfig) -> None:
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    check(c.model_type in SUPPORTED_MODEL_TYPES, f"model_type {c.model_type!r} is not supported")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                 "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "index_n_heads",
+                 "index_head_dim", "index_topk"):
+        value = getattr(c, name)
+        check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+    check(c.scoring_func == "sqrtsoftplus",
+          f"scoring_func {c.scoring_func!r} is not supported (DeepSeek-V4 uses 'sqrtsoftplus')")
+    check(c.num_key_value_heads == 1,
+          f"num_key_value_heads must be 1 (V4 shares one K=V head), got {c.num_key_value_heads}")
+    check(len(c.compress_ratios) == c.num_hidden_layers,
+          f"compress_ratios has {len(c.compress_ratios)} entries, num_hidden_layers is {c.num_hidden_layers}")
+    for i, r in enumerate(c.compress_ratios):
+        check(isinstance(r, int) and r >= 0, f"compress_ratios[{i}] must be >= 0, got {r!r}")
+    check(0 < c.qk_rope_head_dim < c.head_dim and c.qk_rope_head_dim % 2 == 0,
+          f"qk_rope_head_dim must be even and inside head_dim={c.head_dim}, got {c.qk_rope_head_dim}")
+    check(c.num_attention_heads % c.o_groups == 0,
+          f"num_attention_heads={c.num_attention_heads} is not divisible by o_groups={c.o_groups}")
+    check(c.num_experts_per_tok <= c.n_routed_experts,
+          f"num_experts_per_tok={c.num_experts_per_tok} exceeds n_routed_experts={c.n_routed_experts}")
+    check(c.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {c.n_shared_experts}")
+    check(0 <= c.num_hash_layers <= c.num_hidden_layers,
+          f"num_hash_layers={c.num_hash_layers} is outside 0..{c.num_hidden_layers}")
+    if c.dspark_target_layer_ids is not None:
+        for t in c.dspark_target_layer_ids:
+            check(0 <= t < c.num_hidden_layers,
+                  f"dspark_target_layer_ids contains {t}, outside 0..{c.num_hidden_layers - 1}")
+    if c.dspark_noise_token_id is not None:
+        check(0 <= c.dspark_noise_token_id < c.vocab_size,
+              f"dspark_noise_token_id={c.dspark_noise_token_id} is outside the vocabulary")
+    if c.quantization_config is not None:
+        q = c.quantization_config
+        check(q.get("quant_method", "fp8") == "fp8",
+              f"quantization_config.quant_method {q.get('quant_method')!r} is not supported (fp8)")
+        check(q.get("scale_fmt", "ue8m0") == "ue8m0",
+              f"quantization_config.scale_fmt {q.get('scale_fmt')!r} is not supported (ue8m0)")
+        check(q.get("expert_dtype", "fp4") in ("fp4", "fp8"),
+              f"quantization_config.expert_dtype {q.get('expert_dtype')!r} is not supported")
+        block = q.get("weight_block_size", [128, 128])
+        check(len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
+              f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+
+
+# --- presets ----------------------------------------------------------------------------------
+def _v4_flash() -> ModelConfig:
+    # DeepSeek-V4-Flash as published, with the DSpark draft of the 0731 release (3 stages).
+    return ModelConfig(
+        vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+        head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+        sliding_window=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4,),
+        index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=256,
+        num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2048, num_hash_layers=3,
+        routed_scaling_factor=1.5, swiglu_limit=10.0, num_nextn_predict_layers=3,
+        dspark_block_size=5, dspark_markov_rank=256, dspark_noise_token_id=128799,
+        dspark_target_layer_ids=(40, 41, 42), quantization_config=_quant((128, 128)),
+    )
+
+
+def _v4_pro() -> ModelConfig:
+    return dataclasses.replace(
+        _v4_flash(), hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+        q_lora_rank=1536, o_groups=16, compress_ratios=(128, 128) + (4, 128) * 29 + (4,),
+        index_topk=1024, n_routed_experts=384, moe_intermediate_size=3072,
+        routed_scaling_factor=2.5, dspark_markov_rank=512, dspark_target_layer_ids=(58, 59, 60),
+    )
+
+
+def _tiny() -> ModelConfig:
+    # Every layer kind at CPU-test size: window (hash-routed), CSA (hash), HCA (bias), CSA (bias).
+    # A 64-token sequence crosses the 16-token window, 16 CSA windows and 4 HCA windows; the
+    # indexer keeps 8 of up to 16 compressed entries, so its top-k really selects.
+    return ModelConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, sliding_window=16,
+        compress_ratios=(0, 4, 16, 4), index_n_heads=4, index_head_dim=32, index_topk=8,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        num_hash_layers=2, routed_scaling_factor=1.5, swiglu_limit=10.0,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=32),
+        max_position_embeddings=4096, num_nextn_predict_layers=3, dspark_block_size=5,
+        dspark_markov_rank=16, dspark_noise_token_id=511, dspark_target_layer_ids=(1, 2, 3),
+        quantization_config=_quant((32, 32)),
+    )
+
+
+def _quant(block: tuple[int, int]) -> dict[str, Any]:
+    return {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+            "weight_block_size": list(block), "expert_dtype": "fp4"}
+
+
+PRESETS = {"v4-flash": _v4_flash, "v4-pro": _v4_pro, "tiny": _tiny}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named configuration, optionally with fields overridden (e.g. `num_hidden_layers=2`)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
+    config = PRESETS[name]()
+    return with_overrides(config, **overrides) if overrides else config
+
+
+def load_config(source: str | Path, **overrides: Any) -> ModelConfig:
+    """A preset name or a checkpoint directory (or its config.json)."""
+    if str(source) in PRESETS:
+        return preset(str(source), **overrides)
+    if not Path(source).exists():
+        raise ConfigError(f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a path")
+    config = ModelConfig.from_dir(source)
+    return with_overrides(config, **overrides) if overrides else config

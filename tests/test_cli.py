@@ -1,0 +1,54 @@
+import json
+import subprocess
+import sys
+
+from monodecode.checkpoint import Checkpoint
+from monodecode.cli import main
+
+
+def test_inspect_v4_flash_reports_the_layer_byte_counts(capsys):
+    assert main(["inspect", "v4-flash"]) == 0
+    out = capsys.readouterr().out
+    assert "  window    2  0, 1\n" in out
+    assert "  csa      21  2-42 step 2\n" in out
+    assert "  hca      20  3-41 step 2\n" in out
+    # dense bytes per layer kind (hash layers read tid2eid rows instead of the 1 KiB bias) and
+    # six 12.75 MiB experts: the numbers of research/dsv4_arch.md section 11.2
+    assert "window (hash-routed)    131.03 MiB   76.50 MiB  207.53 MiB" in out
+    assert "hca                     139.28 MiB   76.50 MiB  215.78 MiB" in out
+    assert "csa                     159.55 MiB   76.50 MiB  236.05 MiB" in out
+    assert "whole target model" in out and "10.45 GiB" in out
+
+
+def test_inspect_rows_scale_the_experts(capsys):
+    assert main(["inspect", "v4-flash", "--rows", "48"]) == 0
+    out = capsys.readouterr().out
+    # 48 rows x top-6 = 288 picks, capped at the 256 experts: 256 x 12.75 MiB
+    assert "hca                     139.28 MiB    3.19 GiB" in out
+
+
+def test_make_checkpoint_then_inspect(tmp_path, capsys):
+    out_dir = tmp_path / "tiny3"
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(out_dir), "--layers", "3",
+                 "--seed", "5"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    ckpt = Checkpoint(out_dir)
+    assert ckpt.config.num_hidden_layers == 3
+    assert json.loads((out_dir / "config.json").read_text())["compress_ratios"] == [0, 4, 16]
+    assert main(["inspect", str(out_dir)]) == 0
+    assert "all tensors checked" in capsys.readouterr().out
+
+
+def test_errors_exit_2_with_a_message(tmp_path, capsys):
+    assert main(["inspect", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["inspect", str(tmp_path / "x")]) == 2
+    assert "model_type 'llama' is not supported" in capsys.readouterr().err
+
+
+def test_console_script_entry_point():
+    result = subprocess.run([sys.executable, "-m", "monodecode.cli", "inspect", "tiny"],
+                            capture_output=True, text=True, check=True)
+    assert "preset tiny" in result.stdout
