@@ -2,9 +2,10 @@
 
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import ConfigError, ModelConfig, load_config, preset
+from .model import Model, load
 
 __version__ = "0.1.0"
 __all__ = [
-    "Checkpoint", "CheckpointError", "ConfigError", "ModelConfig", "load_config", "preset",
+    "Checkpoint", "CheckpointError", "ConfigError", "Model", "ModelConfig", "load", "load_config", "preset",
     "write_synthetic_checkpoint",
 ]

@@ -277,3 +277,33 @@ def _random_mxfp4(spec: TensorSpec, gen: torch.Generator) -> dict[str, torch.Ten
     codes = centre + torch.randint(-1, 2, (*lead, k // 32), generator=gen, dtype=torch.int16)
     scale = codes.to(torch.uint8).view(torch.float8_e8m0fnu)
     return {f"{spec.name}.weight": packed.view(torch.int8), f"{spec.name}.scale": scale}
+
+
+class SyntheticCheckpoint:
+    """A config's seeded random weights, generated on demand, nothing on disk: the same tensors
+    `write_synthetic_checkpoint` writes, behind the reading interface of `Checkpoint`."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0):
+        self.config, self.seed = config, seed
+        self.path = Path(f"<synthetic seed={seed}>")
+        self.specs = tensor_specs(config)
+        self._spec_of = {name: spec for spec in self.specs for name in spec.stored()}
+        self.has_draft = config.has_dspark
+
+    def validate(self, require_draft: bool = False) -> None:
+        """Always complete."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._spec_of:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing")
+        return synthetic_tensors(self.config, self._spec_of[name], self.seed)[name]
+
+    def tensors(self, names: list[str], desc: str = "generating") -> Iterator[tuple[str, torch.Tensor]]:
+        current: tuple[TensorSpec | None, dict[str, torch.Tensor]] = (None, {})
+        for name in tqdm(names, desc=desc, unit="tensor", delay=1.0):
+            spec = self._spec_of.get(name)
+            if spec is None:
+                raise CheckpointError(f"{self.path}: tensor {name} is missing")
+            if current[0] is not spec:
+                current = (spec, synthetic_tensors(self.config, spec, self.seed))
+            yield name, current[1][name]

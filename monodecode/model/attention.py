@@ -1,0 +1,130 @@
+"""Attention of a DeepSeek-V4 layer: window-only, CSA or HCA.
+
+Queries: `wq_a` -> `q_norm` (qr, shared with the indexer) -> `wq_b` -> per-head unweighted
+RMSNorm -> RoPE on the trailing rope dims. One K=V head: `wkv` -> `kv_norm` -> RoPE. A query at
+position t attends, with one softmax that also holds a per-head sink logit (probability mass
+with no value): the raw KV of positions t - window + 1 .. t, plus on CSA layers the indexer's
+top-k visible compressed entries and on HCA layers every visible compressed entry. The output's
+rope dims are de-rotated at the query position, then the grouped `wo_a` and `wo_b` project.
+
+A step's rows are grouped by request (consecutive positions of one slot); each group reads the
+positions before it from the cache and its own rows directly, so one code path serves prefill
+(one group of T rows) and decode (many small groups), and then writes its rows to the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .cache import LayerCache
+from .compressor import Compressor, Indexer
+from .norm import rms_norm
+from .rope import apply_rope, layer_frequencies
+
+
+@dataclass
+class RequestRows:
+    slot: int
+    index: torch.Tensor  # rows of the step, in position order
+    positions: torch.Tensor  # consecutive
+
+
+class Attention:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, ratio: int):
+        self.c = config
+        self.w = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+        self.ratio = ratio
+        self.freqs = layer_frequencies(config, compressed=ratio > 0)
+        self.compressor = self.indexer = None
+        if ratio:
+            self.compressor = Compressor(self.w, "compressor.", ratio, config.head_dim, self.freqs,
+                                         config.rms_norm_eps)
+        if ratio == 4:
+            self.indexer = Indexer(self.w, "indexer.", config, self.freqs)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, groups: list[RequestRows],
+                 cache: LayerCache) -> torch.Tensor:
+        c, w = self.c, self.w
+        n = x.shape[0]
+        qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], c.rms_norm_eps)
+        q = F.linear(qr, w["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        q = apply_rope(rms_norm(q, None, c.rms_norm_eps), positions, self.freqs)
+        kv = apply_rope(rms_norm(F.linear(x, w["wkv"]), w["kv_norm"], c.rms_norm_eps), positions, self.freqs)
+        side = {}
+        if self.compressor:
+            side["source"] = self.compressor.project(x)
+        if self.indexer:
+            side["index_source"] = self.indexer.compressor.project(x)
+            side["index_q"], side["index_w"] = self.indexer.queries(x, qr, positions)
+        out = torch.zeros(n, c.num_attention_heads, c.head_dim, dtype=x.dtype, device=x.device)
+        for g in groups:
+            rows = {k: (v[g.index] if torch.is_tensor(v) else {kk: vv[g.index] for kk, vv in v.items()})
+                    for k, v in side.items()}
+            out[g.index] = self._attend(g, q[g.index], kv[g.index], rows, cache)
+        out = apply_rope(out, positions, self.freqs, inverse=True)
+        return self._project_out(out)
+
+    def _attend(self, g: RequestRows, q, kv, side, cache: LayerCache) -> torch.Tensor:
+        keys, mask = self._window_keys(g, kv, cache)
+        if self.compressor:
+            entries, entry_mask = self._compressed_keys(g, side, cache)
+            keys, mask = torch.cat([keys, entries]), torch.cat([mask, entry_mask], dim=1)
+        cache.window.write(g.slot, g.positions, {"kv": kv})
+        logits = torch.einsum("nhd,kd->nhk", q.float(), keys.float()) * self.c.head_dim**-0.5
+        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        sink = self.w["attn_sink"].float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("nhk,kd->nhd", probs, keys.float()).to(q.dtype)
+
+    def _window_keys(self, g: RequestRows, kv: torch.Tensor, cache: LayerCache):
+        window, p0 = self.c.sliding_window, int(g.positions[0])
+        before = torch.arange(p0 - window + 1, p0, device=kv.device)
+        old, old_valid = cache.window.read(g.slot, before)
+        keys = torch.cat([old["kv"], kv])
+        key_pos = torch.cat([before, g.positions])
+        valid = torch.cat([old_valid, torch.ones_like(g.positions, dtype=torch.bool)])
+        distance = g.positions[:, None] - key_pos[None, :]
+        return keys, valid[None, :] & (distance >= 0) & (distance < window)
+
+    def _compressed_keys(self, g: RequestRows, side, cache: LayerCache):
+        m = self.ratio
+        self._emit(self.compressor, cache.source, cache.entries, g, side["source"])
+        if self.indexer:
+            self._emit(self.indexer.compressor, cache.index_source, cache.index_entries, g, side["index_source"])
+        count = (int(g.positions[-1]) + 1) // m
+        entries = cache.entries[g.slot, :count]
+        if count == 0:
+            return entries, torch.zeros(len(g.positions), 0, dtype=torch.bool, device=entries.device)
+        if self.indexer:
+            keys = cache.index_entries[g.slot, :count]
+            return entries, self.indexer.select(side["index_q"], side["index_w"], keys, g.positions)
+        visible = torch.arange(count, device=entries.device)[None] < ((g.positions + 1) // m)[:, None]
+        return entries, visible
+
+    @staticmethod
+    def _emit(compressor: Compressor, ring, entries: torch.Tensor, g: RequestRows, new: dict) -> None:
+        """Compress the windows that the group's rows complete, then remember the rows."""
+        m = compressor.ratio
+        p0, p_last = int(g.positions[0]), int(g.positions[-1])
+        first, last = (p0 + 1 + m - 1) // m - 1, (p_last + 1) // m - 1
+        if last >= first:
+            start = compressor.first_source(first)
+            before = torch.arange(start, p0, device=g.positions.device)
+            old, old_valid = ring.read(g.slot, before)
+            kv = torch.cat([old["kv"], new["kv"]])
+            gate = torch.cat([old["gate"], new["gate"]])
+            valid = torch.cat([old_valid, torch.ones_like(g.positions, dtype=torch.bool)])
+            windows = torch.arange(first, last + 1, device=kv.device)
+            entries[g.slot, first:last + 1] = compressor.entries(kv, gate, valid, start, windows).to(entries.dtype)
+        ring.write(g.slot, g.positions, new)
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        groups = out.reshape(out.shape[0], c.o_groups, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1
+        wo_a = self.w["wo_a"].view(c.o_groups, c.o_lora_rank, -1)
+        z = torch.einsum("ngi,gri->ngr", groups, wo_a).flatten(1)
+        return F.linear(z, self.w["wo_b"])

@@ -1,0 +1,36 @@
+"""One decoder block: mHC site, attention, mHC site, MoE."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .attention import Attention, RequestRows
+from .cache import LayerCache
+from .hc import hc_post, hc_pre
+from .moe import MoE
+from .norm import rms_norm
+from .weights import ExpertBank
+
+
+class Block:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts: ExpertBank,
+                 ratio: int, hash_routed: bool, topk: int):
+        self.c, self.w, self.p = config, w, prefix
+        self.attention = Attention(config, w, f"{prefix}attn.", ratio)
+        self.moe = MoE(config, w, f"{prefix}ffn.", experts, hash_routed, topk)
+
+    def __call__(self, streams: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                 groups: list[RequestRows], cache: LayerCache) -> torch.Tensor:
+        x, post, comb = self._hc_pre(streams, "attn")
+        out = self.attention(rms_norm(x, self.w[f"{self.p}attn_norm"], self.c.rms_norm_eps), positions, groups, cache)
+        streams = hc_post(out, streams, post, comb)
+        x, post, comb = self._hc_pre(streams, "ffn")
+        out = self.moe(rms_norm(x, self.w[f"{self.p}ffn_norm"], self.c.rms_norm_eps), tokens)
+        return hc_post(out, streams, post, comb)
+
+    def _hc_pre(self, streams: torch.Tensor, site: str):
+        w, c = self.w, self.c
+        return hc_pre(streams, w[f"{self.p}hc_{site}_fn"], w[f"{self.p}hc_{site}_base"],
+                      w[f"{self.p}hc_{site}_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+                      sinkhorn_iters=c.hc_sinkhorn_iters)

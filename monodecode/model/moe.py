@@ -1,0 +1,56 @@
+"""The MoE FFN: router, routed experts, shared expert.
+
+Router: sqrtsoftplus scores of `gate` (fp32); experts chosen by the token's `tid2eid` row on
+hash-routed layers, else by top-k of score + bias; weights are the unbiased scores of the chosen
+experts, renormalised, times `routed_scaling_factor`. Experts: SwiGLU in fp32 with the clamp
+(gate <= limit, |up| <= limit), the routing weight applied before `w2` and rounded to the
+activation dtype there, as the reference does; outputs summed in fp32 in top-k order per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .weights import ExpertBank
+
+
+class MoE:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts: ExpertBank,
+                 hash_routed: bool, topk: int):
+        self.gate = w[f"{prefix}gate"]
+        self.tid2eid = w.get(f"{prefix}gate.tid2eid") if hash_routed else None
+        self.bias = None if hash_routed else w[f"{prefix}gate.bias"]
+        self.shared = tuple(w[f"{prefix}shared_experts.{m}"] for m in ("w1", "w2", "w3")) if config.n_shared_experts else None
+        self.experts, self.topk = experts, topk
+        self.limit, self.route_scale = config.swiglu_limit, config.routed_scaling_factor
+
+    def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k], weights [N, k] fp32)."""
+        scores = F.softplus(F.linear(x.float(), self.gate.float())).sqrt()
+        if self.tid2eid is not None:
+            ids = self.tid2eid[tokens]
+        else:
+            ids = (scores + self.bias).topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return ids, weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x, tokens)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            rows, k = (ids == e).nonzero(as_tuple=True)
+            y = self._swiglu(x[rows], *self.experts.expert(e), weights[rows, k])
+            out.index_add_(0, rows, y.float())
+        if self.shared:
+            out += self._swiglu(x, *self.shared, None).float()
+        return out.to(x.dtype)
+
+    def _swiglu(self, x, w1, w2, w3, weight):
+        gate = F.linear(x, w1).float().clamp(max=self.limit)
+        up = F.linear(x, w3).float().clamp(-self.limit, self.limit)
+        h = F.silu(gate) * up
+        if weight is not None:
+            h = h * weight.unsqueeze(-1)
+        return F.linear(h.to(x.dtype), w2)

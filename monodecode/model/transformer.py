@@ -1,0 +1,105 @@
+"""The per-op DeepSeek-V4 model: embedding, decoder blocks, hc_head, final norm, lm_head.
+
+`step(cache, tokens, positions, slots)` runs one batch of rows (one row: a token, its absolute
+position, its request's cache slot, or -1 for a pad row that reads and writes no cache) and
+returns fp32 logits. A request's rows in one step are consecutive positions and see each other
+causally, so a prefill, a decode step of many requests and a speculative verify step (1 + k rows
+per request) are all steps. `score(ids)` is the prefill of one sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import Checkpoint, SyntheticCheckpoint
+from ..config import PRESETS, ModelConfig, preset
+from .attention import RequestRows
+from .cache import DecodeCache
+from .hc import hc_head
+from .layer import Block
+from .norm import rms_norm
+from .weights import expert_bank, read_weights
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: dict, device, dtype):
+        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.w = weights
+        self.blocks = [
+            Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", config.n_routed_experts, dtype),
+                  ratio, config.is_hash_layer(i), config.num_experts_per_tok)
+            for i, ratio in enumerate(config.compress_ratios)
+        ]
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32) -> "Model":
+        ckpt.validate()
+        return cls(ckpt.config, read_weights(ckpt, "model", device, dtype), device, dtype)
+
+    def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> DecodeCache:
+        """Decode state for `num_slots` requests of up to `max_context` positions; a step may
+        hold up to `max_step_rows` rows of one request that a later step rewinds."""
+        return DecodeCache(self.config, list(self.config.compress_ratios), num_slots, max_context,
+                           max_step_rows, self.device, self.dtype)
+
+    @torch.no_grad()
+    def step(self, cache: DecodeCache, tokens, positions, slots) -> torch.Tensor:
+        tokens, positions, slots = (torch.as_tensor(t, dtype=torch.long, device=self.device)
+                                    for t in (tokens, positions, slots))
+        groups = self._group_rows(cache, tokens, positions, slots)
+        streams = F.embedding(tokens, self.w["embed"]).unsqueeze(1)
+        streams = streams.expand(-1, self.config.hc_mult, -1).contiguous()
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            streams = block(streams, tokens, positions, groups, layer_cache)
+        return self.logits(streams)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        c, w = self.config, self.w
+        x = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
+                    hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        x = rms_norm(x, w["norm"], c.rms_norm_eps)
+        return F.linear(x.float(), w["head"].float())
+
+    def score(self, token_ids) -> torch.Tensor:
+        """fp32 logits [T, vocab] of a full prefill of one sequence."""
+        tokens = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"score takes a non-empty 1-D sequence of token ids, got shape {tuple(tokens.shape)}")
+        n = tokens.numel()
+        cache = self.make_cache(num_slots=1, max_context=n, max_step_rows=1)
+        return self.step(cache, tokens, torch.arange(n), torch.zeros(n, dtype=torch.long))
+
+    def _group_rows(self, cache: DecodeCache, tokens, positions, slots) -> list[RequestRows]:
+        if not (tokens.dim() == positions.dim() == slots.dim() == 1) or not (
+                tokens.shape == positions.shape == slots.shape) or tokens.numel() == 0:
+            raise ValueError("tokens, positions and slots must be 1-D and of the same non-zero length, got "
+                             f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(slots.shape)}")
+        _check_range("token id", tokens, 0, self.config.vocab_size)
+        _check_range("slot", slots, -1, cache.num_slots)
+        _check_range("position", positions, 0, cache.max_context)
+        groups = []
+        for slot in slots.unique().tolist():
+            if slot < 0:
+                continue
+            index = (slots == slot).nonzero(as_tuple=True)[0]
+            pos = positions[index]
+            if not torch.equal(pos, pos[0] + torch.arange(len(pos), device=pos.device)):
+                raise ValueError(f"rows of slot {slot} have positions {pos.tolist()}; a request's rows "
+                                 "in one step must be consecutive positions in row order")
+            groups.append(RequestRows(slot, index, pos))
+        return groups
+
+
+def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
+    bad = (values < low) | (values >= high)
+    if bad.any():
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"row {row}: {what} {int(values[row])} is outside [{low}, {high})")
+
+
+def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0) -> Model:
+    """A checkpoint directory, or a preset name (deterministic random weights built in memory)."""
+    if str(source) in PRESETS:
+        return Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
+    return Model.from_checkpoint(Checkpoint(source), device, dtype)

@@ -1,0 +1,76 @@
+"""Weights of the per-op path, read from a checkpoint once.
+
+Memory (documented choice): dense FP8 weights are dequantized at load to the compute dtype
+(bf16: twice their checkpoint bytes; fp32: four times); the routed experts stay in MXFP4 (their
+checkpoint bytes) and are dequantized on the fly, one expert at a time, for the experts a step
+selects. Norm weights, mHC parameters, sinks, compressor position biases and router biases are
+kept in fp32 as the reference does. Unquantized checkpoints are cast to the compute dtype.
+
+Keys are the schema's names without a `.weight` suffix (`layers.0.attn.wq_a`,
+`layers.0.attn_norm`, `layers.0.hc_attn_fn`), whatever the checkpoint's format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import formats
+from ..checkpoint import Checkpoint
+from ..schema import TensorSpec
+
+FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")
+
+
+@dataclass
+class ExpertBank:
+    """Routed experts of one block: w1, w3 [E, inter, d] and w2 [E, d, inter], each either
+    MXFP4 (packed uint8 codes, E8M0 scales) or one tensor in the compute dtype."""
+
+    w1: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    w3: tuple[torch.Tensor, ...]
+    dtype: torch.dtype
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._get(self.w1, e), self._get(self.w2, e), self._get(self.w3, e)
+
+    def _get(self, stored: tuple[torch.Tensor, ...], e: int) -> torch.Tensor:
+        if len(stored) == 2:
+            return formats.dequantize_mxfp4(stored[0][e], stored[1][e], self.dtype)
+        return stored[0][e]
+
+
+def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor]:
+    """Every tensor of a schema group ("model" or "draft"), converted for the per-op path:
+    dequantized FP8, (packed, scale) pairs for MXFP4, cast plain tensors."""
+    specs = [s for s in ckpt.specs if s.group == group]
+    names = [name for s in specs for name in s.stored()]
+    raw = dict(ckpt.tensors(names, desc=f"loading {group} weights"))
+    return {s.name.removesuffix(".weight"): _convert(s, raw, device, dtype) for s in specs}
+
+
+def expert_bank(weights: dict, prefix: str, num_experts: int, dtype) -> ExpertBank:
+    def stacked(matrix: str) -> tuple[torch.Tensor, ...]:
+        parts = [_as_tuple(weights[f"{prefix}experts.{e}.{matrix}"]) for e in range(num_experts)]
+        return tuple(torch.stack([p[i] for p in parts]) for i in range(len(parts[0])))
+
+    return ExpertBank(stacked("w1"), stacked("w2"), stacked("w3"), dtype)
+
+
+def _as_tuple(value) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _convert(spec: TensorSpec, raw: dict[str, torch.Tensor], device, dtype):
+    if spec.fmt == "fp8":
+        q, scale = raw.pop(f"{spec.name}.weight").to(device), raw.pop(f"{spec.name}.scale").to(device)
+        return formats.dequantize_fp8_block(q, scale, spec.fp8_block, dtype)
+    if spec.fmt == "mxfp4":
+        return (raw.pop(f"{spec.name}.weight").to(device).view(torch.uint8),
+                raw.pop(f"{spec.name}.scale").to(device))
+    tensor = raw.pop(spec.name).to(device)
+    if spec.fmt == "int":
+        return tensor.long()
+    return tensor.float() if spec.name.endswith(FP32_SUFFIXES) else tensor.to(dtype)
