@@ -7,11 +7,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, load_config
 from .schema import STORAGE_ITEMSIZE, step_bytes, tensor_specs
 
 GiB, MiB = 2**30, 2**20
+DEFAULT_MODEL = "tiny"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +37,24 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(run=run_make_checkpoint)
 
+    gen = commands.add_parser("generate", help="continue a prompt on the per-op path")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"a checkpoint directory or a preset (default: {DEFAULT_MODEL}, random weights)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (default: the BOS id)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.set_defaults(run=run_generate)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, ValueError) as e:
         print(f"monodecode {args.command}: error: {e}", file=sys.stderr)
         return 2
 
@@ -48,6 +65,36 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     out = write_synthetic_checkpoint(config, args.out, seed=args.seed)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({config.num_hidden_layers} layers, {size / GiB:.2f} GiB)")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .generate import generate, load_tokenizer
+    from .model import load
+
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+        prompt_ids = tokenizer.encode(args.prompt).ids
+    elif args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    else:
+        prompt_ids = None
+    if args.model == DEFAULT_MODEL:
+        print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
+              "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)
+    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    config = model.config
+    if prompt_ids is None:
+        prompt_ids = [config.bos_token_id or 0]
+    stop = (config.eos_token_id,) if config.eos_token_id is not None else ()
+    out = generate(model, prompt_ids, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, stop_ids=stop)
+    print(tokenizer.decode(out) if tokenizer is not None else ",".join(map(str, out)))
     return 0
 
 

@@ -25,21 +25,22 @@ FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base"
 
 @dataclass
 class ExpertBank:
-    """Routed experts of one block: w1, w3 [E, inter, d] and w2 [E, d, inter], each either
-    MXFP4 (packed uint8 codes, E8M0 scales) or one tensor in the compute dtype."""
+    """Routed experts of one block, one entry per expert: w1, w3 [inter, d] and w2 [d, inter],
+    each either MXFP4 (packed uint8 codes, E8M0 scales) or one tensor in the compute dtype.
+    Kept as the checkpoint's per-expert tensors: no stacked copy."""
 
-    w1: tuple[torch.Tensor, ...]
-    w2: tuple[torch.Tensor, ...]
-    w3: tuple[torch.Tensor, ...]
+    w1: list[tuple[torch.Tensor, ...]]
+    w2: list[tuple[torch.Tensor, ...]]
+    w3: list[tuple[torch.Tensor, ...]]
     dtype: torch.dtype
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._get(self.w1, e), self._get(self.w2, e), self._get(self.w3, e)
+        return self._get(self.w1[e]), self._get(self.w2[e]), self._get(self.w3[e])
 
-    def _get(self, stored: tuple[torch.Tensor, ...], e: int) -> torch.Tensor:
+    def _get(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if len(stored) == 2:
-            return formats.dequantize_mxfp4(stored[0][e], stored[1][e], self.dtype)
-        return stored[0][e]
+            return formats.dequantize_mxfp4(stored[0], stored[1], self.dtype)
+        return stored[0]
 
 
 def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor]:
@@ -52,11 +53,10 @@ def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple
 
 
 def expert_bank(weights: dict, prefix: str, num_experts: int, dtype) -> ExpertBank:
-    def stacked(matrix: str) -> tuple[torch.Tensor, ...]:
-        parts = [_as_tuple(weights[f"{prefix}experts.{e}.{matrix}"]) for e in range(num_experts)]
-        return tuple(torch.stack([p[i] for p in parts]) for i in range(len(parts[0])))
+    def matrices(matrix: str) -> list[tuple[torch.Tensor, ...]]:
+        return [_as_tuple(weights[f"{prefix}experts.{e}.{matrix}"]) for e in range(num_experts)]
 
-    return ExpertBank(stacked("w1"), stacked("w2"), stacked("w3"), dtype)
+    return ExpertBank(matrices("w1"), matrices("w2"), matrices("w3"), dtype)
 
 
 def _as_tuple(value) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,46 @@
+"""Plain autoregressive generation on the per-op path (one request), for the CLI and tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .model import Model
+from .sampling import check_sampling, sample
+
+
+def generate(model: Model, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """The continuation of `prompt_ids`: up to `max_tokens` tokens, ending early at a stop id."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    check_sampling(temperature, top_p)
+    vocab = model.config.vocab_size
+    bad = [i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {prompt_ids[bad[0]]} at index {bad[0]} is outside the "
+                         f"vocabulary of {vocab}")
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    n = len(prompt_ids)
+    cache = model.make_cache(num_slots=1, max_context=n + max_tokens, max_step_rows=1)
+    logits = model.step(cache, prompt_ids, range(n), [0] * n)[-1:]
+    out: list[int] = []
+    while True:
+        token = int(sample(logits, temperature, top_p, generator))
+        out.append(token)
+        if token in stop_ids or len(out) == max_tokens:
+            return out
+        logits = model.step(cache, [token], [n + len(out) - 1], [0])
+
+
+def load_tokenizer(source) -> "object | None":
+    """The checkpoint's `tokenizer.json` through the `tokenizers` library, or None."""
+    path = Path(str(source)) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
