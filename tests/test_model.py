@@ -15,12 +15,13 @@ from monodecode.generate import generate
 
 
 @pytest.fixture(scope="module")
-def model():
-    return monodecode.load("tiny", seed=11)
+def model(device):
+    return monodecode.load("tiny", seed=11, device=device)
 
 
 def rel_err(a, b):
-    """Per row: max |a - b| / max |b|."""
+    """Per row: max |a - b| / max |b| (on the CPU, whatever the device)."""
+    a, b = a.cpu(), b.cpu()
     return ((a - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
 
 
@@ -109,10 +110,10 @@ def test_reused_slot_forgets_the_previous_request(model):
     assert rel_err(torch.cat(out), model.score(second)) < 1e-4
 
 
-def test_bf16_is_close_to_fp32():
+def test_bf16_is_close_to_fp32(device):
     ids = random_ids(torch.Generator().manual_seed(5), 24)
-    ref = monodecode.load("tiny", seed=11).score(ids)
-    bf16 = monodecode.load("tiny", seed=11, dtype=torch.bfloat16).score(ids)
+    ref = monodecode.load("tiny", seed=11, device=device).score(ids)
+    bf16 = monodecode.load("tiny", seed=11, dtype=torch.bfloat16, device=device).score(ids)
     assert bf16.dtype == torch.float32
     assert rel_err(bf16, ref) < 0.1
     assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() > 0.7
@@ -139,28 +140,29 @@ def dequantized_copy(src, dst):
     (dst / "config.json").write_text(json.dumps(config))
 
 
-def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path):
+def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path, device):
     src = write_synthetic_checkpoint(preset("tiny"), tmp_path / "q", seed=3, progress=False)
     dequantized_copy(src, tmp_path / "bf16")
     ids = random_ids(torch.Generator().manual_seed(6), 48)
-    quantized = monodecode.load(src).score(ids)
-    plain = monodecode.load(tmp_path / "bf16").score(ids)
+    quantized = monodecode.load(src, device=device).score(ids)
+    plain = monodecode.load(tmp_path / "bf16", device=device).score(ids)
     # FP8 and MXFP4 values are exact in bf16, so the two models compute the same thing
     assert rel_err(quantized, plain) < 1e-6
     assert torch.isfinite(quantized).all()
 
 
-def test_preset_is_deterministic_by_seed():
+def test_preset_is_deterministic_by_seed(device):
     ids = torch.arange(10)
-    a = monodecode.load("tiny", seed=1).score(ids)
-    assert torch.equal(a, monodecode.load("tiny", seed=1).score(ids))
-    assert not torch.allclose(a, monodecode.load("tiny", seed=2).score(ids))
+    a = monodecode.load("tiny", seed=1, device=device).score(ids)
+    assert torch.equal(a, monodecode.load("tiny", seed=1, device=device).score(ids))
+    assert not torch.allclose(a, monodecode.load("tiny", seed=2, device=device).score(ids))
 
 
-def test_preset_equals_its_written_checkpoint(tmp_path):
+def test_preset_equals_its_written_checkpoint(tmp_path, device):
     path = write_synthetic_checkpoint(preset("tiny"), tmp_path / "t", seed=11, progress=False)
     ids = torch.arange(30) * 7
-    assert torch.equal(monodecode.load(path).score(ids), monodecode.load("tiny", seed=11).score(ids))
+    written = monodecode.load(path, device=device).score(ids)
+    assert torch.equal(written, monodecode.load("tiny", seed=11, device=device).score(ids))
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,7 @@ def _token_seed(name: str) -> int:
 
 
 def _assert_close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    ours = ours.cpu()
     assert ours.shape == theirs.shape, f"{what}: shape {tuple(ours.shape)} vs {tuple(theirs.shape)}"
     assert ours.dtype == torch.float32, f"{what}: logits dtype {ours.dtype}, expected float32"
     assert torch.isfinite(ours).all(), f"{what}: non-finite logits at rows " \
@@ -313,20 +314,20 @@ def _expected_saved(model) -> dict[str, torch.Tensor]:
 
 
 # --- our model against transformers -----------------------------------------------------------
-def _load_ours(path):
+def _load_ours(path, device):
     import monodecode
 
-    return monodecode.load(path, device="cpu", dtype=torch.float32)
+    return monodecode.load(path, device=device, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("name", CONFIG_IDS)
-def test_prefill_matches_transformers(name, tmp_path):
+def test_prefill_matches_transformers(name, tmp_path, device):
     c = CONFIGS[name]
     hf = make_hf_model(MODEL_SEED, **c.kwargs)
     save_hf_model(hf, tmp_path, spelling=c.spelling)
     ids = clear_token_ids(hf, c.seq_len, _token_seed(name))
     theirs = hf_logits(hf, ids)
-    ours = _load_ours(tmp_path)
+    ours = _load_ours(tmp_path, device)
     assert ours.config.compress_ratios == tuple(
         {"sliding_attention": 0, **hf.config.compress_rates}[t] for t in hf.config.layer_types)
     with torch.no_grad():
@@ -339,7 +340,7 @@ def test_prefill_matches_transformers(name, tmp_path):
             _assert_close(ours.score(prefix), hf_logits(hf, ids[:n]), f"prefill of {n} tokens, {name}")
 
 
-def test_step_decode_matches_transformers_decode(tmp_path):
+def test_step_decode_matches_transformers_decode(tmp_path, device):
     """Our step() against transformers' own cached decode, token by token, on `mixed`: a
     prompt of 37 tokens in one step, then one token per step, in slot 1 of 2."""
     c = CONFIGS["mixed"]
@@ -350,7 +351,7 @@ def test_step_decode_matches_transformers_decode(tmp_path):
     theirs = hf_decode_logits(hf, ids, prompt_len=prompt)
     if row_errors(theirs, hf_logits(hf, ids)).max() > 1e-5:
         pytest.skip("transformers' cached decode disagrees with its own prefill on this input")
-    ours = _load_ours(tmp_path)
+    ours = _load_ours(tmp_path, device)
     cache = ours.make_cache(num_slots=2, max_context=c.seq_len)
     rows = []
     with torch.no_grad():
