@@ -111,12 +111,15 @@ def test_reused_slot_forgets_the_previous_request(model):
 
 
 def test_bf16_is_close_to_fp32(device):
+    """bf16 rounding may flip a near-tied expert choice for a token, which changes that row a
+    lot (seen on the H200: one row of 24), so the bound is on the typical row, not the worst."""
     ids = random_ids(torch.Generator().manual_seed(5), 24)
-    ref = monodecode.load("tiny", seed=11, device=device).score(ids)
-    bf16 = monodecode.load("tiny", seed=11, dtype=torch.bfloat16, device=device).score(ids)
+    ref = monodecode.load("tiny", seed=11, device=device).score(ids).cpu()
+    bf16 = monodecode.load("tiny", seed=11, dtype=torch.bfloat16, device=device).score(ids).cpu()
     assert bf16.dtype == torch.float32
-    assert rel_err(bf16, ref) < 0.1
-    assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() > 0.7
+    row_err = (bf16 - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert row_err.median() < 0.03
+    assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
 def dequantized_copy(src, dst):

@@ -53,6 +53,7 @@ import math
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 
 from hf_oracle import (
@@ -202,6 +203,9 @@ def test_hf_visibility_rules():
     assert reach.nonzero().flatten().tolist() == [20, 21, 22, 23]
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 24),
+    reason="transformers < 5.24 (5.17 on the H200 image) decodes inconsistently with its own prefill")
 def test_hf_cached_decode_matches_hf_prefill():
     """transformers' incremental decode (DynamicCache) agrees with its own prefill once the
     top-k selections are tie-free (see the module docstring), so it can serve as a decode
