@@ -52,3 +52,41 @@ def test_console_script_entry_point():
     result = subprocess.run([sys.executable, "-m", "monodecode.cli", "inspect", "tiny"],
                             capture_output=True, text=True, check=True)
     assert "preset tiny" in result.stdout
+
+
+def test_generate_default_model_says_it_is_noise(capsys):
+    assert main(["generate", "--max-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert "output is noise" in captured.err
+    ids = [int(t) for t in captured.out.strip().split(",")]
+    assert len(ids) == 5 and all(0 <= t < 512 for t in ids)
+
+
+def test_generate_with_a_tokenizer(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out_dir = tmp_path / "tok"
+    main(["make-checkpoint", "--preset", "tiny", "--out", str(out_dir), "--layers", "2"])
+    vocab = {f"w{i}": i for i in range(512)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out_dir), "--prompt", "w5 w17 w300",
+                 "--max-tokens", "6"]) == 0
+    captured = capsys.readouterr()
+    words = captured.out.split()
+    assert 1 <= len(words) <= 6 and all(w.startswith("w") for w in words)
+    assert "noise" not in captured.err
+    # the same prompt as ids gives the same continuation (decoded, since there is a tokenizer)
+    assert main(["generate", "--model", str(out_dir), "--prompt-ids", "5,17,300", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out.split() == words
+
+
+def test_generate_errors(capsys):
+    assert main(["generate", "--prompt", "hello"]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", "--prompt-ids", "1,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["generate", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
