@@ -48,37 +48,55 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, groups: list[RequestRows],
                  cache: LayerCache) -> torch.Tensor:
-        c, w = self.c, self.w
-        n = x.shape[0]
-        qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], c.rms_norm_eps)
-        q = F.linear(qr, w["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
-        q = apply_rope(rms_norm(q, None, c.rms_norm_eps), positions, self.freqs)
-        kv = apply_rope(rms_norm(F.linear(x, w["wkv"]), w["kv_norm"], c.rms_norm_eps), positions, self.freqs)
+        qr, q, kv = self.project(x, positions)
         side = {}
         if self.compressor:
             side["source"] = self.compressor.project(x)
         if self.indexer:
             side["index_source"] = self.indexer.compressor.project(x)
             side["index_q"], side["index_w"] = self.indexer.queries(x, qr, positions)
-        out = torch.zeros(n, c.num_attention_heads, c.head_dim, dtype=x.dtype, device=x.device)
+        out = torch.zeros_like(q)
         for g in groups:
             rows = {k: (v[g.index] if torch.is_tensor(v) else {kk: vv[g.index] for kk, vv in v.items()})
                     for k, v in side.items()}
-            out[g.index] = self._attend(g, q[g.index], kv[g.index], rows, cache)
-        out = apply_rope(out, positions, self.freqs, inverse=True)
-        return self._project_out(out)
+            keys, mask = self._window_keys(g, kv[g.index], cache)
+            if self.compressor:
+                entries, entry_mask = self._compressed_keys(g, rows, cache)
+                keys, mask = torch.cat([keys, entries]), torch.cat([mask, entry_mask], dim=1)
+            cache.window.write(g.slot, g.positions, {"kv": kv[g.index]})
+            out[g.index] = self.attend(q[g.index], keys, mask)
+        return self.output(out, positions)
 
-    def _attend(self, g: RequestRows, q, kv, side, cache: LayerCache) -> torch.Tensor:
-        keys, mask = self._window_keys(g, kv, cache)
-        if self.compressor:
-            entries, entry_mask = self._compressed_keys(g, side, cache)
-            keys, mask = torch.cat([keys, entries]), torch.cat([mask, entry_mask], dim=1)
-        cache.window.write(g.slot, g.positions, {"kv": kv})
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """(qr [N, q_lora], q [N, H, D], kv [N, D]), q and kv rotated at `positions`."""
+        c, w = self.c, self.w
+        qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], c.rms_norm_eps)
+        q = F.linear(qr, w["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        q = apply_rope(rms_norm(q, None, c.rms_norm_eps), positions, self.freqs)
+        return qr, q, self.keys(x, positions)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The shared K=V head of `x`, rotated at `positions`."""
+        kv = rms_norm(F.linear(x, self.w["wkv"]), self.w["kv_norm"], self.c.rms_norm_eps)
+        return apply_rope(kv, positions, self.freqs)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of q [n, H, D] over keys [K, D] (= values) where mask [n, K], with
+        the per-head sink logit in the softmax; fp32 inside, q's dtype out."""
         logits = torch.einsum("nhd,kd->nhk", q.float(), keys.float()) * self.c.head_dim**-0.5
         logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
         sink = self.w["attn_sink"].float().view(1, -1, 1).expand(q.shape[0], -1, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("nhk,kd->nhd", probs, keys.float()).to(q.dtype)
+
+    def output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """De-rotate the heads' rope dims at the query positions, then grouped wo_a and wo_b."""
+        c = self.c
+        out = apply_rope(out, positions, self.freqs, inverse=True)
+        groups = out.reshape(out.shape[0], c.o_groups, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1
+        wo_a = self.w["wo_a"].view(c.o_groups, c.o_lora_rank, -1)
+        z = torch.einsum("ngi,gri->ngr", groups, wo_a).flatten(1)
+        return F.linear(z, self.w["wo_b"])
 
     def _window_keys(self, g: RequestRows, kv: torch.Tensor, cache: LayerCache):
         window, p0 = self.c.sliding_window, int(g.positions[0])
@@ -121,10 +139,3 @@ class Attention:
             windows = torch.arange(first, last + 1, device=kv.device)
             entries[g.slot, first:last + 1] = compressor.entries(kv, gate, valid, start, windows).to(entries.dtype)
         ring.write(g.slot, g.positions, new)
-
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
-        c = self.c
-        groups = out.reshape(out.shape[0], c.o_groups, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1
-        wo_a = self.w["wo_a"].view(c.o_groups, c.o_lora_rank, -1)
-        z = torch.einsum("ngi,gri->ngr", groups, wo_a).flatten(1)
-        return F.linear(z, self.w["wo_b"])

@@ -6,7 +6,7 @@ import torch
 
 from ..config import ModelConfig
 from .attention import Attention, RequestRows
-from .cache import LayerCache
+from .cache import LayerCache, PositionRing
 from .hc import hc_post, hc_pre
 from .moe import MoE
 from .norm import rms_norm
@@ -15,13 +15,13 @@ from .weights import ExpertBank
 
 class Block:
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts: ExpertBank,
-                 ratio: int, hash_routed: bool, topk: int):
+                 ratio: int, hash_routed: bool, topk: int, attention_cls: type[Attention] = Attention):
         self.c, self.w, self.p = config, w, prefix
-        self.attention = Attention(config, w, f"{prefix}attn.", ratio)
+        self.attention = attention_cls(config, w, f"{prefix}attn.", ratio)
         self.moe = MoE(config, w, f"{prefix}ffn.", experts, hash_routed, topk)
 
     def __call__(self, streams: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                 groups: list[RequestRows], cache: LayerCache) -> torch.Tensor:
+                 groups: list[RequestRows], cache: LayerCache | PositionRing) -> torch.Tensor:
         x, post, comb = self._hc_pre(streams, "attn")
         out = self.attention(rms_norm(x, self.w[f"{self.p}attn_norm"], self.c.rms_norm_eps), positions, groups, cache)
         streams = hc_post(out, streams, post, comb)

@@ -23,9 +23,9 @@ from .weights import expert_bank, read_weights
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: dict, device, dtype):
+    def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
-        self.w = weights
+        self.w, self.checkpoint, self._draft = weights, checkpoint, None
         self.blocks = [
             Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", config.n_routed_experts, dtype),
                   ratio, config.is_hash_layer(i), config.num_experts_per_tok)
@@ -35,7 +35,7 @@ class Model:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32) -> "Model":
         ckpt.validate()
-        return cls(ckpt.config, read_weights(ckpt, "model", device, dtype), device, dtype)
+        return cls(ckpt.config, read_weights(ckpt, "model", device, dtype), device, dtype, ckpt)
 
     def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> DecodeCache:
         """Decode state for `num_slots` requests of up to `max_context` positions; a step may
@@ -44,22 +44,48 @@ class Model:
                            max_step_rows, self.device, self.dtype)
 
     @torch.no_grad()
-    def step(self, cache: DecodeCache, tokens, positions, slots) -> torch.Tensor:
+    def step(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
+        """fp32 logits [N, vocab]; with `return_hidden`, also the DSpark draft's input features
+        [N, len(dspark_target_layer_ids) * hidden]: per target layer, the mean over the hc
+        streams of the residual after that layer."""
         tokens, positions, slots = (torch.as_tensor(t, dtype=torch.long, device=self.device)
                                     for t in (tokens, positions, slots))
         groups = self._group_rows(cache, tokens, positions, slots)
-        streams = F.embedding(tokens, self.w["embed"]).unsqueeze(1)
-        streams = streams.expand(-1, self.config.hc_mult, -1).contiguous()
-        for block, layer_cache in zip(self.blocks, cache.layers):
+        streams = self.embed(tokens)
+        captured = {}
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
             streams = block(streams, tokens, positions, groups, layer_cache)
-        return self.logits(streams)
+            captured[i] = streams.mean(dim=1) if return_hidden else None
+        logits = self.logits(streams)
+        if not return_hidden:
+            return logits
+        return logits, torch.cat([captured[i] for i in self.config.dspark_target_layer_ids or ()], dim=-1)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding broadcast to the hc streams [N, hc, d] (layer 0's settled residual)."""
+        streams = F.embedding(tokens, self.w["embed"]).unsqueeze(1)
+        return streams.expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def draft(self) -> "Draft":
+        """The DSpark draft of this checkpoint, loaded on first use; a checkpoint without one
+        raises CheckpointError naming the first missing tensor."""
+        if self._draft is None:
+            from .draft import Draft
+
+            self.checkpoint.validate(require_draft=True)
+            self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype))
+        return self._draft
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         c, w = self.config, self.w
         x = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
                     hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
-        x = rms_norm(x, w["norm"], c.rms_norm_eps)
-        return F.linear(x.float(), w["head"].float())
+        return self.lm_head(x)
+
+    def lm_head(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Final RMSNorm (the model's, or a draft stage's) and the shared lm_head, in fp32."""
+        x = rms_norm(x, self.w["norm"] if norm_weight is None else norm_weight, self.config.rms_norm_eps)
+        return F.linear(x.float(), self.w["head"].float())
 
     def score(self, token_ids) -> torch.Tensor:
         """fp32 logits [T, vocab] of a full prefill of one sequence."""
