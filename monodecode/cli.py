@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--speculative-config", metavar="JSON",
+                     help='DSpark speculation, e.g. \'{"method": "dspark", "num_speculative_tokens": 5, '
+                          '"rejection_sample_method": "block"}\'')
     gen.set_defaults(run=run_generate)
 
     args = parser.parse_args(argv)
@@ -69,8 +72,9 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .generate import generate, load_tokenizer
+    from .generate import generate, generate_speculative, load_tokenizer
     from .model import load
+    from .spec.config import SpeculativeConfig
 
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
@@ -84,6 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     else:
         prompt_ids = None
+    spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
     if args.model == DEFAULT_MODEL:
         print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
               "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)
@@ -92,10 +97,24 @@ def run_generate(args: argparse.Namespace) -> int:
     if prompt_ids is None:
         prompt_ids = [config.bos_token_id or 0]
     stop = (config.eos_token_id,) if config.eos_token_id is not None else ()
-    out = generate(model, prompt_ids, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, stop_ids=stop)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_ids=stop)
+    if spec is not None:
+        out, stats = generate_speculative(model, prompt_ids, args.max_tokens, spec, **sampling)
+    else:
+        out, stats = generate(model, prompt_ids, args.max_tokens, **sampling), None
     print(tokenizer.decode(out) if tokenizer is not None else ",".join(map(str, out)))
+    if stats is not None:
+        print(describe_acceptance(stats, spec), file=sys.stderr)
     return 0
+
+
+def describe_acceptance(stats, spec) -> str:
+    rates = " ".join(f"{r:.3f}" for r in stats.rates())
+    line = (f"speculative ({spec.rejection_sample_method}): {stats.steps} verify steps, mean acceptance "
+            f"length {stats.mean_acceptance_length:.3f}, per-position acceptance rates {rates}")
+    if spec.rejection_sample_method == "synthetic":
+        line += "\nsynthetic acceptance: for benchmarks only, the output tokens are not the model's"
+    return line
 
 
 def run_inspect(args: argparse.Namespace) -> int:

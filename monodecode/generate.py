@@ -1,4 +1,4 @@
-"""Plain autoregressive generation on the per-op path (one request), for the CLI and tests."""
+"""Generation for one request on the per-op path, plain or speculative (CLI and tests)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,7 @@ from .sampling import check_sampling, sample
 def generate(model: Model, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
     """The continuation of `prompt_ids`: up to `max_tokens` tokens, ending early at a stop id."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    check_sampling(temperature, top_p)
-    vocab = model.config.vocab_size
-    bad = [i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token id {prompt_ids[bad[0]]} at index {bad[0]} is outside the "
-                         f"vocabulary of {vocab}")
+    _check_prompt(model, prompt_ids, max_tokens, temperature, top_p)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     n = len(prompt_ids)
     cache = model.make_cache(num_slots=1, max_context=n + max_tokens, max_step_rows=1)
@@ -36,6 +27,20 @@ def generate(model: Model, prompt_ids: list[int], max_tokens: int, *, temperatur
         logits = model.step(cache, [token], [n + len(out) - 1], [0])
 
 
+def _check_prompt(model: Model, prompt_ids: list[int], max_tokens: int, temperature: float,
+                  top_p: float) -> None:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    check_sampling(temperature, top_p)
+    vocab = model.config.vocab_size
+    bad = [i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {prompt_ids[bad[0]]} at index {bad[0]} is outside the "
+                         f"vocabulary of {vocab}")
+
+
 def load_tokenizer(source) -> "object | None":
     """The checkpoint's `tokenizer.json` through the `tokenizers` library, or None."""
     path = Path(str(source)) / "tokenizer.json"
@@ -44,3 +49,28 @@ def load_tokenizer(source) -> "object | None":
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
+
+
+def generate_speculative(model: Model, prompt_ids: list[int], max_tokens: int, config, *,
+                         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                         stop_ids: tuple[int, ...] = ()):
+    """Like `generate`, with DSpark speculative decoding per `config` (a SpeculativeConfig).
+    Returns (tokens, acceptance stats)."""
+    from .spec.decoder import SpeculativeDecoder
+
+    _check_prompt(model, prompt_ids, max_tokens, temperature, top_p)
+    decoder = SpeculativeDecoder(model, config)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    caches = decoder.make_caches(num_slots=1, max_context=len(prompt_ids) + max_tokens + decoder.block_size + 1)
+    request = decoder.prefill(caches, 0, prompt_ids, temperature, top_p, generator)
+    out = [request.anchor]
+    while out[-1] not in stop_ids and len(out) < max_tokens:
+        out += decoder.step(caches, [request])[0]
+    return _until_stop(out, stop_ids)[:max_tokens], decoder.stats
+
+
+def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens

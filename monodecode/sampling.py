@@ -17,11 +17,27 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     """logits [N, vocab] -> token ids [N]."""
     check_sampling(temperature, top_p)
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = (logits.float() / temperature).softmax(dim=-1)
-    if top_p < 1:
-        probs = top_p_filter(probs, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return logits.argmax(dim=-1)  # exact, and draws nothing from the generator
+    return sample_from(probabilities(logits, temperature, top_p), generator)
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [..., vocab] -> the fp32 distribution [..., vocab] that `sample` draws from: at
+    temperature 0 a one-hot of the argmax, else softmax(logits / temperature) cut to the top-p
+    nucleus. Speculative verification compares these distributions, so draft and target must
+    both come from here."""
+    check_sampling(temperature, top_p)
+    logits = logits.float()
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    probs = (logits / temperature).softmax(dim=-1)
+    return top_p_filter(probs, top_p) if top_p < 1 else probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs [..., vocab] (non-negative weights; need not sum to 1) -> token ids [...]."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(rows, 1, generator=generator).view(probs.shape[:-1])
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

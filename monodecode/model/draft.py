@@ -1,0 +1,133 @@
+"""The DSpark draft (research/dsv4_arch.md 6.2): `num_nextn_predict_layers` window-only V4 blocks
+(`mtp.{k}.*`) that propose a whole block of tokens in one parallel pass.
+
+Context: for every committed target position p, `main_x = main_norm(main_proj(h_p))`, where h_p
+concatenates, over `dspark_target_layer_ids`, the mean over the hc streams of the target's
+residual after that layer. Each stage keeps a ring of context keys
+`rope(kv_norm(wkv(main_x_p)), p)` for the last `sliding_window` committed positions; context
+positions have no queries.
+
+A block: with t the last committed position and the anchor (the token the target just emitted)
+at t + 1, the stages run over `[anchor, noise x (block_size - 1)]` at positions t + 1 .. t + B,
+embedding broadcast to the hc streams. Every block query attends the stage's context ring and
+all B block keys (non-causal inside the block); block keys never enter the ring. The last
+stage's hc_head and norm and the shared lm_head give B rows of base logits U; row k is for the
+token at position t + 2 + k.
+
+The Markov head then samples left to right: with prev = anchor, for k = 0..B-1,
+`logits_k = U_k + markov_w2 @ markov_w1[prev]`, d_k ~ probabilities(logits_k), and the confidence
+`c_k = sigmoid(w_conf . [hb_k ; markov_w1[prev]])` (hb: the pre-norm hc_head output) estimates
+the chance that d_k survives verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..sampling import probabilities, sample_from
+from .attention import Attention, RequestRows
+from .cache import PositionRing
+from .hc import hc_head
+from .layer import Block
+from .norm import rms_norm
+from .weights import expert_bank
+
+
+class DraftAttention(Attention):
+    """A stage's attention: block queries over the context ring plus the whole block."""
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, groups: list[RequestRows],
+                 ring: PositionRing) -> torch.Tensor:
+        _, q, kv = self.project(x, positions)
+        out = torch.zeros_like(q)
+        for g in groups:
+            anchor = int(g.positions[0])
+            context, valid = ring.read(g.slot, torch.arange(anchor - ring.size, anchor, device=x.device))
+            keys = torch.cat([context["kv"], kv[g.index]])
+            mask = torch.cat([valid, torch.ones_like(g.positions, dtype=torch.bool)])
+            out[g.index] = self.attend(q[g.index], keys, mask.expand(len(g.index), -1))
+        return self.output(out, positions)
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [R, B] draft tokens
+    probs: torch.Tensor  # [R, B, vocab] the distributions they were drawn from
+    confidence: torch.Tensor  # [R, B] estimated survival of each draft token
+
+
+class DraftCache:
+    """One context ring a stage, `sliding_window` keys a slot."""
+
+    def __init__(self, config, num_slots: int, device, dtype):
+        self.rings = [PositionRing(num_slots, config.sliding_window, {"kv": config.head_dim}, device, dtype)
+                      for _ in range(config.num_nextn_predict_layers)]
+
+    def clear(self, slot: int) -> None:
+        for ring in self.rings:
+            ring.clear(slot)
+
+
+class Draft:
+    def __init__(self, model, weights: dict):
+        c = model.config
+        self.model, self.c, self.w = model, c, weights
+        self.block_size = c.dspark_block_size
+        self.stages = [
+            Block(c, weights, f"mtp.{k}.", expert_bank(weights, f"mtp.{k}.ffn.", c.draft_n_routed_experts, model.dtype),
+                  0, False, c.draft_num_experts_per_tok, attention_cls=DraftAttention)
+            for k in range(c.num_nextn_predict_layers)
+        ]
+        self.last = f"mtp.{c.num_nextn_predict_layers - 1}."
+
+    def make_cache(self, num_slots: int) -> DraftCache:
+        return DraftCache(self.c, num_slots, self.model.device, self.model.dtype)
+
+    @torch.no_grad()
+    def commit(self, cache: DraftCache, slot: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Add committed target positions [n] with their features `hidden` [n, T * d] to the
+        context rings of `slot`."""
+        main_x = rms_norm(F.linear(hidden.to(self.model.dtype), self.w["mtp.0.main_proj"]),
+                          self.w["mtp.0.main_norm"], self.c.rms_norm_eps)
+        for stage, ring in zip(self.stages, cache.rings):
+            ring.write(slot, positions, {"kv": stage.attention.keys(main_x, positions)})
+
+    @torch.no_grad()
+    def propose(self, cache: DraftCache, anchors: torch.Tensor, anchor_positions: torch.Tensor,
+                slots: list[int], sampling: list[tuple[float, float, torch.Generator | None]]) -> Proposal:
+        """One block for each of R requests: anchors, anchor_positions [R], their slots, and
+        per request (temperature, top_p, generator)."""
+        c, w, b = self.c, self.w, self.block_size
+        r = anchors.shape[0]
+        device = self.model.device
+        tokens = torch.full((r, b), c.dspark_noise_token_id, dtype=torch.long, device=device)
+        tokens[:, 0] = anchors
+        positions = anchor_positions.to(device)[:, None] + torch.arange(b, device=device)
+        groups = [RequestRows(s, torch.arange(i * b, (i + 1) * b, device=device), positions[i])
+                  for i, s in enumerate(slots)]
+        tokens, positions = tokens.flatten(), positions.flatten()
+        streams = self.model.embed(tokens)
+        for stage, ring in zip(self.stages, cache.rings):
+            streams = stage(streams, tokens, positions, groups, ring)
+        hb = hc_head(streams, w[f"{self.last}hc_head_fn"], w[f"{self.last}hc_head_base"],
+                     w[f"{self.last}hc_head_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        base = self.model.lm_head(hb, w[f"{self.last}norm"]).view(r, b, -1)
+        return self._markov_sample(base, hb.view(r, b, -1), anchors.to(device), sampling)
+
+    def _markov_sample(self, base, hb, anchors, sampling) -> Proposal:
+        w, last = self.w, self.last
+        prev = anchors
+        drafted, dists, confidence = [], [], []
+        for k in range(self.block_size):
+            e = F.embedding(prev, w[f"{last}markov_head.markov_w1"]).float()
+            logits = base[:, k] + F.linear(e, w[f"{last}markov_head.markov_w2"].float())
+            probs = torch.stack([probabilities(logits[i], t, p) for i, (t, p, _) in enumerate(sampling)])
+            prev = torch.stack([sample_from(probs[i], g) for i, (_, _, g) in enumerate(sampling)])
+            features = torch.cat([hb[:, k].float(), e], dim=-1)
+            confidence.append(torch.sigmoid(F.linear(features, w[f"{last}confidence_head.proj"].float())).squeeze(-1))
+            drafted.append(prev)
+            dists.append(probs)
+        return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))

@@ -1,0 +1,2 @@
+"""Speculative decoding: its configuration (config.py), the verification rules (verify.py) and the
+DSpark decoding loop (decoder.py)."""

@@ -1,0 +1,117 @@
+"""Speculative decoding with the DSpark draft on the per-op path: one step for a batch of requests.
+
+A request waits with an anchor: the last token emitted, at `position`, not yet run through the
+target; every position before it is committed (in the target's caches and, as context keys, in
+the draft's rings). One step:
+1. the draft proposes a block of B tokens for each request (one parallel pass + Markov head);
+2. the target runs [anchor, d_0 .. d_{B-1}] for each request in one step (1 + B rows a request);
+3. each request's rows are verified (greedy, standard, block or synthetic), committing a + 1
+   tokens: a accepted draft tokens and one from the target;
+4. the target features of the anchor and the accepted rows go to the draft's rings, and the last
+   committed token becomes the new anchor.
+Rejected rows need no undo: the target's caches keep enough history to overwrite them when those
+positions are decoded again (model/cache.py), and the draft rings only ever see committed rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import Model
+from ..model.cache import DecodeCache
+from ..model.draft import DraftCache
+from ..sampling import check_sampling, sample
+from .config import SpeculativeConfig
+from .verify import verify
+
+
+@dataclass
+class SpecRequest:
+    slot: int
+    position: int  # the anchor's position: every position before it is committed
+    anchor: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class AcceptanceStats:
+    """Verify steps taken, tokens committed, and how often each draft position was accepted."""
+
+    steps: int = 0
+    committed: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify step (accepted drafts + 1)."""
+        return self.committed / self.steps if self.steps else 0.0
+
+    def rates(self) -> list[float]:
+        return [n / self.steps for n in self.accepted_at] if self.steps else []
+
+
+@dataclass
+class SpecCaches:
+    target: DecodeCache
+    draft: DraftCache
+
+
+class SpeculativeDecoder:
+    def __init__(self, model: Model, config: SpeculativeConfig):
+        self.model, self.config = model, config
+        self.draft = model.draft()
+        config.check_block_size(self.draft.block_size)
+        self.block_size = self.draft.block_size
+        self.stats = AcceptanceStats(accepted_at=[0] * self.block_size)
+
+    def make_caches(self, num_slots: int, max_context: int) -> SpecCaches:
+        """Caches for `num_slots` requests; a request's positions must stay below
+        `max_context - block_size - 1` (a verify step looks that far ahead)."""
+        target = self.model.make_cache(num_slots, max_context, max_step_rows=self.block_size + 1)
+        return SpecCaches(target, self.draft.make_cache(num_slots))
+
+    def prefill(self, caches: SpecCaches, slot: int, prompt_ids: list[int], temperature: float = 0.0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> SpecRequest:
+        """Run a prompt, commit it, and sample its first token, which becomes the anchor."""
+        check_sampling(temperature, top_p)
+        n = len(prompt_ids)
+        positions = torch.arange(n, device=self.model.device)
+        logits, hidden = self.model.step(caches.target, prompt_ids, positions, [slot] * n, return_hidden=True)
+        self.draft.commit(caches.draft, slot, positions, hidden)
+        first = int(sample(logits[-1:], temperature, top_p, generator))
+        return SpecRequest(slot, n, first, temperature, top_p, generator)
+
+    def step(self, caches: SpecCaches, requests: list[SpecRequest]) -> list[list[int]]:
+        """One verify step for all `requests` (updated in place); the tokens each committed."""
+        b, device = self.block_size, self.model.device
+        anchors = torch.tensor([r.anchor for r in requests], device=device)
+        starts = torch.tensor([r.position for r in requests], device=device)
+        proposal = self.draft.propose(caches.draft, anchors, starts, [r.slot for r in requests],
+                                      [(r.temperature, r.top_p, r.generator) for r in requests])
+        tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1).flatten()
+        positions = (starts[:, None] + torch.arange(b + 1, device=device)).flatten()
+        slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
+        logits, hidden = self.model.step(caches.target, tokens, positions, slots, return_hidden=True)
+        logits, hidden = logits.view(len(requests), b + 1, -1), hidden.view(len(requests), b + 1, -1)
+        committed = []
+        for i, r in enumerate(requests):
+            verdict = verify(self.config.rejection_sample_method, logits[i], proposal.tokens[i],
+                             proposal.probs[i], temperature=r.temperature, top_p=r.top_p,
+                             generator=r.generator, acceptance_length=self.config.synthetic_acceptance_length)
+            kept = verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
+            self.draft.commit(caches.draft, r.slot, positions.view(-1, b + 1)[i, :kept], hidden[i, :kept])
+            r.position += kept
+            r.anchor = verdict.tokens[-1]
+            self._count(verdict.accepted)
+            committed.append(verdict.tokens)
+        return committed
+
+    def _count(self, accepted: int) -> None:
+        self.stats.steps += 1
+        self.stats.committed += accepted + 1
+        for k in range(accepted):
+            self.stats.accepted_at[k] += 1
