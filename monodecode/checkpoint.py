@@ -170,7 +170,11 @@ def _dtype(safetensors_dtype: str) -> torch.dtype:
         "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "I16": torch.int16,
         "BOOL": torch.bool, "F8_E5M2": torch.float8_e5m2,
     }
-    return table.get(safetensors_dtype, torch.uint8 if safetensors_dtype.startswith("F4") else torch.float64)
+    if safetensors_dtype.startswith("F4"):  # packed e2m1 pairs, read as bytes
+        return torch.uint8
+    if safetensors_dtype not in table:
+        raise CheckpointError(f"tensors of dtype {safetensors_dtype} are not supported")
+    return table[safetensors_dtype]
 
 
 # --- synthetic checkpoints ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -178,12 +179,9 @@ def describe_tensors(c: ModelConfig) -> str:
     count, size = Counter(), Counter()
     for spec in tensor_specs(c):
         for shape, kind in spec.stored().values():
-            n = 1
-            for dim in shape:
-                n *= dim
             key = f"{spec.group}/{kind}"
             count[key] += 1
-            size[key] += n * STORAGE_ITEMSIZE[kind]
+            size[key] += math.prod(shape) * STORAGE_ITEMSIZE[kind]
     lines = ["stored tensors by format (group/format: count, size)"]
     for key in sorted(count):
         lines.append(f"  {key:<14} {count[key]:>7}  {size[key] / GiB:10.3f} GiB")

@@ -52,14 +52,16 @@ class Model:
                                     for t in (tokens, positions, slots))
         groups = self._group_rows(cache, tokens, positions, slots)
         streams = self.embed(tokens)
+        targets = (self.config.dspark_target_layer_ids or ()) if return_hidden else ()
         captured = {}
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
             streams = block(streams, tokens, positions, groups, layer_cache)
-            captured[i] = streams.mean(dim=1) if return_hidden else None
+            if i in targets:
+                captured[i] = streams.mean(dim=1)
         logits = self.logits(streams)
         if not return_hidden:
             return logits
-        return logits, torch.cat([captured[i] for i in self.config.dspark_target_layer_ids or ()], dim=-1)
+        return logits, torch.cat([captured[i] for i in targets], dim=-1)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding broadcast to the hc streams [N, hc, d] (layer 0's settled residual)."""

@@ -47,9 +47,17 @@ def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple
     """Every tensor of a schema group ("model" or "draft"), converted for the per-op path:
     dequantized FP8, (packed, scale) pairs for MXFP4, cast plain tensors."""
     specs = [s for s in ckpt.specs if s.group == group]
-    names = [name for s in specs for name in s.stored()]
-    raw = dict(ckpt.tensors(names, desc=f"loading {group} weights"))
-    return {s.name.removesuffix(".weight"): _convert(s, raw, device, dtype) for s in specs}
+    spec_of = {name: s for s in specs for name in s.stored()}
+    pending: dict[str, torch.Tensor] = {}
+    out = {}
+    # Convert each tensor as soon as its pieces (weight and scale) are read, so that at most one
+    # checkpoint-format copy of a tensor is alive next to the converted weights.
+    for name, tensor in ckpt.tensors(list(spec_of), desc=f"loading {group} weights"):
+        pending[name] = tensor
+        spec = spec_of[name]
+        if all(piece in pending for piece in spec.stored()):
+            out[spec.name.removesuffix(".weight")] = _convert(spec, pending, device, dtype)
+    return out
 
 
 def expert_bank(weights: dict, prefix: str, num_experts: int, dtype) -> ExpertBank:
