@@ -1,0 +1,305 @@
+"""The routed-expert stage: one step's MXFP4 expert GEMVs, all selected experts in one pass.
+
+Contract
+- Inputs: x [R, d] bf16 (the FFN input of each row), picks ids [R, k] (expert ids; -1 marks a
+  pad row's picks, which are skipped) and routing weights [R, k] fp32. Output y [R, d] fp32:
+  sum over the row's k picks, in top-k order, of w2((weight * h).to(bf16)) with
+  h = silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) in fp32 (the per-op path's MoE).
+- Weights: `ExpertWeights`, the checkpoint's MXFP4 stacked per matrix: codes [E, N, K / 2] uint8
+  (element 2i in the low nibble) and E8M0 scales [E, N, K / 32] uint8. `prepare` builds it once
+  at load; `unprepare` is its inverse (tests round-trip it).
+- Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
+  `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
+  Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not
+  start a group exit at once: the launch needs no host sync and can be graph-captured.
+- Stages: `_up` (w1 and w3 tiles, SwiGLU with the clamp, routing weight, bf16 rounding) writes
+  h [R * k, I]; `_down` (w2 tiles) writes per-pick outputs [R * k, d] fp32; the sum over a row's
+  picks runs in top-k order, so the result does not depend on task order.
+
+Decode (constexpr FAST):
+- FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement
+  (`prmt` + shifts + masks, ~2.75 instructions a value): sign to bit 15, exponent and mantissa
+  to bits 8..6, which is the e2m1 value times 2^-126 (the e2m1 subnormal 0.5 lands on a bf16
+  subnormal, exact). The factor 2^126 is folded into the block scale, applied as one bf16
+  multiply: 2^(e - 127) * 2^126 = 2^(e - 1) must be a bf16 and the scaled values normal, so
+  scale codes are limited to [2, 128] (`fast_decode_supported`; real weights, |w| < 12, are far
+  inside). The products then go through the
+  tensor cores with the weights as the M operand (swap AB: M = weight rows, N = the rows of
+  the step padded to 16), accumulating in fp32.
+- Portable (interpreter, AMD): the nibbles decoded arithmetically to fp32, the scale applied in
+  fp32, an fp32 dot in IEEE precision, h rounded to bf16 by integer arithmetic (the interpreter's
+  own bf16 cast truncates). (Triton's CPU interpreter computes bf16 dots wrongly and
+  flushes bf16 subnormals: research in DESIGN.md section 7.)
+Both are exact up to fp32 accumulation order against a float64 reference of the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import formats
+
+ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
+FAST_SCALE_CODES = (2, 128)
+
+
+@dataclass
+class ExpertWeights:
+    """Routed experts of one layer, stacked: codes [E, N, K / 2] uint8, scales [E, N, K / 32]."""
+
+    w1: tuple[torch.Tensor, torch.Tensor]
+    w2: tuple[torch.Tensor, torch.Tensor]
+    w3: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1[0].shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1[0].shape[1]
+
+    @property
+    def hidden(self) -> int:
+        return self.w2[0].shape[1]
+
+
+def prepare(experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]) -> ExpertWeights:
+    """Stack a layer's per-expert checkpoint tensors [(w1, w2, w3) each (packed, scale)]."""
+    def stack(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.stack([e[m][0].view(torch.uint8) for e in experts]).contiguous()
+        scales = torch.stack([e[m][1].view(torch.uint8) for e in experts]).contiguous()
+        return codes, scales
+
+    return ExpertWeights(stack(0), stack(1), stack(2))
+
+
+def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+    """The inverse of `prepare`: per expert (w1, w2, w3), each (packed uint8, e8m0 scale)."""
+    def one(m: tuple[torch.Tensor, torch.Tensor], e: int):
+        return m[0][e], m[1][e].view(torch.float8_e8m0fnu)
+
+    return [(one(weights.w1, e), one(weights.w2, e), one(weights.w3, e)) for e in range(weights.num_experts)]
+
+
+def fast_decode_supported(weights: ExpertWeights) -> bool:
+    """The fast decode's folded scale needs every scale code in [2, 128]."""
+    low, high = FAST_SCALE_CODES
+    return all(bool(((s >= low) & (s <= high)).all()) for _, s in (weights.w1, weights.w2, weights.w3))
+
+
+# --- decode ---------------------------------------------------------------------------------------
+@triton.jit
+def _decode_fast(codes):
+    """codes uint8 [..., n] -> (low-nibble values, high-nibble values) bf16 [..., n], each the
+    e2m1 value times 2^-126."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 s0, s1, a, b;
+        prmt.b32 s0, $4, 0, 0x4140;
+        prmt.b32 s1, $4, 0, 0x4342;
+        shl.b32 a, s0, 12; and.b32 a, a, 0x80008000;
+        shl.b32 b, s0, 6;  and.b32 b, b, 0x01C001C0; or.b32 $0, a, b;
+        shl.b32 a, s1, 12; and.b32 a, a, 0x80008000;
+        shl.b32 b, s1, 6;  and.b32 b, b, 0x01C001C0; or.b32 $1, a, b;
+        shl.b32 a, s0, 8;  and.b32 a, a, 0x80008000;
+        shl.b32 b, s0, 2;  and.b32 b, b, 0x01C001C0; or.b32 $2, a, b;
+        shl.b32 a, s1, 8;  and.b32 a, a, 0x80008000;
+        shl.b32 b, s1, 2;  and.b32 b, b, 0x01C001C0; or.b32 $3, a, b;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[codes],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e2m1_value(nibble):
+    """A 4-bit e2m1 code (int32) -> its value (fp32), arithmetically."""
+    exponent = (nibble >> 1) & 3
+    mantissa = (nibble & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa,
+                         (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
+    """Rows [BN] of an expert matrix, columns k0 .. k0 + BK, decoded with their scales:
+    bf16 (FAST) or fp32 [BN, BK]."""
+    # Rows are K / 2 bytes apart, a multiple of 16 (K % 32 == 0): say so, for 16-byte loads.
+    rk = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), 16), BK // 2)
+    codes = tl.load(codes_ptr + tl.multiple_of(rows * (K // 2), 16)[:, None] + rk[None, :])
+    rg = k0 // 32 + tl.arange(0, BK // 32)
+    scale_codes = tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
+    BN: tl.constexpr = codes.shape[0]
+    if FAST:
+        low, high = _decode_fast(codes)
+        values = tl.reshape(tl.join(low, high), (BN, BK // 32, 32))
+        # 2^(e - 127) times the 2^126 the bit placement left out, as a bf16: exponent field e + 126
+        scale = ((scale_codes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        c = codes.to(tl.int32)
+        values = tl.reshape(tl.join(_e2m1_value(c & 15), _e2m1_value(c >> 4)), (BN, BK // 32, 32))
+        # 2^(e - 127) built from its bits: exact, code 0 being the fp32 subnormal 2^-127
+        scale = tl.where(scale_codes == 0, 0x00400000, scale_codes << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(values * scale[:, :, None], (BN, BK))
+
+
+@triton.jit
+def _round_to_bf16(v):
+    """fp32 -> the nearest bf16 (ties to even), still as fp32: the CPU interpreter's own cast
+    truncates, and the rounding point must be the reference's."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _matvec(codes_ptr, scales_ptr, n_rows, x_ptr, x_rows, x_mask, K,
+            BK: tl.constexpr, FAST: tl.constexpr):
+    """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K."""
+    acc = tl.zeros((n_rows.shape[0], x_rows.shape[0]), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w = _weight_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK, FAST)
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
+        if FAST:
+            acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
+    """The task of sorted pick j: (active, expert, pick ids [ROWS], mask [ROWS])."""
+    count = tl.load(counts_ptr + j)
+    expert = tl.load(experts_ptr + j).to(tl.int64)
+    m = tl.arange(0, ROWS_)
+    mask = m < count
+    picks = tl.load(order_ptr + j + m, mask=mask, other=0)
+    return count > 0, expert, picks, mask
+
+
+@triton.jit
+def _up(x_ptr, rw_ptr, h_ptr, counts_ptr, order_ptr, experts_ptr,
+        w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit,
+        BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    j, nb = tl.program_id(0), tl.program_id(1)
+    active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
+    if active:
+        n = nb * BN + tl.arange(0, BN)
+        rows = picks // TOPK
+        w_off = tl.multiple_of(expert * I * (K // 2), 16)
+        s_off = expert * I * (K // 32)
+        gate = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, rows, mask, K, BK, FAST)
+        up = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, rows, mask, K, BK, FAST)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        weight = tl.load(rw_ptr + picks, mask=mask, other=0.0)
+        h = gate / (1.0 + tl.exp(-gate)) * up * weight[None, :]
+        if not FAST:
+            h = _round_to_bf16(h)
+        tl.store(h_ptr + picks[None, :] * I + n[:, None], h.to(tl.bfloat16), mask=mask[None, :])
+
+
+@triton.jit
+def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    j, nb = tl.program_id(0), tl.program_id(1)
+    active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
+    if active:
+        n = nb * BN + tl.arange(0, BN)
+        y = _matvec(w2_codes + tl.multiple_of(expert * D * (I // 2), 16), w2_scales + expert * D * (I // 32), n,
+                    h_ptr, picks, mask, I, BK, FAST)
+        tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
+
+
+# --- launcher -------------------------------------------------------------------------------------
+def group_picks(ids: torch.Tensor, rows: int = ROWS):
+    """Sort a step's picks by expert: (order, experts, counts) over the R * k sorted picks.
+    counts[j] > 0 only where a task starts: at the first pick of an expert and every `rows`
+    picks after it; pad picks (id < 0) get no task."""
+    flat = ids.flatten()
+    key = torch.where(flat < 0, torch.iinfo(torch.int32).max, flat.to(torch.int32))
+    sorted_ids, order = torch.sort(key, stable=True)
+    index = torch.arange(flat.numel(), device=flat.device)
+    run_start = torch.searchsorted(sorted_ids, sorted_ids, right=False)
+    run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
+    starts_task = ((index - run_start) % rows == 0) & (sorted_ids != torch.iinfo(torch.int32).max)
+    counts = torch.where(starts_task, torch.clamp(run_end - index, max=rows), 0)
+    experts = torch.where(counts > 0, sorted_ids, 0)
+    return order.to(torch.int32), experts.to(torch.int32), counts.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    fast: bool
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
+                   limit: float, config: LaunchConfig | None = None, *, poison: bool = False) -> torch.Tensor:
+    """y [R, d] fp32 of one step's routed experts (the contract in the module docstring).
+    `poison` fills the intermediates with NaN first, so that tests see any element no task wrote."""
+    if config is None:
+        config = LaunchConfig(fast=x.is_cuda and torch.version.cuda is not None)
+    r, k = ids.shape
+    fill = float("nan") if poison else 0.0
+    h = torch.full((r * k, weights.intermediate), fill, dtype=torch.bfloat16, device=x.device)
+    per_pick = torch.full((r * k, weights.hidden), fill, dtype=torch.float32, device=x.device)
+    launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
+                  weights, limit, config, h, per_pick)
+    per_pick = torch.where((ids >= 0).unsqueeze(-1), per_pick.view(r, k, -1), 0.0)  # pad picks: no task
+    y = per_pick[:, 0].clone()
+    for slot in range(1, k):  # top-k order, whatever the task order was
+        y += per_pick[:, slot]
+    return y
+
+
+def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
+                  config: LaunchConfig, h: torch.Tensor, per_pick: torch.Tensor) -> None:
+    """The two kernels alone: x [R, d] bf16, `groups` from `group_picks`, flat routing weights
+    [R * k]; writes h [R * k, I] and per_pick [R * k, d]."""
+    order, experts, counts = groups
+    picks = order.numel()
+    r = x.shape[0]
+    d, inter = weights.hidden, weights.intermediate
+    block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
+    meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps, num_stages=config.num_stages)
+    _up[(picks, inter // block_up)](x, route_weights, h, counts, order, experts, *weights.w1, *weights.w3,
+                                    d, inter, picks // r, float(limit), BN=block_up,
+                                    BK=min(config.block_k, d), **meta)
+    _down[(picks, d // block_down)](h, per_pick, counts, order, experts, *weights.w2, d, inter,
+                                    BN=block_down, BK=min(config.block_k, inter), **meta)
+
+
+def reference(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
+              limit: float) -> torch.Tensor:
+    """float64 reference of `routed_experts`, from the same MXFP4 weights (dequantized exactly),
+    with the same bf16 rounding of the weighted SwiGLU output."""
+    experts = unprepare(weights)
+    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for row in range(ids.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[row, slot])
+            if e < 0:
+                continue
+            w1, w2, w3 = (formats.dequantize_mxfp4(*experts[e][m], dtype=torch.float64) for m in range(3))
+            xr = x[row].double()
+            gate, up = (w1 @ xr).clamp(max=limit), (w3 @ xr).clamp(-limit, limit)
+            h = (torch.nn.functional.silu(gate) * up * float(route_weights[row, slot])).to(torch.bfloat16)
+            y[row] += w2 @ h.double()
+    return y

@@ -1,0 +1,151 @@
+"""Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
+
+`python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick] [--out DIR]`
+
+For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
+row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
+weights come from HBM; the graph is replayed 5 times and the median per step kept. Bytes: the
+distinct experts each step touches times one expert's MXFP4 bytes (codes + scales of w1, w2, w3).
+The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) is measured in
+the same run. Every variant is first checked against the float64 reference at 6 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+
+from . import experts as X
+
+E, D, I, TOPK = 256, 4096, 2048, 6  # v4-flash
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3)
+
+
+def random_bank(g: torch.Generator) -> X.ExpertWeights:
+    def matrix(n, k):
+        codes = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+        scales = torch.randint(118, 127, (E, n, k // 32), dtype=torch.uint8, device="cuda", generator=g)
+        return codes, scales
+
+    return X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D))
+
+
+def expert_bytes() -> int:
+    return 3 * (D * I // 2 + D * I // 32)
+
+
+def routings(rows: int, steps: int, g: torch.Generator) -> list[torch.Tensor]:
+    scores = torch.rand(steps, rows, E, device="cuda", generator=g)
+    return [s.topk(TOPK, dim=-1).indices for s in scores]
+
+
+def check(bank, config, g) -> float:
+    ids = routings(6, 1, g)[0]
+    x = torch.randn(6, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(6, TOPK, device="cuda", generator=g)
+    y = X.routed_experts(x, ids, w, bank, 10.0, config, poison=True).double()
+    ref = X.reference(x, ids, w, bank, 10.0)
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
+    """(median microseconds per step, mean distinct experts per step), kernels only."""
+    plans = []
+    for ids in routings(rows, steps, g):
+        x = torch.randn(rows, D, device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.rand(rows * TOPK, device="cuda", generator=g)
+        h = torch.empty(rows * TOPK, I, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(rows * TOPK, D, device="cuda")
+        plans.append((x, X.group_picks(ids), w, h, out, ids.unique().numel()))
+    run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, h, out) for x, grp, w, h, out, _ in plans]
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / steps)
+    return sorted(times)[2], sum(p[-1] for p in plans) / steps
+
+
+def variants(quick: bool):
+    yield "portable", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    grid = itertools.product((64, 128), (128, 256), (4, 8), (3,)) if quick else \
+        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3, 4))
+    for bn, bk, nw, ns in grid:
+        yield f"fast bn{bn} bk{bk} w{nw} s{ns}", X.LaunchConfig(True, bn, bk, nw, ns)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,6,16,48")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="a small grid of launch configs")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    copy = copy_bandwidth()
+    bank = random_bank(g)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
+              "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
+    print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
+    for name, config in variants(args.quick):
+        try:
+            err = check(bank, config, g)
+        except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
+            print(f"{name}: failed: {str(e).splitlines()[0][:120]}", flush=True)
+            continue
+        entry = {"config": config.__dict__, "rel_err": err, "rows": {}}
+        for rows in rows_list:
+            us, distinct = time_steps(bank, config, rows, args.steps, g)
+            tbps = distinct * expert_bytes() / (us * 1e-6) / 1e12
+            entry["rows"][rows] = {"us": us, "distinct_experts": distinct, "TBps": tbps, "of_copy": tbps * 1e12 / copy}
+        result["variants"][name] = entry
+        cells = "  ".join(f"{r}:{v['TBps']:.2f}" for r, v in entry["rows"].items())
+        print(f"{name:<26} err {err:.1e}  TB/s by rows {cells}", flush=True)
+    best = {}
+    for rows in rows_list:
+        name, entry = max(((n, e) for n, e in result["variants"].items() if n != "portable"),
+                          key=lambda item: item[1]["rows"][rows]["TBps"])
+        best[rows] = (name, entry["rows"][rows])
+    result["best"] = {r: {"variant": n, **v} for r, (n, v) in best.items()}
+    with open(os.path.join(args.out, "experts_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\ncopy {copy / 1e12:.3f} TB/s; expert stage, kernels only, {args.steps} fresh routings a row count")
+    print(f"{'rows':>5} {'experts':>8} {'best variant':<26} {'us':>8} {'TB/s':>6} {'of copy':>8} {'portable TB/s':>14}")
+    for rows, (name, v) in best.items():
+        portable = result["variants"].get("portable", {}).get("rows", {}).get(rows, {}).get("TBps", float("nan"))
+        print(f"{rows:>5} {v['distinct_experts']:>8.1f} {name:<26} {v['us']:>8.1f} {v['TBps']:>6.2f} "
+              f"{v['of_copy']:>8.0%} {portable:>14.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

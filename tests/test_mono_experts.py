@@ -1,0 +1,104 @@
+"""The routed-expert stage against a float64 reference of the same MXFP4 weights.
+
+On the CPU the kernels run under Triton's interpreter (the portable decode); with
+MONODECODE_TEST_DEVICE=cuda they run compiled, with the fast decode.
+"""
+
+import os
+
+if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+import pytest
+import torch
+
+from monodecode import formats
+from monodecode.mono import experts as X
+
+LIMIT = 10.0
+
+
+def assert_close(y, ref):
+    """Rows agree at fp32-accumulation level. The kernel rounds h to bf16 from fp32, the
+    reference from float64: an h value within fp32 error of a bf16 rounding boundary can round
+    the other way (one bf16 ulp of one element, seen in 1 row of 80), so a few rows may differ
+    by up to ~2^-8 of that element's share; a wrong expert, row or scale is off by far more."""
+    row_err = (y.cpu().double() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-30)
+    live = ref.norm(dim=-1) > 0
+    assert torch.isfinite(y).all()
+    assert row_err[live].median() < 1e-6
+    assert row_err[live].max() < 5e-3
+    assert (row_err[live] > 1e-6).float().mean() <= 0.1
+
+
+def random_bank(g, num_experts, hidden, inter, device):
+    def matrix(n, k):
+        return formats.quantize_mxfp4(torch.randn(n, k, generator=g) / k**0.5)
+
+    bank = X.prepare([(matrix(inter, hidden), matrix(hidden, inter), matrix(inter, hidden))
+                      for _ in range(num_experts)])
+    return X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (bank.w1, bank.w2, bank.w3)))
+
+
+@pytest.fixture(scope="module")
+def bank(device):
+    return random_bank(torch.Generator().manual_seed(0), num_experts=8, hidden=64, inter=32, device=device)
+
+
+def picks(g, rows, topk, num_experts, routing):
+    if routing == "hash":  # a fixed table per token id: tokens repeat, so do whole pick sets
+        table = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(5)])
+        return table[torch.randint(0, 5, (rows,), generator=g)]
+    scores = torch.rand(rows, num_experts, generator=g)
+    return scores.topk(topk, dim=-1).indices
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 16, 48])
+@pytest.mark.parametrize("routing", ["hash", "bias"])
+def test_matches_float64_reference(bank, device, rows, routing):
+    g = torch.Generator().manual_seed(rows * 7 + len(routing))
+    ids = picks(g, rows, 2, 8, routing)
+    if rows > 2:
+        ids[rows // 2] = -1  # a pad row
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    weights = torch.rand(rows, 2, generator=g) + 0.1
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, poison=True)
+    ref = X.reference(x, ids, weights, X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3))), LIMIT)
+    assert_close(y, ref)
+    if rows > 2:
+        assert (y[rows // 2] == 0).all()
+
+
+def test_many_rows_on_one_expert_are_split_into_tasks(device):
+    """40 rows all picking expert 3 (three tasks of up to 16 rows) and expert 0."""
+    g = torch.Generator().manual_seed(5)
+    bank = random_bank(g, num_experts=4, hidden=64, inter=32, device=device)
+    ids = torch.tensor([[3, 0]] * 40)
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    weights = torch.rand(40, 2, generator=g)
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, poison=True)
+    cpu_bank = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
+    assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
+
+
+def test_group_picks():
+    ids = torch.tensor([[2, 0], [-1, -1], [2, 1], [0, 2]])
+    order, experts, counts = X.group_picks(ids, rows=2)
+    # sorted picks: expert 0 (picks 1, 6), 1 (pick 5), 2 (picks 0, 4, 7), pads last
+    assert order.tolist()[:6] == [1, 6, 5, 0, 4, 7]
+    assert counts.tolist() == [2, 0, 1, 2, 0, 1, 0, 0]  # expert 2's third pick starts a new task
+    assert experts.tolist()[:6] == [0, 0, 1, 2, 0, 2]
+
+
+def test_prepare_round_trips():
+    g = torch.Generator().manual_seed(3)
+    experts = [tuple(formats.quantize_mxfp4(torch.randn(32, 64, generator=g)) for _ in range(3)) for _ in range(4)]
+    back = X.unprepare(X.prepare(experts))
+    for original, restored in zip(experts, back):
+        for (codes, scale), (codes2, scale2) in zip(original, restored):
+            assert torch.equal(codes, codes2)
+            assert torch.equal(scale.view(torch.uint8), scale2.view(torch.uint8))
+    bank = X.prepare(experts)
+    assert X.fast_decode_supported(bank)
+    bank.w2[1][0, 0, 0] = 200
+    assert not X.fast_decode_supported(bank)
