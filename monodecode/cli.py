@@ -55,6 +55,25 @@ def main(argv: list[str] | None = None) -> int:
                           '"rejection_sample_method": "block"}\'')
     gen.set_defaults(run=run_generate)
 
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"a checkpoint directory or a preset (default: {DEFAULT_MODEL}, random weights)")
+    serve.add_argument("--served-model-name", help="the name clients use (default: --model as given)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-model-len", type=int, help="prompt + output tokens a request may have "
+                                                         "(default: 4096, or less if the model is shorter)")
+    serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded at once (cache slots)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens prefilled a step")
+    serve.add_argument("--speculative-config", metavar="JSON", help="DSpark speculation, as for generate")
+    serve.add_argument("--mono", default="auto", choices=["auto", "on", "off"],
+                       help="decode steps of <= 48 rows on the mono kernels (not built yet: auto runs per-op)")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve.set_defaults(run=run_serve)
+
+    add_bench_commands(commands)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -107,6 +126,15 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats is not None:
         print(describe_acceptance(stats, spec), file=sys.stderr)
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    if args.model == DEFAULT_MODEL:
+        print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
+              "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)
+    return serve(args)
 
 
 def describe_acceptance(stats, spec) -> str:
@@ -224,6 +252,43 @@ def _ranges(ids) -> str:
         step = ids[1] - ids[0]
         return f"{ids[0]}-{ids[-1]}" + (f" step {step}" if step > 1 else "")
     return ", ".join(map(str, ids))
+
+
+# --- `monodecode bench ...`: load generators against a running server (monodecode/bench/) ---
+
+def add_bench_commands(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmark a running server")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    serve = bench_commands.add_parser(
+        "serve", help="load an OpenAI-compatible completions server at fixed concurrency levels",
+        description="Streams random prompts to /v1/completions, keeping each concurrency level's "
+                    "requests in flight, and reports TTFT, TPOT, ITL, E2EL, throughput and "
+                    "interactivity (metric definitions: monodecode/bench/serve.py).")
+    serve.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    serve.add_argument("--model", help="the model name to request (default: the first of /v1/models)")
+    serve.add_argument("--concurrency", required=True, help="levels, comma-separated, e.g. 1,2,4,8")
+    serve.add_argument("--num-prompts", type=int, required=True, help="requests at each level")
+    serve.add_argument("--input-len", type=int, required=True, help="prompt tokens")
+    serve.add_argument("--output-len", type=int, required=True, help="max_tokens of each request")
+    serve.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos: true")
+    serve.add_argument("--seed", type=int, default=0, help="seeds the random prompts")
+    serve.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
+                       help="token ids (exact length), or random words for servers without token-id "
+                            "prompts (about one token a word)")
+    serve.add_argument("--token-id-range", default="1000:128000", metavar="LOW:HIGH",
+                       help="prompt token ids are drawn from [LOW, HIGH) (default: ordinary "
+                            "DeepSeek-V3/V4 tokens)")
+    serve.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="a request not done by then fails (default: 600)")
+    serve.add_argument("--out", type=Path, metavar="DIR",
+                       help="where bench_serve.json and bench_serve.png go (default: bench-serve-DATE-TIME)")
+    serve.set_defaults(run=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from .bench.serve import run_bench_serve as run  # httpx and numpy only when benchmarking
+
+    return run(args)
 
 
 if __name__ == "__main__":

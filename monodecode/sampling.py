@@ -1,35 +1,44 @@
-"""Token sampling from fp32 logits: greedy at temperature 0, else temperature and top-p."""
+"""Token sampling from fp32 logits: greedy at temperature 0, else temperature, top-k and top-p.
+
+top_k <= 0 keeps every token (vLLM spells "off" as -1, some clients as 0); top_p = 1 keeps the
+whole distribution. Top-k cuts first, then top-p takes its nucleus of what is left.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def check_sampling(temperature: float, top_p: float) -> None:
+def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"top_k must be an integer (<= 0 for no limit), got {top_k!r}")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, top_k: int = 0) -> torch.Tensor:
     """logits [N, vocab] -> token ids [N]."""
-    check_sampling(temperature, top_p)
+    check_sampling(temperature, top_p, top_k)
     if temperature == 0:
         return logits.argmax(dim=-1)  # exact, and draws nothing from the generator
-    return sample_from(probabilities(logits, temperature, top_p), generator)
+    return sample_from(probabilities(logits, temperature, top_p, top_k), generator)
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
     """logits [..., vocab] -> the fp32 distribution [..., vocab] that `sample` draws from: at
-    temperature 0 a one-hot of the argmax, else softmax(logits / temperature) cut to the top-p
-    nucleus. Speculative verification compares these distributions, so draft and target must
-    both come from here."""
-    check_sampling(temperature, top_p)
+    temperature 0 a one-hot of the argmax, else softmax(logits / temperature) cut to the top-k
+    tokens and then to the top-p nucleus. Speculative verification compares these
+    distributions, so draft and target must both come from here."""
+    check_sampling(temperature, top_p, top_k)
     logits = logits.float()
     if temperature == 0:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = (logits / temperature).softmax(dim=-1)
     return top_p_filter(probs, top_p) if top_p < 1 else probs
 

@@ -61,8 +61,11 @@ class SpecCaches:
 
 
 class SpeculativeDecoder:
-    def __init__(self, model: Model, config: SpeculativeConfig):
+    def __init__(self, model: Model, config: SpeculativeConfig, target_step=None):
+        """`target_step` runs the target's verify rows (Model.step's signature); the engine passes
+        the one place where a step picks the mono or the per-op path. Prefill is always per-op."""
         self.model, self.config = model, config
+        self.target_step = target_step or model.step
         self.draft = model.draft()
         config.check_block_size(self.draft.block_size)
         self.block_size = self.draft.block_size
@@ -78,15 +81,23 @@ class SpeculativeDecoder:
                 top_p: float = 1.0, generator: torch.Generator | None = None) -> SpecRequest:
         """Run a prompt, commit it, and sample its first token, which becomes the anchor."""
         check_sampling(temperature, top_p)
-        n = len(prompt_ids)
-        positions = torch.arange(n, device=self.model.device)
-        logits, hidden = self.model.step(caches.target, prompt_ids, positions, [slot] * n, return_hidden=True)
-        self.draft.commit(caches.draft, slot, positions, hidden)
+        logits = self.prefill_chunk(caches, slot, prompt_ids, start=0)
         first = int(sample(logits[-1:], temperature, top_p, generator))
-        return SpecRequest(slot, n, first, temperature, top_p, generator)
+        return SpecRequest(slot, len(prompt_ids), first, temperature, top_p, generator)
 
-    def step(self, caches: SpecCaches, requests: list[SpecRequest]) -> list[list[int]]:
-        """One verify step for all `requests` (updated in place); the tokens each committed."""
+    def prefill_chunk(self, caches: SpecCaches, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """Run and commit prompt tokens at positions start, start + 1, ... (a chunked prefill
+        calls this chunk by chunk, in order); their fp32 logits [len(token_ids), vocab]."""
+        positions = torch.arange(start, start + len(token_ids), device=self.model.device)
+        logits, hidden = self.model.step(caches.target, token_ids, positions, [slot] * len(token_ids),
+                                         return_hidden=True)
+        self.draft.commit(caches.draft, slot, positions, hidden)
+        return logits
+
+    def step(self, caches: SpecCaches, requests: list[SpecRequest], return_logits: bool = False):
+        """One verify step for all `requests` (updated in place); the tokens each committed. With
+        `return_logits`, also per request the target's fp32 logits [len(committed), vocab] that
+        each committed token was verified or sampled against (row j: the token at anchor + 1 + j)."""
         b, device = self.block_size, self.model.device
         anchors = torch.tensor([r.anchor for r in requests], device=device)
         starts = torch.tensor([r.position for r in requests], device=device)
@@ -95,7 +106,7 @@ class SpeculativeDecoder:
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1).flatten()
         positions = (starts[:, None] + torch.arange(b + 1, device=device)).flatten()
         slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
-        logits, hidden = self.model.step(caches.target, tokens, positions, slots, return_hidden=True)
+        logits, hidden = self.target_step(caches.target, tokens, positions, slots, return_hidden=True)
         logits, hidden = logits.view(len(requests), b + 1, -1), hidden.view(len(requests), b + 1, -1)
         committed = []
         for i, r in enumerate(requests):
@@ -108,6 +119,8 @@ class SpeculativeDecoder:
             r.anchor = verdict.tokens[-1]
             self._count(verdict.accepted)
             committed.append(verdict.tokens)
+        if return_logits:
+            return committed, [logits[i, :len(tokens)] for i, tokens in enumerate(committed)]
         return committed
 
     def _count(self, accepted: int) -> None:

@@ -1,0 +1,190 @@
+"""Engine: requests in, tokens out, with continuous batching on one model (one thread).
+
+Each `step()`:
+1. the scheduler admits waiting requests into free cache slots and picks the prompt chunks to
+   prefill (per-op) within the step's token budget;
+2. every request whose prompt is done decodes in one step: a row each (`Model.step`), or under
+   speculation 1 + k rows each (`SpeculativeDecoder.step`); the StepRunner picks the path;
+3. the prompt chunks run, together in one per-op step (one step each under speculation); the
+   last chunk of a prompt samples the request's first token;
+4. finished requests leave, their slots cleared and freed.
+It returns one RequestOutput per request that produced something. `abort` ends a request at
+once and frees its slot. The engine is not thread-safe: AsyncEngine drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..model import Model
+from ..sampling import sample
+from ..spec.config import SpeculativeConfig
+from ..spec.decoder import SpecRequest, SpeculativeDecoder
+from .logprobs import token_logprobs
+from .metrics import Metrics
+from .params import SamplingParams
+from .request import Request, RequestOutput
+from .runner import StepRunner
+from .scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, model: Model, *, max_model_len: int, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 512, speculative: SpeculativeConfig | None = None,
+                 mono: str = "auto", tokenizer=None, metrics: Metrics | None = None):
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        self.metrics = metrics or Metrics()
+        self.runner = StepRunner(model, mono, self.metrics)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.decoder = None
+        if speculative is not None:
+            self.decoder = SpeculativeDecoder(model, speculative, target_step=self.runner.decode)
+            self.caches = self.decoder.make_caches(max_num_seqs, max_model_len + self.decoder.block_size + 1)
+        else:
+            self.caches = model.make_cache(max_num_seqs, max_model_len, max_step_rows=1)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot run; safe to call from any thread."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary of {vocab}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                             f"has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
+                             f"({len(prompt_ids) + params.max_tokens} in all)")
+        if self.decoder is not None and params.top_k > 0:
+            raise ValueError("top_k is not supported with speculative decoding yet")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.check(prompt_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        eos = self.model.config.eos_token_id
+        stop_ids = set(params.stop_token_ids) | ({eos} if eos is not None and not params.ignore_eos else set())
+        request = Request(request_id, list(prompt_ids), params, stop_ids, self.tokenizer, self.model.device)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.abort()
+            self._release(request)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with `error` (after a step raised): the engine stays usable."""
+        outputs = []
+        for request in list(self.requests.values()):
+            request.finish_reason = "error"
+            self._release(request)
+            outputs.append(RequestOutput(request.id, [], "", finished=True, finish_reason="error", error=error))
+        return outputs
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.decode:
+            self._decode(plan.decode)
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        outputs = []
+        for request in plan.decode + [r for r, _, _ in plan.prefill]:
+            out = request.take_output()
+            if out is not None:
+                outputs.append(out)
+                self._count(request, out)
+            if request.finished:
+                self._release(request)
+        stats = self.decoder.stats.mean_acceptance_length if self.decoder else 0.0
+        self.metrics.set_load(len(self.scheduler.running), len(self.scheduler.waiting), stats)
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Offline: run every prompt to the end, batched; the output token ids of each."""
+        ids = [f"offline-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.add_request(request_id, prompt, params)
+        tokens = {request_id: [] for request_id in ids}
+        while self.has_work():
+            for out in self.step():
+                tokens[out.request_id] += out.token_ids
+        return [tokens[request_id] for request_id in ids]
+
+    def _decode(self, requests: list[Request]) -> None:
+        if self.decoder is not None:
+            committed, logits = self.decoder.step(self.caches, [r.spec for r in requests], return_logits=True)
+            for request, tokens, rows in zip(requests, committed, logits):
+                for token, logprob in zip(tokens, self._logprobs(request, rows, tokens)):
+                    request.append(token, logprob)
+            return
+        logits = self.runner.decode(self.caches, [r.output_ids[-1] for r in requests],
+                                    [r.next_position for r in requests], [r.slot for r in requests])
+        for request, row in zip(requests, logits):
+            self._sample(request, row[None])
+
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
+        """Run prompt chunks: in one step for all of them, or one each under speculation (the
+        draft's rings take each request's features)."""
+        if self.decoder is not None:
+            logits = [self.decoder.prefill_chunk(self.caches, r.slot, r.prompt_ids[start:end], start)
+                      for r, start, end in chunks]
+        else:
+            tokens = [t for r, start, end in chunks for t in r.prompt_ids[start:end]]
+            positions = [p for _, start, end in chunks for p in range(start, end)]
+            slots = [r.slot for r, start, end in chunks for _ in range(start, end)]
+            logits = self.model.step(self.caches, tokens, positions, slots).split([end - start for _, start, end in chunks])
+        for (request, start, end), rows in zip(chunks, logits):
+            self._after_prefill(request, start, end, rows)
+
+    def _after_prefill(self, request: Request, start: int, end: int, logits) -> None:
+        self.metrics.count_prefill_chunk(end - start)
+        request.computed = end
+        if request.params.echo:
+            scored = request.prompt_ids[start + 1:end + 1]  # row i predicts the token after it
+            request.add_prompt_logprobs(token_logprobs(logits, scored, request.params.logprobs or 0))
+        if request.prefilled:
+            token = self._sample(request, logits[-1:])
+            if self.decoder is not None:
+                p = request.params
+                request.spec = SpecRequest(request.slot, len(request.prompt_ids), token, p.temperature, p.top_p,
+                                           request.generator)
+
+    def _sample(self, request: Request, logits) -> int:
+        p = request.params
+        token = int(sample(logits, p.temperature, p.top_p, request.generator, p.top_k))
+        request.append(token, self._logprobs(request, logits, [token])[0])
+        return token
+
+    def _logprobs(self, request: Request, logits, tokens: list[int]) -> list:
+        if request.params.logprobs is None:
+            return [None] * len(tokens)
+        return token_logprobs(logits, tokens, request.params.logprobs)
+
+    def _count(self, request: Request, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.token_ids:
+            first = request.first_token_at is None
+            ttft = now - request.arrival if first else None
+            gap = None if first else now - request.last_token_at
+            self.metrics.count_tokens(len(out.token_ids), ttft, gap)
+            request.first_token_at = request.first_token_at or now
+            request.last_token_at = now
+
+    def _release(self, request: Request) -> None:
+        if self.requests.pop(request.id, None) is None:
+            return
+        slot = self.scheduler.remove(request)
+        if slot is not None and self.decoder is not None:
+            self.caches.target.clear(slot)
+            self.caches.draft.clear(slot)
+        elif slot is not None:
+            self.caches.clear(slot)
+        self.metrics.count_finished(request.finish_reason)

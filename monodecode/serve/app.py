@@ -1,0 +1,106 @@
+"""The FastAPI application: OpenAI routes, health, metrics, tokenizer routes, and error handlers.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text), and the tokenizer routes lm-eval's `local-completions` looks
+for (GET /tokenizer_info, POST /tokenize, POST /detokenize) so that it can count tokens with
+the server's own tokenizer. The engine thread starts and stops with the application. Any error
+becomes an OpenAI-shaped JSON error; nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from ..engine.async_engine import AsyncEngine
+from .chat import ChatTemplate
+from .errors import APIError, bad_request
+from .serving import OpenAIServing
+
+log = logging.getLogger("monodecode.serve")
+
+
+def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template: ChatTemplate) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="monodecode", lifespan=lifespan)
+    serving = OpenAIServing(engine, model_name, tokenizer, chat_template)
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serving.completions(await _json_body(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serving.chat(await _json_body(request))
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        eos = engine.engine.model.config.eos_token_id
+        eos_text = tokenizer.decode([eos]) if tokenizer is not None and eos is not None else None
+        return {"eos_token": eos_text or None, "bos_token": None, "pad_token": None,
+                "chat_template": chat_template.source, "model_max_length": serving.max_model_len}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json_body(request)
+        if not isinstance(body.get("prompt"), str):
+            raise bad_request("prompt must be a string", "prompt")
+        tokens = serving.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        tokens = (await _json_body(request)).get("tokens")
+        if tokenizer is None or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise bad_request("tokens must be a list of token ids (and the model needs a tokenizer)", "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
+    return app
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, e: HTTPException):
+        return APIError(e.status_code, str(e.detail), type="invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, e: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), status_code=500)

@@ -1,0 +1,133 @@
+"""The engine (monodecode.engine) offline: continuous batching changes no token, chunked prefill,
+slots, stop conditions, logprobs, refusals."""
+
+import pytest
+import torch
+
+import monodecode
+from monodecode.engine import Engine, SamplingParams
+from monodecode.engine.tokenizer import ByteTokenizer
+from monodecode.generate import generate
+from monodecode.sampling import sample
+from monodecode.spec.config import SpeculativeConfig
+
+PROMPTS = [[5, 9, 14], list(range(40, 61)), [300, 300, 7], [11], list(range(100, 140)), [77] * 9]
+
+
+@pytest.fixture(scope="module")
+def model(device):
+    return monodecode.load("tiny", seed=3, device=device)
+
+
+def engine(model, **kw):
+    kw = {"max_model_len": 128, "max_num_seqs": 3, "max_num_batched_tokens": 7, "mono": "off", **kw}
+    return Engine(model, **kw)
+
+
+def run(eng, prompt, params, request_id="r"):
+    """One request through add_request/step: (token ids, text, finish reason, outputs)."""
+    eng.add_request(request_id, prompt, params)
+    return finish(eng, request_id)
+
+
+def finish(eng, request_id):
+    outputs = []
+    while eng.has_work():
+        outputs += [o for o in eng.step() if o.request_id == request_id]
+    return [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs), outputs[-1].finish_reason, outputs
+
+
+@pytest.mark.parametrize("method", [None, "block"])
+def test_batched_engine_equals_one_request_at_a_time(model, method):
+    """6 prompts through 3 slots, prefilled 7 tokens a step (chunks, queueing, mixed
+    prefill/decode steps), greedy: every output equals plain generation of that prompt alone;
+    with speculation too (lossless verification)."""
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5,
+                                        "rejection_sample_method": method}) if method else None
+    got = engine(model, speculative=spec).generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert got == [generate(model, p, 12) for p in PROMPTS]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    alone = engine(model).generate([PROMPTS[1]], params)[0]
+    together = engine(model).generate(PROMPTS[:4], params)[1]
+    assert alone == together
+    assert engine(model).generate([PROMPTS[1]], SamplingParams(**{**params.__dict__, "seed": 8}))[0] != alone
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    drawn = sample(logits, 1.0, 1.0, torch.Generator().manual_seed(1), top_k=1)
+    assert torch.equal(drawn, logits.argmax(-1))
+
+
+def test_stop_strings_stop_ids_and_eos(model):
+    eng = engine(model, tokenizer=ByteTokenizer())
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ids, text, reason, _ = run(eng, PROMPTS[1], free)
+    assert reason == "length" and len(ids) == 40
+    middle = next(i for i in range(len(text) // 2, len(text)) if text[i:i + 2].isprintable()
+                  and len(text[i:i + 2]) == 2 and "\ufffd" not in text[i:i + 2])
+    stop = text[middle:middle + 2]
+    cut_text = text[: text.find(stop)]
+    _, got, reason, outputs = run(eng, PROMPTS[1], SamplingParams(**{**free.__dict__, "stop": ("zzz-never", stop)}))
+    assert (got, reason) == (cut_text, "stop") and outputs[-1].finished
+    stop_id = ids[5]
+    got_ids, _, reason, _ = run(eng, PROMPTS[1], SamplingParams(**{**free.__dict__, "stop_token_ids": (stop_id,)}))
+    assert got_ids == ids[: ids.index(stop_id) + 1] and reason == "stop"
+    eos = model.config.eos_token_id
+    ids_eos, _, _, _ = run(eng, PROMPTS[1], SamplingParams(max_tokens=40, temperature=0))
+    assert ids_eos == (ids[: ids.index(eos) + 1] if eos in ids else ids)
+
+
+def test_abort_frees_the_slot_for_the_next_request(model):
+    eng = engine(model, max_num_seqs=1)
+    eng.add_request("long", PROMPTS[4], SamplingParams(max_tokens=80, temperature=0))
+    for _ in range(8):
+        eng.step()
+    eng.add_request("waiting", PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    eng.step()
+    assert [r.id for r in eng.scheduler.waiting] == ["waiting"]
+    eng.abort("long")
+    assert eng.scheduler.free_slots == [0]
+    ids, _, reason, _ = finish(eng, "waiting")
+    # the slot's cache was cleared: the new request sees nothing of the aborted one
+    assert ids == generate(model, PROMPTS[0], 6) and reason == "length"
+    assert not eng.has_work() and eng.scheduler.free_slots == [0]
+
+
+def test_logprobs_and_echo_match_a_full_prefill(model):
+    eng = engine(model)
+    prompt = PROMPTS[4]  # 40 tokens: 6 prefill chunks of at most 7
+    ids, _, _, outputs = run(eng, prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, echo=True))
+    sequence = prompt + ids
+    expected = model.score(sequence).log_softmax(-1)
+    prompt_lp = next(o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None)
+    assert prompt_lp[0] is None and len(prompt_lp) == len(prompt)
+    sampled = [e for o in outputs for e in o.logprobs]
+    for i, entry in enumerate(prompt_lp[1:] + sampled, start=1):
+        assert entry.token_id == sequence[i]
+        assert abs(entry.logprob - expected[i - 1, sequence[i]].item()) < 1e-4
+        assert len(entry.top) == 3 and abs(entry.top[0][1] - expected[i - 1].max().item()) < 1e-4
+    for entry in sampled:  # greedy: the sampled token is the most likely one
+        assert entry.top[0][0] == entry.token_id
+
+
+def test_requests_that_cannot_fit_are_refused(model):
+    eng = engine(model)
+    with pytest.raises(ValueError, match="maximum context length is 128"):
+        eng.add_request("a", list(range(120)), SamplingParams(max_tokens=9))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request("b", [1, 512], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("c", [], SamplingParams())
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="mono kernels are not built yet"):
+        engine(model, mono="on")
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5})
+    with pytest.raises(ValueError, match="top_k"):
+        engine(model, speculative=spec).add_request("d", [1, 2], SamplingParams(top_k=5))
+    assert not eng.has_work()
