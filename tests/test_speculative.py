@@ -36,6 +36,20 @@ def test_greedy_speculation_is_lossless(model, method, prompt_seed):
     assert stats.steps >= 1 and 1 <= stats.mean_acceptance_length <= 6
 
 
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_top_k_reaches_draft_and_verification(model, method):
+    """top_k = 1 at temperature 1 is greedy, but only if both the draft's and the target's
+    distributions are cut to their top token: the output must then equal plain greedy."""
+    decoder = SpeculativeDecoder(model, spec(method))
+    caches = decoder.make_caches(num_slots=1, max_context=64)
+    prompt = [7, 70, 300, 12]
+    request = decoder.prefill(caches, 0, prompt, 1.0, 1.0, torch.Generator().manual_seed(0), top_k=1)
+    out = [request.anchor]
+    while len(out) < 30:
+        out += decoder.step(caches, [request])[0]
+    assert out[:30] == generate(model, prompt, 30)
+
+
 def test_batched_requests_commit_consistent_caches(model):
     """Three requests decoded together at temperature 1 (standard verification): afterwards the
     target's logits for each committed sequence equal its prefill, and each draft ring holds
@@ -76,7 +90,7 @@ def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):
     before = [ring.pos.clone() for ring in caches.draft.rings]
     proposal = decoder.draft.propose(caches.draft, torch.tensor([request.anchor]),
                                      torch.tensor([request.position]), [1],
-                                     [(0.7, 0.9, torch.Generator().manual_seed(0))])
+                                     [(0.7, 0.9, 0, torch.Generator().manual_seed(0))])
     assert proposal.tokens.shape == (1, 5) and proposal.probs.shape == (1, 5, 512)
     assert torch.allclose(proposal.probs.sum(-1), torch.ones(1, 5))
     drawn = proposal.probs.gather(-1, proposal.tokens.unsqueeze(-1))

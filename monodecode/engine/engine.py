@@ -58,8 +58,6 @@ class Engine:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                              f"has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
                              f"({len(prompt_ids) + params.max_tokens} in all)")
-        if self.decoder is not None and params.top_k > 0:
-            raise ValueError("top_k is not supported with speculative decoding yet")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.check(prompt_ids, params)
@@ -155,7 +153,7 @@ class Engine:
             if self.decoder is not None:
                 p = request.params
                 request.spec = SpecRequest(request.slot, len(request.prompt_ids), token, p.temperature, p.top_p,
-                                           request.generator)
+                                           request.generator, p.top_k)
 
     def _sample(self, request: Request, logits) -> int:
         p = request.params

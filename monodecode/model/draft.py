@@ -97,9 +97,9 @@ class Draft:
 
     @torch.no_grad()
     def propose(self, cache: DraftCache, anchors: torch.Tensor, anchor_positions: torch.Tensor,
-                slots: list[int], sampling: list[tuple[float, float, torch.Generator | None]]) -> Proposal:
+                slots: list[int], sampling: list[tuple[float, float, int, torch.Generator | None]]) -> Proposal:
         """One block for each of R requests: anchors, anchor_positions [R], their slots, and
-        per request (temperature, top_p, generator)."""
+        per request (temperature, top_p, top_k, generator)."""
         c, w, b = self.c, self.w, self.block_size
         r = anchors.shape[0]
         device = self.model.device
@@ -124,8 +124,8 @@ class Draft:
         for k in range(self.block_size):
             e = F.embedding(prev, w[f"{last}markov_head.markov_w1"]).float()
             logits = base[:, k] + F.linear(e, w[f"{last}markov_head.markov_w2"].float())
-            probs = torch.stack([probabilities(logits[i], t, p) for i, (t, p, _) in enumerate(sampling)])
-            prev = torch.stack([sample_from(probs[i], g) for i, (_, _, g) in enumerate(sampling)])
+            probs = torch.stack([probabilities(logits[i], t, p, k) for i, (t, p, k, _) in enumerate(sampling)])
+            prev = torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)])
             features = torch.cat([hb[:, k].float(), e], dim=-1)
             confidence.append(torch.sigmoid(F.linear(features, w[f"{last}confidence_head.proj"].float())).squeeze(-1))
             drafted.append(prev)

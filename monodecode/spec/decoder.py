@@ -35,6 +35,11 @@ class SpecRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    top_k: int = 0  # <= 0: no limit
+
+    @property
+    def sampling(self) -> tuple[float, float, int, torch.Generator | None]:
+        return self.temperature, self.top_p, self.top_k, self.generator
 
 
 @dataclass
@@ -78,12 +83,12 @@ class SpeculativeDecoder:
         return SpecCaches(target, self.draft.make_cache(num_slots))
 
     def prefill(self, caches: SpecCaches, slot: int, prompt_ids: list[int], temperature: float = 0.0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> SpecRequest:
+                top_p: float = 1.0, generator: torch.Generator | None = None, top_k: int = 0) -> SpecRequest:
         """Run a prompt, commit it, and sample its first token, which becomes the anchor."""
-        check_sampling(temperature, top_p)
+        check_sampling(temperature, top_p, top_k)
         logits = self.prefill_chunk(caches, slot, prompt_ids, start=0)
-        first = int(sample(logits[-1:], temperature, top_p, generator))
-        return SpecRequest(slot, len(prompt_ids), first, temperature, top_p, generator)
+        first = int(sample(logits[-1:], temperature, top_p, generator, top_k))
+        return SpecRequest(slot, len(prompt_ids), first, temperature, top_p, generator, top_k)
 
     def prefill_chunk(self, caches: SpecCaches, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
         """Run and commit prompt tokens at positions start, start + 1, ... (a chunked prefill
@@ -102,7 +107,7 @@ class SpeculativeDecoder:
         anchors = torch.tensor([r.anchor for r in requests], device=device)
         starts = torch.tensor([r.position for r in requests], device=device)
         proposal = self.draft.propose(caches.draft, anchors, starts, [r.slot for r in requests],
-                                      [(r.temperature, r.top_p, r.generator) for r in requests])
+                                      [r.sampling for r in requests])
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1).flatten()
         positions = (starts[:, None] + torch.arange(b + 1, device=device)).flatten()
         slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
@@ -111,7 +116,7 @@ class SpeculativeDecoder:
         committed = []
         for i, r in enumerate(requests):
             verdict = verify(self.config.rejection_sample_method, logits[i], proposal.tokens[i],
-                             proposal.probs[i], temperature=r.temperature, top_p=r.top_p,
+                             proposal.probs[i], temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                              generator=r.generator, acceptance_length=self.config.synthetic_acceptance_length)
             kept = verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
             self.draft.commit(caches.draft, r.slot, positions.view(-1, b + 1)[i, :kept], hidden[i, :kept])

@@ -61,7 +61,7 @@ class Verdict:
 
 
 def verify(method: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-           draft_probs: torch.Tensor, *, temperature: float, top_p: float,
+           draft_probs: torch.Tensor, *, temperature: float, top_p: float, top_k: int = 0,
            generator: torch.Generator | None, acceptance_length: float | None = None) -> Verdict:
     """Verify one request's draft with `method` (a SpeculativeConfig.rejection_sample_method).
     target_logits [k + 1, V], draft_tokens [k], draft_probs [k, V]; `acceptance_length` is read
@@ -70,7 +70,7 @@ def verify(method: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor,
         raise ValueError(f"unknown verification method {method!r}; expected one of {list(REJECTION_SAMPLE_METHODS)}")
     if method == "greedy":
         return verify_greedy(target_logits, draft_tokens)
-    target_probs = probabilities(target_logits, temperature, top_p)
+    target_probs = probabilities(target_logits, temperature, top_p, top_k)
     if method == "synthetic":
         return verify_synthetic(target_probs, draft_tokens, acceptance_length, generator)
     verifier = verify_block if method == "block" else verify_standard
