@@ -43,7 +43,7 @@ def test_top_k_reaches_draft_and_verification(model, method):
     decoder = SpeculativeDecoder(model, spec(method))
     caches = decoder.make_caches(num_slots=1, max_context=64)
     prompt = [7, 70, 300, 12]
-    request = decoder.prefill(caches, 0, prompt, 1.0, 1.0, torch.Generator().manual_seed(0), top_k=1)
+    request = decoder.prefill(caches, 0, prompt, 1.0, 1.0, torch.Generator(model.device).manual_seed(0), top_k=1)
     out = [request.anchor]
     while len(out) < 30:
         out += decoder.step(caches, [request])[0]
@@ -57,7 +57,7 @@ def test_batched_requests_commit_consistent_caches(model):
     decoder = SpeculativeDecoder(model, spec("standard"))
     caches = decoder.make_caches(num_slots=4, max_context=96)
     prompts = [[5, 9, 14], list(range(40, 61)), [300] * 2 + [7]]
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    gens = [torch.Generator(model.device).manual_seed(i) for i in range(3)]
     requests = [decoder.prefill(caches, slot, p, 1.0, 1.0, g)
                 for slot, p, g in zip((3, 0, 2), prompts, gens)]
     sequences = [p + [r.anchor] for p, r in zip(prompts, requests)]
@@ -75,7 +75,7 @@ def test_batched_requests_commit_consistent_caches(model):
         # the draft's rings hold the committed positions' keys, as a fresh prefill makes them
         fresh = decoder.make_caches(num_slots=1, max_context=96)
         decoder.prefill(fresh, 0, committed)
-        window = torch.arange(max(len(committed) - 16, 0), len(committed))
+        window = torch.arange(max(len(committed) - 16, 0), len(committed), device=model.device)
         for ring, fresh_ring in zip(caches.draft.rings, fresh.draft.rings):
             got, valid = ring.read(r.slot, window)
             want, fresh_valid = fresh_ring.read(0, window)
@@ -90,9 +90,9 @@ def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):
     before = [ring.pos.clone() for ring in caches.draft.rings]
     proposal = decoder.draft.propose(caches.draft, torch.tensor([request.anchor]),
                                      torch.tensor([request.position]), [1],
-                                     [(0.7, 0.9, 0, torch.Generator().manual_seed(0))])
+                                     [(0.7, 0.9, 0, torch.Generator(model.device).manual_seed(0))])
     assert proposal.tokens.shape == (1, 5) and proposal.probs.shape == (1, 5, 512)
-    assert torch.allclose(proposal.probs.sum(-1), torch.ones(1, 5))
+    assert torch.allclose(proposal.probs.sum(-1).cpu(), torch.ones(1, 5))
     drawn = proposal.probs.gather(-1, proposal.tokens.unsqueeze(-1))
     assert (drawn > 0).all()  # each draft token came from its distribution
     assert ((proposal.confidence > 0) & (proposal.confidence < 1)).all()
@@ -105,7 +105,7 @@ def test_synthetic_mode_hits_its_acceptance_length(model):
     step, checks that the decoder counts what the synthetic verifier does."""
     decoder = SpeculativeDecoder(model, spec("synthetic", synthetic_acceptance_length=3.51))
     caches = decoder.make_caches(num_slots=8, max_context=1024)
-    requests = [decoder.prefill(caches, s, [s + 1, 2, 3], 1.0, 1.0, torch.Generator().manual_seed(s))
+    requests = [decoder.prefill(caches, s, [s + 1, 2, 3], 1.0, 1.0, torch.Generator(model.device).manual_seed(s))
                 for s in range(8)]
     for _ in range(60):
         decoder.step(caches, requests)
