@@ -1,0 +1,118 @@
+"""Synchronisation of persistent kernels: monotonic counters, bounded waits, a device epoch.
+
+Invariants (DESIGN.md section 4)
+- One program per SM, all co-resident: a wait on a program that never got scheduled would never
+  end, so launches that wait across programs are cooperative (`launch_cooperative_grid=True`):
+  the driver refuses a grid that cannot be co-resident instead of letting it hang.
+- Counters only grow; nothing on the host resets them. A launch reads the device-resident epoch
+  `e` at its start and derives every target from it: barrier k of a launch with B barriers waits
+  for `(e * B + k + 1) * grid` arrivals. So a CUDA graph replays the launch as is.
+- The epoch advances on the device: every program arrives at an exit counter; the program that
+  arrives last has seen every other program finish, so none still needs to read `e`, and it
+  stores `e + 1`.
+- Producer: its stores, a CTA barrier, then one release atomic at gpu scope (cumulativity
+  publishes the whole CTA's writes). Consumer: volatile polls (never hoisted or cached), then
+  an acquire atomic on the exit path before it reads what was published.
+- Waits are bounded: after `max_polls` polls a wait gives up, records `stage + 1` in the error
+  word (the first error wins), and the kernel carries on to its end without waiting again, so
+  the launch finishes; the host then raises `MonoSyncError` naming the stage. A hung GPU is
+  never the failure mode.
+- Under `TRITON_INTERPRET=1` programs run one after another, so a kernel runs there with
+  grid=(1,): one program takes every task in order and every wait is already satisfied.
+
+The state lives in one int32 buffer (`SyncState.words`): [epoch, error, exit counter, barrier
+counter], each on its own 32-word line so that contended atomics do not share a line.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LINE = 32  # int32 words per 128-byte line
+EPOCH, ERROR, EXIT, BARRIER = 0, LINE, 2 * LINE, 3 * LINE
+WORDS = 4 * LINE
+DEFAULT_MAX_POLLS = 1 << 22  # seconds of polling on an H200: far past any real wait
+_ERROR: tl.constexpr = tl.constexpr(ERROR)
+_EXIT: tl.constexpr = tl.constexpr(EXIT)
+_BARRIER: tl.constexpr = tl.constexpr(BARRIER)
+
+
+class MonoSyncError(RuntimeError):
+    """A persistent kernel's wait expired; the message names the stage that was waiting."""
+
+
+class SyncState:
+    """The device words of one family of persistent launches (one epoch, its counters)."""
+
+    def __init__(self, device, stage_names: list[str]):
+        self.words = torch.zeros(WORDS, dtype=torch.int32, device=device)
+        self.stage_names = stage_names
+
+    @property
+    def epoch(self) -> int:
+        return int(self.words[EPOCH])
+
+    def check(self) -> None:
+        """Raise MonoSyncError if a wait expired in a launch since the last check (a host sync)."""
+        error = int(self.words[ERROR])
+        if error:
+            self.words[ERROR] = 0
+            name = self.stage_names[error - 1] if error - 1 < len(self.stage_names) else f"#{error - 1}"
+            raise MonoSyncError(
+                f"a persistent kernel gave up waiting in stage {name!r}: a program it waited on never "
+                "arrived (grid not co-resident, or a wrong target); its outputs are invalid")
+
+
+@triton.jit
+def signal(counter_ptr):
+    """Publish this CTA's stores: CTA barrier, then one release increment at gpu scope."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_at_least(counter_ptr, target, error_ptr, stage, max_polls):
+    """Wait until *counter_ptr >= target; acquire on success. After `max_polls` polls record
+    `stage + 1` in the error word (if none is there) and return False. Skips the wait, returning
+    False, when an error is already recorded: the launch is lost and must finish."""
+    state = tl.where(tl.load(error_ptr, volatile=True) == 0, 0, 2)  # 0 waiting, 1 done, 2 failed
+    polls = 0
+    while state == 0:
+        if tl.load(counter_ptr, volatile=True) >= target:
+            tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")  # on the exit path
+            state = 1
+        else:
+            polls += 1
+            if polls >= max_polls:
+                tl.atomic_cas(error_ptr, 0, stage + 1, sem="relaxed", scope="gpu")
+                state = 2
+    tl.debug_barrier()
+    return state == 1
+
+
+@triton.jit
+def grid_barrier(sync_ptr, epoch, k, num_barriers, stage, max_polls):
+    """Barrier k of a launch with `num_barriers` barriers: every program's earlier stores are
+    visible to every program after it. Returns False if the wait expired (or already had)."""
+    grid = tl.num_programs(0)
+    signal(sync_ptr + _BARRIER)
+    target = (epoch * num_barriers + k + 1) * grid
+    return wait_at_least(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, stage, max_polls)
+
+
+@triton.jit
+def launch_epoch(sync_ptr):
+    """The epoch this launch runs in (read once, at the start)."""
+    return tl.load(sync_ptr, volatile=True)
+
+
+@triton.jit
+def finish_launch(sync_ptr, epoch):
+    """Arrive at the exit counter; the last program to arrive advances the epoch."""
+    grid = tl.num_programs(0)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sync_ptr + _EXIT, 1, sem="acq_rel", scope="gpu")
+    if arrived == (epoch + 1) * grid - 1:
+        tl.atomic_xchg(sync_ptr, epoch + 1, sem="release", scope="gpu")
