@@ -3,6 +3,7 @@ batching, disconnects, errors, lm-eval's payloads, a bounded load test. Every ca
 timeout, and the server always shuts down."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -26,12 +27,11 @@ def model():
     return monodecode.load(MODEL)
 
 
-@pytest.fixture(scope="module")
-def server(model):
-    """The base URL of a server on 127.0.0.1 (a free port), up until the module's tests end."""
+@contextlib.contextmanager
+def running(app):
+    """The base URL of `app` served on 127.0.0.1 (a free port) until the block ends."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = make_app(model, MODEL, max_model_len=256, max_num_seqs=SLOTS, mono="auto")
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -46,6 +46,12 @@ def server(model):
         uv.should_exit = True
         thread.join(TIMEOUT)
         sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with running(make_app(model, MODEL, max_model_len=256, max_num_seqs=SLOTS, mono="auto")) as url:
+        yield url
 
 
 def get(url, path):
@@ -108,6 +114,24 @@ def test_concurrent_greedy_requests_equal_offline_generation(server, model):
             return await asyncio.gather(*(ask(c, p) for p in prompts))
 
     assert asyncio.run(ask_all()) == [generate(model, p, 10) for p in prompts]
+
+
+def test_speculative_server_equals_offline_generation(model):
+    """With DSpark block verification, concurrent greedy requests (several verify rows each, in
+    one step) still give the tokens of plain generation; /metrics reports the acceptance."""
+    spec = {"method": "dspark", "num_speculative_tokens": 5, "rejection_sample_method": "block"}
+    prompts = [[(11 * i + j) % 500 + 3 for j in range(2 + i)] for i in range(6)]
+    with running(make_app(model, MODEL, max_model_len=128, max_num_seqs=4, speculative_config=spec)) as url:
+        async def ask_all():
+            async with client(url, openai.AsyncOpenAI) as c:
+                replies = await asyncio.gather(*(
+                    c.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+                    for p in prompts))
+                return [r.choices[0].model_extra["token_ids"] for r in replies]
+
+        assert asyncio.run(ask_all()) == [generate(model, p, 12) for p in prompts]
+        assert metric(url, "monodecode_mean_acceptance_length") >= 1.0
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
