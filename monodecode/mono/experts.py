@@ -12,9 +12,11 @@ Contract
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
   Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not
   start a group exit at once: the launch needs no host sync and can be graph-captured.
-- Stages: `_up` (w1 and w3 tiles, SwiGLU with the clamp, routing weight, bf16 rounding) writes
-  h [R * k, I]; `_down` (w2 tiles) writes per-pick outputs [R * k, d] fp32; the sum over a row's
-  picks runs in top-k order, so the result does not depend on task order.
+- Stages: `up_task` (w1 and w3 tiles, SwiGLU with the clamp, routing weight, bf16 rounding)
+  writes h [R * k, I]; `down_task` (w2 tiles) writes per-pick outputs [R * k, d] fp32; the sum
+  over a row's picks runs in top-k order, so the result does not depend on task order. The
+  tasks are device functions, for K2 to call from its own task loop; `_up` and `_down` are the
+  standalone launches (one program a task) that `routed_experts` and the benchmark use.
 
 Decode (constexpr FAST):
 - FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement
@@ -191,10 +193,11 @@ def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
 
 
 @triton.jit
-def _up(x_ptr, rw_ptr, h_ptr, counts_ptr, order_ptr, experts_ptr,
-        w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit,
-        BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
-    j, nb = tl.program_id(0), tl.program_id(1)
+def up_task(j, nb, x_ptr, rw_ptr, h_ptr, counts_ptr, order_ptr, experts_ptr,
+            w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit,
+            BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    """Gate/up task (sorted pick j, intermediate block nb): h[pick, block] for the up to ROWS_
+    picks of one expert that start at j; nothing unless j starts a group. K2 calls this per task."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         n = nb * BN + tl.arange(0, BN)
@@ -213,15 +216,30 @@ def _up(x_ptr, rw_ptr, h_ptr, counts_ptr, order_ptr, experts_ptr,
 
 
 @triton.jit
-def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
-    j, nb = tl.program_id(0), tl.program_id(1)
+def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+              BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         n = nb * BN + tl.arange(0, BN)
         y = _matvec(w2_codes + tl.multiple_of(expert * D * (I // 2), 16), w2_scales + expert * D * (I // 32), n,
                     h_ptr, picks, mask, I, BK, FAST)
         tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
+
+
+@triton.jit
+def _up(x_ptr, rw_ptr, h_ptr, counts_ptr, order_ptr, experts_ptr,
+        w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit,
+        BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    up_task(tl.program_id(0), tl.program_id(1), x_ptr, rw_ptr, h_ptr, counts_ptr, order_ptr, experts_ptr,
+            w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST)
+
+
+@triton.jit
+def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST)
 
 
 # --- launcher -------------------------------------------------------------------------------------
