@@ -98,7 +98,9 @@ def test_prepare_round_trips():
         for (codes, scale), (codes2, scale2) in zip(original, restored):
             assert torch.equal(codes, codes2)
             assert torch.equal(scale.view(torch.uint8), scale2.view(torch.uint8))
+    assert X.prepare(experts).supports_fast_decode()
     bank = X.prepare(experts)
-    assert X.fast_decode_supported(bank)
     bank.w2[1][0, 0, 0] = 200
-    assert not X.fast_decode_supported(bank)
+    assert not bank.supports_fast_decode()
+    with pytest.raises(ValueError, match="scale codes outside"):
+        X.launch_stages(None, None, None, bank, LIMIT, X.LaunchConfig(fast=True), None)

@@ -25,8 +25,8 @@ Decode (constexpr FAST):
   to bits 8..6, which is the e2m1 value times 2^-126 (the e2m1 subnormal 0.5 lands on a bf16
   subnormal, exact). The factor 2^126 is folded into the block scale, applied as one bf16
   multiply: 2^(e - 127) * 2^126 = 2^(e - 1) must be a bf16 and the scaled values normal, so
-  scale codes are limited to [2, 128] (`fast_decode_supported`; real weights, |w| < 12, are far
-  inside). The products then go through the
+  scale codes are limited to [2, 128] (`ExpertWeights.supports_fast_decode`; real weights,
+  |w| < 12, are far inside; the launcher refuses others on the fast path). The products then go through the
   tensor cores with the weights as the M operand (swap AB: M = weight rows, N = the rows of
   the step padded to 16), accumulating in fp32.
 - Portable (interpreter, AMD): the nibbles decoded arithmetically to fp32, the scale applied in
@@ -38,7 +38,7 @@ Both are exact up to fp32 accumulation order against a float64 reference of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -57,6 +57,7 @@ class ExpertWeights:
     w1: tuple[torch.Tensor, torch.Tensor]
     w2: tuple[torch.Tensor, torch.Tensor]
     w3: tuple[torch.Tensor, torch.Tensor]
+    _fast_decode: bool | None = field(default=None, repr=False)
 
     @property
     def num_experts(self) -> int:
@@ -69,6 +70,14 @@ class ExpertWeights:
     @property
     def hidden(self) -> int:
         return self.w2[0].shape[1]
+
+    def supports_fast_decode(self) -> bool:
+        """Whether every scale code is in [2, 128], as the fast decode's folded scale needs.
+        Checked once (a device sync), so call it at build, before any graph capture."""
+        if self._fast_decode is None:
+            low, high = FAST_SCALE_CODES
+            self._fast_decode = all(bool(((s >= low) & (s <= high)).all()) for _, s in (self.w1, self.w2, self.w3))
+        return self._fast_decode
 
 
 def prepare(experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]) -> ExpertWeights:
@@ -87,12 +96,6 @@ def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Te
         return m[0][e], m[1][e].view(torch.float8_e8m0fnu)
 
     return [(one(weights.w1, e), one(weights.w2, e), one(weights.w3, e)) for e in range(weights.num_experts)]
-
-
-def fast_decode_supported(weights: ExpertWeights) -> bool:
-    """The fast decode's folded scale needs every scale code in [2, 128]."""
-    low, high = FAST_SCALE_CODES
-    return all(bool(((s >= low) & (s <= high)).all()) for _, s in (weights.w1, weights.w2, weights.w3))
 
 
 # --- decode ---------------------------------------------------------------------------------------
@@ -287,7 +290,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
     """y [R, d] fp32 of one step's routed experts (the contract in the module docstring).
     `poison` fills the intermediates with NaN first, so that tests see any element no task wrote."""
     if config is None:
-        config = LaunchConfig(fast=x.is_cuda and torch.version.cuda is not None)
+        config = LaunchConfig(fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
     buffers = StageBuffers(ids.numel(), weights, x.device, poison)
     launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
                   weights, limit, config, buffers)
@@ -315,6 +318,9 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
                   config: LaunchConfig, buffers: StageBuffers) -> None:
     """The stage's kernels alone (gate/up, SwiGLU, down): x [R, d] bf16, `groups` from
     `group_picks`, flat routing weights [R * k]; fills `buffers`."""
+    if config.fast and not weights.supports_fast_decode():
+        raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
+                         "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
     order, experts, counts = groups
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
