@@ -200,3 +200,14 @@ def test_generate_sampling_is_seeded(model):
         generate(model, [1], 2, temperature=1.0, top_p=0)
     with pytest.raises(ValueError, match="prompt token id 512 at index 1"):
         generate(model, [1, 512], 2)
+
+
+def test_weights_that_cannot_fit_are_refused_before_reading(monkeypatch, capsys):
+    import monodecode.model.transformer as transformer
+    from monodecode.cli import main
+
+    monkeypatch.setattr(transformer, "free_memory", lambda device: 1000)
+    with pytest.raises(MemoryError, match=r"the weights need [0-9.]+ MiB on cpu as loaded \(float32\), 0\.0 MiB is free"):
+        monodecode.load("tiny")
+    assert main(["generate", "--max-tokens", "2"]) == 2
+    assert "Use fewer layers" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from .cache import DecodeCache
 from .hc import hc_head
 from .layer import Block
 from .norm import rms_norm
-from .weights import expert_bank, read_weights
+from .weights import expert_bank, free_memory, read_weights, resident_bytes
 
 
 class Model:
@@ -35,6 +35,7 @@ class Model:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32) -> "Model":
         ckpt.validate()
+        _check_fits(ckpt, device, dtype)
         return cls(ckpt.config, read_weights(ckpt, "model", device, dtype), device, dtype, ckpt)
 
     def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> DecodeCache:
@@ -117,6 +118,21 @@ class Model:
                                  "in one step must be consecutive positions in row order")
             groups.append(RequestRows(slot, index, pos))
         return groups
+
+
+def _check_fits(ckpt, device, dtype) -> None:
+    """Refuse, before reading anything, weights that cannot fit where they are to live."""
+    need = resident_bytes([s for s in ckpt.specs if s.group == "model"], dtype)
+    free = free_memory(device)
+    if need > free:
+        raise MemoryError(
+            f"{ckpt.path}: the weights need {_gib(need)} on {device} as loaded "
+            f"({str(dtype).removeprefix('torch.')}), {_gib(free)} is free. Use fewer layers, "
+            f"e.g. `monodecode make-checkpoint --preset NAME --layers 2 --out DIR`, or another device.")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:

@@ -12,6 +12,8 @@ Keys are the schema's names without a `.weight` suffix (`layers.0.attn.wq_a`,
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +60,33 @@ def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple
         if all(piece in pending for piece in spec.stored()):
             out[spec.name.removesuffix(".weight")] = _convert(spec, pending, device, dtype)
     return out
+
+
+def resident_bytes(specs: list[TensorSpec], dtype: torch.dtype) -> int:
+    """Bytes `read_weights` keeps for these specs: FP8 and plain tensors in the compute dtype
+    (fp32 where the reference keeps fp32), MXFP4 experts as stored."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for spec in specs:
+        if spec.fmt == "mxfp4":
+            total += spec.nbytes()
+        else:
+            keep_fp32 = spec.fmt == "fp32" or spec.name.endswith(FP32_SUFFIXES) or spec.fmt == "int"
+            total += math.prod(spec.shape) * (4 if keep_fp32 else itemsize)
+    return total
+
+
+def free_memory(device) -> int:
+    """Bytes free on `device` now (host memory for the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:  # MemAvailable counts the page cache that can be dropped (a checkpoint just written)
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def expert_bank(weights: dict, prefix: str, num_experts: int, dtype) -> ExpertBank:
