@@ -92,15 +92,16 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .generate import generate, generate_speculative, load_tokenizer
+    from .engine.tokenizer import file_tokenizer
+    from .generate import generate, generate_speculative
     from .model import load
     from .spec.config import SpeculativeConfig
 
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = file_tokenizer(args.model)  # no byte fallback: without one, ids in and out
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
-        prompt_ids = tokenizer.encode(args.prompt).ids
+        prompt_ids = tokenizer.encode(args.prompt)
     elif args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from .model import Model
@@ -39,16 +37,6 @@ def _check_prompt(model: Model, prompt_ids: list[int], max_tokens: int, temperat
     if bad:
         raise ValueError(f"prompt token id {prompt_ids[bad[0]]} at index {bad[0]} is outside the "
                          f"vocabulary of {vocab}")
-
-
-def load_tokenizer(source) -> "object | None":
-    """The checkpoint's `tokenizer.json` through the `tokenizers` library, or None."""
-    path = Path(str(source)) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
 
 
 def generate_speculative(model: Model, prompt_ids: list[int], max_tokens: int, config, *,

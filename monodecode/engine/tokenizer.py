@@ -39,12 +39,15 @@ class FileTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def file_tokenizer(source) -> FileTokenizer | None:
+    """The `tokenizer.json` of checkpoint directory `source`, or None."""
+    path = Path(str(source)) / "tokenizer.json"
+    return FileTokenizer(path) if path.is_file() else None
+
+
 def load_tokenizer(source, vocab_size: int) -> FileTokenizer | ByteTokenizer | None:
     """The tokenizer of checkpoint directory or preset `source`, or None (token ids only)."""
-    path = Path(str(source)) / "tokenizer.json"
-    if path.is_file():
-        return FileTokenizer(path)
-    return ByteTokenizer() if vocab_size >= BYTE_VOCAB else None
+    return file_tokenizer(source) or (ByteTokenizer() if vocab_size >= BYTE_VOCAB else None)
 
 
 class IncrementalDetokenizer:
