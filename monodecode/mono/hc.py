@@ -1,0 +1,279 @@
+"""The mHC seam of a sub-block: fold the owed output into the residual streams, then the site's
+mixes (Sinkhorn), the collapse and the RMSNorm. Two stages, as tasks for K1 / K2.
+
+Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R):
+- `fold_task`, tasks (row block, column chunk): `fold_tasks(R, d, CHUNK, RB)` =
+  ceil(R / RB) * ceil(d / CHUNK); task t serves rows (t // n_chunks) * RB .. + RB (masked at R)
+  and columns (t % n_chunks) * CHUNK .. + CHUNK (masked at d), n_chunks = ceil(d / CHUNK).
+  - HAS_OWED: the previous sub-block's output is folded in as `model.hc.hc_post` does:
+    streams[r, k, c] = bf16(bf16(bf16(post[r, k]) * out[r, c])
+                            + bf16(sum_j bf16(comb[r, j, k]) * residual[r, j, c]))   (sum in fp32)
+    reading residual [R, hc, d] bf16, out [R, d] bf16 (row stride `out_stride`), post [R, hc] and
+    comb [R, hc, hc] fp32 (as `hc_pre` returns them), writing streams [R, hc, d] bf16, a buffer
+    other than the residual. Without HAS_OWED the residual is the streams, and nothing is written.
+  - Either way, the partial sums of the site's mixes over the task's hc x CHUNK stream values
+    (as fp32): part[r, chunk, m] = sum_{k, c} fn[m, k * d + c] * streams[r, k, c] for m < MIX, and
+    part[r, chunk, MIX] = sum_{k, c} streams[r, k, c]^2; part is [R, n_chunks, MIX + 1] fp32.
+    The dot is an fp32 `tl.dot` in IEEE precision (the reference's F.linear is fp32; TF32 would
+    cost ~1e-3 of the mixes), with RB rows of the step as its M side, so a task reads its fn
+    columns once for RB rows: RB = 16 reads fn ceil(R / 16) times a step, RB = BR once.
+- `settle_task`, one task per row: `settle_tasks(R)` = R. Row t reduces its partials:
+  mixes = dot * rsqrt(sumsq / (hc * d) + norm_eps), i.e. F.linear(rms_norm(flat streams), fn);
+  then, all in fp32 as `hc_pre`: pre = sigmoid(mix * scale[0] + base) + hc_eps,
+  post = 2 sigmoid(mix * scale[1] + base), comb = softmax over k of (mix * scale[2] + base)[j, k]
+  + hc_eps, a column normalisation, then (sinkhorn_iters - 1) row / column rounds (+ hc_eps in each
+  denominator). Writes post [R, hc] and comb [R, hc, hc] fp32 (owed to the next fold), and
+  x_norm [R, d] bf16 = bf16(norm_w * (x * rsqrt(mean(x^2) + norm_eps))) of the collapsed row
+  x = bf16(sum_k pre[k] * streams[r, k]) (fp32 product-sum), norm_w fp32 [d].
+  d may exceed a register tile, so the row goes in BD-column pieces and in two passes: pass 1
+  writes the collapsed bf16 row into x_norm itself (its scratch) and sums its squares; a CTA
+  barrier (`tl.debug_barrier`: the pass-2 tile may sit on other threads than the pass-1 tile);
+  pass 2 re-reads it and overwrites it with the normalised row. Pad rows are computed like any row.
+- Stages: settle reads the streams fold wrote (or the residual, without HAS_OWED) and all of a row's
+  partials, so a grid barrier separates them.
+- Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
+  the norm). FAST (NVIDIA) rounds with the native cast; otherwise (the CPU interpreter, whose cast
+  truncates; AMD) with `experts._round_to_bf16`. Exact to the reference up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .experts import _round_to_bf16
+
+CHUNK = 64  # columns a fold task covers (a power of two >= 16: the K side of its dot)
+RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot)
+BD = 1024  # columns of a settle tile
+CB = 16  # chunks of partials a settle task reduces at a time
+
+
+def fold_tasks(R: int, d: int, CHUNK: int = CHUNK, RB: int = RB) -> int:
+    return triton.cdiv(R, RB) * triton.cdiv(d, CHUNK)
+
+
+def settle_tasks(R: int) -> int:
+    return R
+
+
+def mix_pad(hc: int) -> int:
+    """MIXP, the fold's mix tile: (2 + hc) * hc padded to a power of two, at least 16 (the dot's N)."""
+    return max(16, triton.next_power_of_2((2 + hc) * hc))
+
+
+@triton.jit
+def _bf16(v, FAST: tl.constexpr):
+    """fp32 -> the nearest bf16, kept as fp32."""
+    if FAST:
+        r = v.to(tl.bfloat16).to(tl.float32)
+    else:
+        r = _round_to_bf16(v)
+    return r
+
+
+@triton.jit
+def _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC: tl.constexpr, FAST: tl.constexpr):
+    """Stream k of hc_post on the task's tile: res3 [RB, HC, CHUNK] fp32 (the residual),
+    out [RB, CHUNK] fp32 -> the new stream [RB, CHUNK], bf16 values as fp32."""
+    post = _bf16(tl.load(post_ptr + rows * HC + k, mask=rmask, other=0.0), FAST)
+    spread = _bf16(post[:, None] * out, FAST)
+    j = tl.arange(0, HC)
+    comb = _bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j[None, :] * HC + k, mask=rmask[:, None],
+                         other=0.0), FAST)  # comb[r, j, k]: stream k receives sum over j
+    mixed = _bf16(tl.sum(comb[:, :, None] * res3, axis=1), FAST)
+    return _bf16(spread + mixed, FAST)
+
+
+@triton.jit
+def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
+              HC: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr,
+              HAS_OWED: tl.constexpr, FAST: tl.constexpr):
+    """Fold task t (row block, column chunk): the new streams (HAS_OWED) and the mix partials."""
+    MIX: tl.constexpr = (2 + HC) * HC
+    n_chunks = tl.cdiv(d, CHUNK)
+    chunk = t % n_chunks
+    rows = (t // n_chunks) * RB + tl.arange(0, RB)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    rmask, cmask = rows < R, cols < d
+    tile_mask = rmask[:, None] & cmask[None, :]
+    m = tl.arange(0, MIXP)
+    if HAS_OWED:
+        j = tl.arange(0, HC)
+        res3 = tl.load(res_ptr + rows[:, None, None] * (HC * d) + j[None, :, None] * d + cols[None, None, :],
+                       mask=tile_mask[:, None, :], other=0.0).to(tl.float32)
+        out = tl.load(out_ptr + rows[:, None] * out_stride + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    dots = tl.zeros((RB, MIXP), dtype=tl.float32)
+    sumsq = tl.zeros((RB,), dtype=tl.float32)
+    for k in tl.static_range(HC):
+        at = rows[:, None] * (HC * d) + k * d + cols[None, :]
+        if HAS_OWED:
+            s = _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC, FAST)
+            tl.store(streams_ptr + at, s.to(tl.bfloat16), mask=tile_mask)
+        else:
+            s = tl.load(res_ptr + at, mask=tile_mask, other=0.0).to(tl.float32)
+        sumsq += tl.sum(s * s, axis=1)
+        fn = tl.load(fn_ptr + m[None, :] * (HC * d) + k * d + cols[:, None],
+                     mask=(m[None, :] < MIX) & cmask[:, None], other=0.0)  # [CHUNK, MIXP]
+        dots = tl.dot(s, fn, dots, input_precision="ieee")
+    part = part_ptr + (rows * n_chunks + chunk) * (MIX + 1)
+    tl.store(part[:, None] + m[None, :], dots, mask=rmask[:, None] & (m[None, :] < MIX))
+    tl.store(part + MIX, sumsq, mask=rmask)
+
+
+@triton.jit
+def _mix_sums(part_ptr, n_chunks, HC: tl.constexpr, CB: tl.constexpr):
+    """A row's partials [n_chunks, MIX + 1] summed: (pre [HC], post [HC], comb [HC, HC], sumsq)."""
+    MIX: tl.constexpr = (2 + HC) * HC
+    i = tl.arange(0, HC)
+    pre = tl.zeros((HC,), dtype=tl.float32)
+    post = tl.zeros((HC,), dtype=tl.float32)
+    comb = tl.zeros((HC, HC), dtype=tl.float32)
+    sumsq = tl.zeros((CB,), dtype=tl.float32)
+    for c0 in range(0, n_chunks, CB):
+        c = c0 + tl.arange(0, CB)
+        cm = c < n_chunks
+        p = part_ptr + c * (MIX + 1)
+        pre += tl.sum(tl.load(p[:, None] + i[None, :], mask=cm[:, None], other=0.0), axis=0)
+        post += tl.sum(tl.load(p[:, None] + HC + i[None, :], mask=cm[:, None], other=0.0), axis=0)
+        comb += tl.sum(tl.load(p[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
+                               mask=cm[:, None, None], other=0.0), axis=0)
+        sumsq += tl.load(p + MIX, mask=cm, other=0.0)
+    return pre, post, comb, tl.sum(sumsq, axis=0)
+
+
+@triton.jit
+def _sinkhorn(z, hc_eps, sinkhorn_iters):
+    """comb [HC(j), HC(k)] from its logits, as hc_pre: softmax over k, + eps, column
+    normalisation, then (iters - 1) rounds of row and column normalisation."""
+    e = tl.exp(z - tl.max(z, axis=1)[:, None])
+    comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    return comb
+
+
+@triton.jit
+def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
+                hc_eps, norm_eps, sinkhorn_iters,
+                HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+    """Settle row t: post, comb and the normalised collapsed row x_norm."""
+    MIX: tl.constexpr = (2 + HC) * HC
+    n_chunks = tl.cdiv(d, CHUNK)
+    pre_w, post_w, comb_w, sumsq = _mix_sums(part_ptr + t * n_chunks * (MIX + 1), n_chunks, HC, CB)
+    inv = tl.rsqrt(sumsq / (HC * d) + norm_eps)  # rms_norm of the flat streams, applied to the dots
+    i = tl.arange(0, HC)
+    pre = tl.sigmoid(pre_w * inv * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+    post = 2 * tl.sigmoid(post_w * inv * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
+    z = comb_w * inv * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
+    comb = _sinkhorn(z, hc_eps, sinkhorn_iters)
+    tl.store(post_ptr + t * HC + i, post)
+    tl.store(comb_ptr + t * (HC * HC) + i[:, None] * HC + i[None, :], comb)
+
+    # pass 1: the collapsed row, rounded to bf16, parked in x_norm; its sum of squares
+    row = xn_ptr + t * d
+    sq = tl.zeros((BD,), dtype=tl.float32)
+    for c0 in range(0, d, BD):
+        c = c0 + tl.arange(0, BD)
+        cm = c < d
+        s = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + c[None, :], mask=cm[None, :], other=0.0)
+        x = _bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0), FAST)
+        tl.store(row + c, x.to(tl.bfloat16), mask=cm)
+        sq += x * x
+    inv_x = tl.rsqrt(tl.sum(sq, axis=0) / d + norm_eps)
+    tl.debug_barrier()  # pass 2 reads what other threads of this program stored
+    # pass 2: the weighted RMSNorm, in place
+    for c0 in range(0, d, BD):
+        c = c0 + tl.arange(0, BD)
+        cm = c < d
+        x = tl.load(row + c, mask=cm, other=0.0).to(tl.float32)
+        y = _bf16(tl.load(norm_w_ptr + c, mask=cm, other=0.0) * (x * inv_x), FAST)
+        tl.store(row + c, y.to(tl.bfloat16), mask=cm)
+
+
+# --- standalone launches --------------------------------------------------------------------------
+@triton.jit
+def _fold(n_tasks, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
+          HC: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr,
+          HAS_OWED: tl.constexpr, FAST: tl.constexpr):
+    for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
+                  HC, MIXP, RB, CHUNK, HAS_OWED, FAST)
+
+
+@triton.jit
+def _settle(n_tasks, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
+            hc_eps, norm_eps, sinkhorn_iters,
+            HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+    for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
+                    hc_eps, norm_eps, sinkhorn_iters, HC, CHUNK, CB, BD, FAST)
+
+
+def _fast(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.version.cuda is not None
+
+
+# The launches use num_stages=1: a program of the standalone grid has one task, so there is nothing
+# to prefetch, and Triton's pipeliner would still double-buffer the task loop's fn / post / comb loads
+# in shared memory (sm_90 compile of the fold at RB = 16: 72 KB a program, 12 KB without).
+
+
+def _grid(n_tasks: int) -> tuple[int]:
+    # the interpreter runs programs one after another: one program loops over every task
+    return (1,) if os.environ.get("TRITON_INTERPRET") == "1" else (n_tasks,)
+
+
+def _empty(shape, dtype, like: torch.Tensor, poison: bool) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=like.device) if poison else \
+        torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def fold(residual: torch.Tensor, fn: torch.Tensor, owed=None, *, chunk: int = CHUNK, rows: int = RB,
+         poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual [R, hc, d] bf16, fn [MIX, hc * d] fp32, owed (out [R, d] bf16, post [R, hc],
+    comb [R, hc, hc] fp32) or None -> (streams [R, hc, d] bf16, partials [R, n_chunks, MIX + 1] fp32).
+    Without owed the streams are the residual itself. `poison` fills the outputs with NaN first."""
+    R, hc, d = residual.shape
+    assert residual.dtype == torch.bfloat16 and residual.is_contiguous()
+    assert hc & (hc - 1) == 0 and fn.shape == ((2 + hc) * hc, hc * d) and fn.dtype == torch.float32
+    n_chunks = triton.cdiv(d, chunk)
+    partials = _empty((R, n_chunks, (2 + hc) * hc + 1), torch.float32, residual, poison)
+    if owed is None:
+        streams, out, post, comb = residual, residual, residual, residual  # unread placeholders
+    else:
+        out, post, comb = owed
+        assert out.shape == (R, d) and out.dtype == torch.bfloat16 and out.stride(1) == 1
+        assert post.shape == (R, hc) and comb.shape == (R, hc, hc)
+        post, comb = post.float().contiguous(), comb.float().contiguous()
+        streams = _empty(residual.shape, torch.bfloat16, residual, poison)
+    n_tasks = fold_tasks(R, d, chunk, rows)
+    _fold[_grid(n_tasks)](n_tasks, R, d, residual, out, out.stride(0), post, comb, streams, fn.contiguous(),
+                          partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None,
+                          FAST=_fast(residual), num_stages=1)
+    return streams, partials
+
+
+def settle(streams: torch.Tensor, partials: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           norm_weight: torch.Tensor, *, hc_eps: float, norm_eps: float, sinkhorn_iters: int,
+           chunk: int = CHUNK, block: int = BD, poison: bool = False):
+    """streams [R, hc, d] bf16 and their partials from `fold` (same `chunk`), the site's base [MIX]
+    and scale [3], the norm weight [d] (all fp32) -> (x_norm [R, d] bf16, post [R, hc],
+    comb [R, hc, hc] fp32)."""
+    R, hc, d = streams.shape
+    assert streams.dtype == torch.bfloat16 and streams.is_contiguous()
+    assert partials.shape == (R, triton.cdiv(d, chunk), (2 + hc) * hc + 1) and partials.is_contiguous()
+    x_norm = _empty((R, d), torch.bfloat16, streams, poison)
+    post = _empty((R, hc), torch.float32, streams, poison)
+    comb = _empty((R, hc, hc), torch.float32, streams, poison)
+    n_tasks = settle_tasks(R)
+    _settle[_grid(n_tasks)](n_tasks, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
+                            norm_weight.float().contiguous(), post, comb, x_norm, float(hc_eps), float(norm_eps),
+                            int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB, BD=min(block, triton.next_power_of_2(d)),
+                            FAST=_fast(streams), num_stages=1)
+    return x_norm, post, comb
