@@ -1,0 +1,179 @@
+"""The MoE's small stages (route, group, shared SwiGLU, combine) against the per-op MoE.
+
+On the CPU the kernels run under Triton's interpreter (the portable path); with
+MONODECODE_TEST_DEVICE=cuda they run compiled (FAST).
+"""
+
+import os
+
+if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from monodecode.model.moe import MoE
+from monodecode.mono import experts as X
+from monodecode.mono import router as M
+
+LIMIT, SCALE = 10.0, 1.5
+ROWS = [1, 5, 16, 48]
+
+
+def moe(w: dict, hash_routed: bool, topk: int) -> MoE:
+    """The per-op MoE with only what route and _swiglu read (no experts, no shared expert)."""
+    config = SimpleNamespace(n_shared_experts=0, swiglu_limit=LIMIT, routed_scaling_factor=SCALE)
+    return MoE(config, w, "ffn.", None, hash_routed, topk)
+
+
+def pad_rows(g, rows):
+    """Cache slots with about a quarter of the rows pads (-1), never all of them."""
+    slots = torch.arange(rows, dtype=torch.int64)
+    slots[torch.rand(rows, generator=g) < 0.25] = -1
+    slots[0] = 0
+    return slots
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("experts,topk", [(8, 2), (256, 6)])
+@pytest.mark.parametrize("hash_routed", [False, True])
+def test_route_matches_moe_route(device, rows, experts, topk, hash_routed):
+    g = torch.Generator().manual_seed(rows * 1000 + experts + hash_routed)
+    d, vocab = 64, 50
+    x = torch.randn(rows, d, generator=g).to(torch.bfloat16)
+    w = {"ffn.gate": (torch.randn(experts, d, generator=g) / 2).to(torch.bfloat16),
+         "ffn.gate.bias": torch.randn(experts, generator=g) / 4,
+         "ffn.gate.tid2eid": torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(vocab)])}
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    ref_ids, ref_weights = moe(w, hash_routed, topk).route(x, tokens)
+    logits = F.linear(x.float(), w["ffn.gate"].float())  # the gate GEMV, as route does it
+    slots = pad_rows(g, rows)
+    live = slots >= 0
+    tokens[~live], logits[~live] = -(1 << 40), float("nan")  # a pad row's inputs: not to be read
+    on = {"tokens": tokens.to(device), "tid2eid": w["ffn.gate.tid2eid"].to(device)} if hash_routed \
+        else {"bias": w["ffn.gate.bias"].to(device)}
+    ids, weights = M.route(logits.to(device), slots.to(device), topk, SCALE, poison=True, **on)
+    ids, weights = ids.cpu(), weights.cpu()
+    assert torch.equal(ids[live], ref_ids[live].to(torch.int32))
+    # observed (CPU): max relative difference 3.1e-7 over all cases, 0 for k = 2 rows of 1 (a few
+    # fp32 ulps: log1p(exp) computed differently, and the k scores summed in another order)
+    torch.testing.assert_close(weights[live], ref_weights[live], rtol=1e-6, atol=0)
+    assert (ids[~live] == -1).all() and (weights[~live] == 0).all()
+
+
+def test_route_scores_over_the_whole_softplus_range(device):
+    """Hash rows that pick every expert: the weights are the scores renormalised, for logits from
+    deep in log1p's small-argument range (-40: log(1 + y) alone would give 0) to past the
+    threshold (x > 20 passes through)."""
+    g = torch.Generator().manual_seed(11)
+    rows, experts = 6, 8
+    logits = torch.rand(rows, experts, generator=g) * 80 - 40
+    logits[0] = torch.tensor([-40.0, -30.0, -17.0, -1e-3, 0.0, 19.99, 20.0, 20.01])
+    table = torch.stack([torch.randperm(experts, generator=g) for _ in range(3)])
+    tokens = torch.randint(0, 3, (rows,), generator=g)
+    ids, weights = M.route(logits.to(device), torch.arange(rows).to(device), experts, SCALE,
+                           tokens=tokens.to(device), tid2eid=table.to(device), poison=True)
+    scores = F.softplus(logits).sqrt().gather(1, table[tokens])
+    assert torch.equal(ids.cpu(), table[tokens].to(torch.int32))
+    # observed (CPU): 2.1e-7 relative at most, down to the smallest weight (2e-10)
+    torch.testing.assert_close(weights.cpu(), scores / scores.sum(-1, keepdim=True) * SCALE, rtol=1e-6, atol=0)
+
+
+def test_route_ties_go_to_the_lowest_expert(device):
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0, 1.0, 0.0, 1.0]])
+    ids, _ = M.route(logits.to(device), torch.zeros(1, dtype=torch.int64).to(device), 4, SCALE,
+                     bias=torch.zeros(8).to(device), poison=True)
+    assert ids.cpu().tolist() == [[1, 3, 4, 2]]
+
+
+def assert_groups_equal(ids, device):
+    """Bit for bit what group_picks returns; gives the kernel's (order, experts, counts)."""
+    got = tuple(a.cpu() for a in M.group(ids.to(device), poison=True))
+    for name, a, b in zip(("order", "experts", "counts"), got, X.group_picks(ids)):
+        assert torch.equal(a, b), f"{name} differs for ids {ids.tolist()}"
+    return got
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 29, 48])
+def test_group_matches_group_picks(device, rows):
+    """Top-k style picks of 256 experts, k = 6, with pad rows and a few popular experts."""
+    g = torch.Generator().manual_seed(rows)
+    popular = torch.rand(rows, 256, generator=g)
+    popular[:, :4] += 0.9  # most rows pick experts 0..3: runs longer than ROWS
+    ids = popular.topk(6, dim=-1).indices
+    ids[torch.rand(rows, generator=g) < 0.2] = -1
+    assert_groups_equal(ids, device)
+
+
+def test_group_splits_an_expert_picked_by_more_than_rows(device):
+    """40 rows of one hash token and 5 of another, shuffled with 3 pad rows: experts 5 and 200
+    have 45 picks (tasks of 16 + 16 + 13), 0, 3, 17 and 99 have 40 (16 + 16 + 8), the rest 5."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[5, 200, 17, 3, 99, 0]] * 40 + [[-1] * 6] * 3 + [[200, 5, 1, 2, 4, 6]] * 5)
+    ids = ids[torch.randperm(48, generator=g)]
+    _, _, counts = assert_groups_equal(ids, device)
+    assert sorted(c for c in counts.tolist() if c) == [5] * 4 + [8] * 4 + [13] * 2 + [16] * 12
+
+
+@pytest.mark.parametrize("case", ["small", "all pads", "one expert", "one row"])
+def test_group_edge_cases(device, case):
+    g = torch.Generator().manual_seed(7)
+    ids = {"small": torch.randint(-1, 8, (16, 2), generator=g),  # E = 8, k = 2: many repeats
+           "all pads": torch.full((4, 6), -1),
+           "one expert": torch.full((48, 1), 255),
+           "one row": torch.tensor([[9, 3]])}[case]
+    assert_groups_equal(ids, device)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_shared_swiglu_matches_moe_swiglu(device, rows):
+    """Against MoE._swiglu with weight None and w2 the identity (which returns h in bf16 exactly):
+    gate and up from the bf16 GEMVs, as the halves of one [R, 2I] buffer; I = 40 with blocks of
+    16 leaves a masked tail; values up to ~±20 exercise the clamp at 10."""
+    g = torch.Generator().manual_seed(100 + rows)
+    d, inter = 64, 40
+    x = torch.randn(rows, d, generator=g).to(torch.bfloat16)
+    w1, w3 = ((torch.randn(inter, d, generator=g) * 0.8).to(torch.bfloat16) for _ in range(2))
+    ref = moe({"ffn.gate": None, "ffn.gate.bias": None}, False, 2)._swiglu(
+        x, w1, torch.eye(inter, dtype=torch.bfloat16), w3, None)
+    gate_up = torch.cat([F.linear(x, w1), F.linear(x, w3)], dim=1).to(device)
+    h = M.shared_swiglu(gate_up[:, :inter], gate_up[:, inter:], LIMIT, block=16, poison=True).cpu()
+    assert (gate_up.abs() > LIMIT).any()
+    # observed (CPU): bit-equal, all 2800 values; allowed: one bf16 ulp in 1% of them, where an
+    # fp32 exp an ulp apart (the GPU's exp is approximate) tips a bf16 rounding
+    diff = (h.float() - ref.float()).abs()
+    assert torch.isfinite(h).all() and (diff <= ref.float().abs() * 2**-8).all()
+    assert (diff == 0).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_matches_torch_sum(device, rows, with_shared):
+    """Each pick rounded to bf16 (the reference's expert output), an fp32 sum in top-k order, then
+    the shared output, then bf16: bit-exact. Pad picks' rows are
+    NaN (never written by the expert stage) and must not be read."""
+    g = torch.Generator().manual_seed(200 + rows)
+    topk, d = 6, 80  # d = 80 with blocks of 32 leaves a masked tail
+    ids = torch.randint(0, 256, (rows, topk), generator=g)
+    ids[torch.rand(rows, generator=g) < 0.25] = -1
+    per_pick = torch.randn(rows * topk, d, generator=g) * 3
+    per_pick[ids.flatten() < 0] = float("nan")
+    shared = torch.randn(rows, d, generator=g).to(torch.bfloat16) if with_shared else None
+    expected = torch.zeros(rows, d)
+    for s in range(topk):
+        pick = per_pick.view(rows, topk, d)[:, s].to(torch.bfloat16).float()
+        expected += torch.where((ids[:, s] >= 0).unsqueeze(-1), pick, 0.0)
+    if with_shared:
+        expected += shared.float()
+    y = M.combine(per_pick.to(device), ids.to(torch.int32).to(device),
+                  None if shared is None else shared.to(device), block=32, poison=True).cpu()
+    assert torch.equal(y, expected.to(torch.bfloat16))
+
+
+def test_task_counts():
+    assert M.route_tasks(48) == 48 and M.group_tasks() == 1
+    assert M.shared_swiglu_tasks(5, 2048, 1024) == 10 and M.shared_swiglu_tasks(5, 40, 16) == 15
+    assert M.combine_tasks(3, 4096, 1024) == 12
