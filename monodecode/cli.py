@@ -12,6 +12,7 @@ import torch
 
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, load_config
+from .mono.plan import MonoRefused
 from .schema import STORAGE_ITEMSIZE, step_bytes, tensor_specs
 
 GiB, MiB = 2**30, 2**20
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens prefilled a step")
     serve.add_argument("--speculative-config", metavar="JSON", help="DSpark speculation, as for generate")
     serve.add_argument("--mono", default="auto", choices=["auto", "on", "off"],
-                       help="decode steps of <= 48 rows on the mono kernels (not built yet: auto runs per-op)")
+                       help="decode steps of <= 48 rows on the mono kernels: auto (default) logs why it cannot and "
+                            "runs per-op, on raises the reason, off never uses them")
     serve.add_argument("--device", default="cpu", help="cpu or cuda")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     serve.set_defaults(run=run_serve)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError, ValueError, MemoryError) as e:
+    except (ConfigError, CheckpointError, ValueError, MemoryError, MonoRefused) as e:
         print(f"monodecode {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -125,6 +125,6 @@ def test_requests_that_cannot_fit_are_refused(model):
     for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
-    with pytest.raises(ValueError, match="mono kernels are not built yet"):
+    with pytest.raises(RuntimeError, match="activations and caches in bfloat16; the model is torch.float32"):
         engine(model, mono="on")
     assert not eng.has_work()

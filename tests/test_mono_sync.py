@@ -64,10 +64,15 @@ def test_an_expired_wait_is_reported_not_hung(device):
     data = torch.zeros(TASKS, dtype=torch.int32, device=device)
     out = torch.zeros(TASKS, dtype=torch.int32, device=device)
     launch(device, state, data, out, max_polls=1000, extra_target=5)  # the kernel must still end
+    assert state.epoch == 1  # the launch finished and advanced the epoch
     with pytest.raises(sync.MonoSyncError, match="stage 'rotate'"):
         state.check()
     state.check()  # the error was consumed: the next launches are judged on their own
-    assert state.epoch == 1  # the launch finished and advanced the epoch
+    assert state.epoch == 0  # and the counters started over
+    out.fill_(-1)
+    launch(device, state, data, out)
+    state.check()
+    assert torch.equal(out.cpu(), expected(0).to(torch.int32))
 
 
 @pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu", reason="needs a GPU")

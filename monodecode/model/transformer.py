@@ -26,6 +26,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.w, self.checkpoint, self._draft = weights, checkpoint, None
+        self.mono = None  # a monodecode.mono.MonoRunner once `use_mono` attaches one
         self.blocks = [
             Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", config.n_routed_experts, dtype),
                   ratio, config.is_hash_layer(i), config.num_experts_per_tok)
@@ -44,11 +45,24 @@ class Model:
         return DecodeCache(self.config, list(self.config.compress_ratios), num_slots, max_context,
                            max_step_rows, self.device, self.dtype)
 
-    @torch.no_grad()
+    def use_mono(self, mono: str) -> None:
+        """Run decode steps on the mono kernels: "off", "auto" (refusals logged, per-op then) or
+        "on" (refusals raised). Steps the kernels do not take run per-op (MonoRunner.fallbacks)."""
+        from ..mono import build
+
+        self.mono = build(self, mono)
+
     def step(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
         """fp32 logits [N, vocab]; with `return_hidden`, also the DSpark draft's input features
         [N, len(dspark_target_layer_ids) * hidden]: per target layer, the mean over the hc
-        streams of the residual after that layer."""
+        streams of the residual after that layer. On the mono kernels where they are in use."""
+        if self.mono is not None:
+            return self.mono.step(cache, tokens, positions, slots, return_hidden=return_hidden)
+        return self.step_per_op(cache, tokens, positions, slots, return_hidden=return_hidden)
+
+    @torch.no_grad()
+    def step_per_op(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
+        """`step` on the per-op path."""
         tokens, positions, slots = (torch.as_tensor(t, dtype=torch.long, device=self.device)
                                     for t in (tokens, positions, slots))
         groups = self._group_rows(cache, tokens, positions, slots)
@@ -142,8 +156,12 @@ def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
         raise ValueError(f"row {row}: {what} {int(values[row])} is outside [{low}, {high})")
 
 
-def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0) -> Model:
-    """A checkpoint directory, or a preset name (deterministic random weights built in memory)."""
+def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off") -> Model:
+    """A checkpoint directory, or a preset name (deterministic random weights built in memory).
+    `mono`: "off", "auto" or "on" (Model.use_mono)."""
     if str(source) in PRESETS:
-        return Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
-    return Model.from_checkpoint(Checkpoint(source), device, dtype)
+        model = Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
+    else:
+        model = Model.from_checkpoint(Checkpoint(source), device, dtype)
+    model.use_mono(mono)
+    return model

@@ -55,10 +55,12 @@ class SyncState:
         return int(self.words[EPOCH])
 
     def check(self) -> None:
-        """Raise MonoSyncError if a wait expired in a launch since the last check (a host sync)."""
+        """Raise MonoSyncError if a wait expired in a launch since the last check (a host sync).
+        The counters then start over from zero: the failed launches have all finished (their
+        waits gave up), so nothing is waiting on them, and later launches stay consistent."""
         error = int(self.words[ERROR])
         if error:
-            self.words[ERROR] = 0
+            self.words.zero_()
             name = self.stage_names[error - 1] if error - 1 < len(self.stage_names) else f"#{error - 1}"
             raise MonoSyncError(
                 f"a persistent kernel gave up waiting in stage {name!r}: a program it waited on never "

@@ -1,0 +1,181 @@
+"""The mono path checked on a GPU at real dims: `python -m monodecode.mono.check [--layers N] [--out FILE]`.
+
+A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
+bf16 on the GPU. Three checks, results printed and written as JSON:
+1. agreement: per layer (the mean of the hc streams after it, live rows) and on the logits, mono
+   against per-op on copies of the same prefilled caches, at widths 1, 6, 16 and 48 (with pad
+   rows at 48); cosine and relative L2; the ring rows each path wrote, compared;
+2. graph: the K1 + K2 launches of the `whole` layers for widths 1, 6, 16, 48, 6, 1 captured in one
+   CUDA graph, replayed 300 times; every replay's outputs bit-for-bit equal to the first's;
+3. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
+   with a short poll bound: the launch ends, the host raises MonoSyncError naming the stage.
+No error word may be set anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import time
+
+import torch
+import triton
+
+from ..checkpoint import SyntheticCheckpoint
+from ..config import preset
+from ..model import Model
+from . import k1, k2
+from .plan import WHOLE
+from .sync import EPOCH, MonoSyncError
+
+RATIOS = (0, 0, 4, 128)
+PROMPTS = [150, 7, 40, 133, 1, 90, 260, 12]  # tokens already in each slot's cache
+WIDTHS = {1: ([(0, 1)], 0), 6: ([(s, 1) for s in range(6)], 0), 16: ([(s, 2) for s in range(8)], 0),
+          48: ([(s, 5) for s in range(8)], 8)}
+
+
+def build(layers: int, seed: int = 0) -> Model:
+    config = preset("v4-flash", num_hidden_layers=layers, compress_ratios=RATIOS[:layers],
+                    num_hash_layers=min(layers, 3), dspark_target_layer_ids=tuple(range(layers)))
+    model = Model.from_checkpoint(SyntheticCheckpoint(config, seed), "cuda", torch.bfloat16)
+    model.use_mono("on")
+    return model
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.double().flatten(), b.double().flatten()
+    return {"cos": float(torch.dot(a, b) / (a.norm() * b.norm())), "rel_l2": float((a - b).norm() / b.norm())}
+
+
+def prefilled_cache(model: Model):
+    g = torch.Generator().manual_seed(1)
+    cache = model.make_cache(len(PROMPTS), 512, 8)
+    for slot, n in enumerate(PROMPTS):
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g)
+        model.step_per_op(cache, prompt, torch.arange(n), torch.full((n,), slot))
+    return cache
+
+
+def step_rows(width: int, g: torch.Generator, vocab: int):
+    groups, pads = WIDTHS[width]
+    tokens, positions, slots = [], [], []
+    for slot, n in groups:
+        tokens += torch.randint(0, vocab, (n,), generator=g).tolist()
+        positions += list(range(PROMPTS[slot], PROMPTS[slot] + n))
+        slots += [slot] * n
+    return tokens + [0] * pads, positions + [0] * pads, slots + [-1] * pads
+
+
+def check_agreement(model: Model, base_cache) -> dict:
+    g = torch.Generator().manual_seed(2)
+    results = {}
+    for width in WIDTHS:
+        tokens, positions, slots = step_rows(width, g, model.config.vocab_size)
+        ref_cache, mono_cache = copy.deepcopy(base_cache), copy.deepcopy(base_cache)
+        ref_logits, ref_hidden = model.step_per_op(ref_cache, tokens, positions, slots, return_hidden=True)
+        logits, hidden = model.step(mono_cache, tokens, positions, slots, return_hidden=True)
+        assert model.mono.last_path == "mono"
+        live = torch.tensor(slots, device="cuda") >= 0
+        d = model.config.hidden_size
+        layers = [agreement(hidden[live, i * d:(i + 1) * d], ref_hidden[live, i * d:(i + 1) * d])
+                  for i in range(len(model.blocks))]
+        rings = [agreement(a.window.data["kv"].float(), b.window.data["kv"].float())
+                 for a, b in zip(mono_cache.layers, ref_cache.layers)]
+        same_positions = all(torch.equal(a.window.pos, b.window.pos) for a, b in zip(mono_cache.layers, ref_cache.layers))
+        results[width] = {"layers": layers, "logits": agreement(logits[live], ref_logits[live]), "rings": rings,
+                          "ring_positions_equal": same_positions,
+                          "greedy_equal": float((logits[live].argmax(-1) == ref_logits[live].argmax(-1)).float().mean())}
+    return results
+
+
+def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
+    runner, cache = model.mono, copy.deepcopy(base_cache)
+    g = torch.Generator().manual_seed(3)
+    order = [1, 6, 16, 48, 6, 1]
+    whole = [i for i, kind in enumerate(runner.plan) if kind == WHOLE]
+
+    def launches(width):
+        s = runner._scratch(width)
+        cur, owed = 0, False
+        for i in whole:
+            cur = k1.launch(runner, s, runner.layers[i], cache.layers[i], cur, owed)
+            cur = k2.launch(runner, s, runner.layers[i], cache.layers[i], cur, attention=True)
+            owed = True
+
+    for width in WIDTHS:  # inputs and embeddings of each width, fixed for the graph's life
+        s = runner._scratch(width)
+        for buffer, values in zip((s.tokens, s.positions, s.slots), step_rows(width, g, model.config.vocab_size)):
+            buffer.copy_(torch.tensor(values))
+        s.streams[0].copy_(model.embed(s.tokens))
+        launches(width)  # compile, warm up
+    torch.cuda.synchronize()
+    runner.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for width in order:
+            launches(width)
+    outputs = lambda: [t.clone() for w in WIDTHS for t in (runner.scratch[w].y, *runner.scratch[w].streams)]  # noqa: E731
+    graph.replay()
+    torch.cuda.synchronize()
+    first = outputs()
+    mismatches = 0
+    start = time.perf_counter()
+    for _ in range(replays - 1):
+        graph.replay()
+        mismatches += sum(not torch.equal(a, b) for a, b in zip(outputs(), first))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    runner.check()
+    return {"replays": replays, "widths_per_replay": order, "mismatched_outputs": mismatches,
+            "finite": all(bool(torch.isfinite(t).all()) for t in first), "seconds": seconds,
+            "epochs": {name: state.epoch for name, state in runner.sync.items()}}
+
+
+def check_error_path(model: Model, base_cache) -> dict:
+    runner, cache = model.mono, copy.deepcopy(base_cache)
+    tokens, positions, slots = step_rows(6, torch.Generator().manual_seed(4), model.config.vocab_size)
+    runner.graphs_enabled = False
+    saved = runner.max_polls
+    runner.max_polls = 20000
+    runner.sync["k1"].words[EPOCH] += 5  # barriers now wait for arrivals of launches that never ran
+    start = time.perf_counter()
+    try:
+        model.step(cache, tokens, positions, slots)
+        raised = None
+    except MonoSyncError as e:
+        raised = str(e)
+    seconds = time.perf_counter() - start
+    runner.max_polls = saved
+    logits = model.step(cache, tokens, positions, slots)  # the counters started over: it runs again
+    return {"raised": raised, "seconds": seconds, "recovered_finite": bool(torch.isfinite(logits).all())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=3, help="first N layers of v4-flash (2..4)")
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    model = build(args.layers)
+    base = prefilled_cache(model)
+    report = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(), "layers": args.layers,
+        "plan": model.mono.plan, "grid": model.mono.grid, "build_seconds": time.perf_counter() - started,
+    }
+    report["agreement"] = check_agreement(model, base)
+    report["graph"] = check_graph(model, base)
+    report["error_path"] = check_error_path(model, base)
+    report["seconds"] = time.perf_counter() - started
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""The layer plan and the refusals: which layers the mono kernels take, and why they would not.
+
+Plan (DESIGN.md section 3): a window-only layer runs `whole` (K1 + K2); a CSA or HCA layer runs
+`ffn` (its attention, compressor and indexer on the per-op path, then K2 without its attention
+part). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
+logs each and runs per-op, `mono="on"` raises them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import ModelConfig
+
+MAX_ROWS = 48  # the widest decode step the kernels take; wider steps run per-op
+WHOLE, FFN = "whole", "ffn"
+
+
+class MonoRefused(RuntimeError):
+    """The mono kernels cannot run this model here; `reasons` lists why, the message all of them."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__("the mono kernels cannot run this model here: " + "; ".join(self.reasons))
+
+
+def layer_plan(config: ModelConfig) -> list[str]:
+    return [WHOLE if ratio == 0 else FFN for ratio in config.compress_ratios]
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels on the CPU, one program after another (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def refusals(config: ModelConfig, device: torch.device, dtype: torch.dtype, interpreter: bool = False) -> list[str]:
+    """Every reason the kernels cannot run this configuration on this device (empty: they can);
+    `interpreter`: as if Triton's interpreter were on."""
+    c, reasons = config, []
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            reasons.append("the kernels' fast paths use NVIDIA PTX; this GPU is not NVIDIA")
+    elif not (interpreter or interpreted()):
+        reasons.append(f"device {device} is not a GPU (set TRITON_INTERPRET=1 to run the kernels "
+                       "on the CPU under Triton's interpreter, slowly, for tests)")
+    if dtype != torch.bfloat16:
+        reasons.append(f"the kernels keep activations and caches in bfloat16; the model is {dtype}")
+    block = c.fp8_block
+    if block is None:
+        reasons.append("the kernels read FP8 block-scaled dense weights; this checkpoint is unquantized")
+    elif block[0] != block[1] or block[0] % 16 or block[0] & (block[0] - 1):
+        reasons.append(f"FP8 blocks must be square powers of two >= 16, got {tuple(block)}")
+    if not c.experts_fp4:
+        reasons.append("the kernels read MXFP4 routed experts; this checkpoint's experts are not MXFP4")
+    if c.hc_mult & (c.hc_mult - 1):
+        reasons.append(f"hc_mult must be a power of two, got {c.hc_mult}")
+    for name in ("hidden_size", "head_dim", "q_lora_rank", "moe_intermediate_size", "o_lora_rank"):
+        value = getattr(c, name)
+        if block is not None and value % block[0]:
+            reasons.append(f"{name}={value} is not a multiple of the FP8 block {block[0]}")
+    if c.head_dim & (c.head_dim - 1):
+        reasons.append(f"head_dim must be a power of two, got {c.head_dim}")
+    for name, tile in (("hidden_size", 256), ("moe_intermediate_size", 256)):
+        if not _tiles(getattr(c, name), tile):
+            reasons.append(f"{name}={getattr(c, name)} is not a multiple of the expert stage's tile "
+                           f"(min({tile}, itself), a power of two)")
+    if MAX_ROWS * c.num_experts_per_tok > 512:
+        reasons.append(f"{c.num_experts_per_tok} experts a token is over the expert grouping's 512 picks")
+    return reasons
+
+
+def _tiles(n: int, tile: int) -> bool:
+    """Whether n splits into tiles of min(tile, n), a power of two."""
+    t = min(tile, n)
+    return t & (t - 1) == 0 and n % t == 0

@@ -1,0 +1,155 @@
+"""`MonoRunner`: decode steps of 1..48 rows with each layer as two persistent kernels.
+
+Owns, for one model: the kernel views of the weights (checked at build), the device sync state of
+each kernel family (epochs advanced on the device), one `Scratch` per step width, and one CUDA
+graph per (width, cache) when every layer runs `whole`. `step` has Model.step's signature and
+result; the steps the kernels do not take (more than 48 rows, a request with more rows than the
+cache can rewind, i.e. a prefill chunk) run on the per-op path, counted in `fallbacks`.
+
+A step on the mono path:
+  embed -> per layer: `whole`: K1 (fold the owed FFN output, attention seam, q/kv projections,
+  KV write) then K2 (attention, output projections, fold, FFN seam, MoE; the FFN output is owed);
+  `ffn`: fold and attention per-op, then K2 without its attention part -> fold the last owed
+  output, hc_head, norm, lm_head (torch ops, graph-safe).
+Layers with compressed attention (`ffn`) need the per-op attention, whose row grouping syncs with
+the host, so steps of such models are not graph-captured.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..model.hc import hc_post
+from ..model.norm import rms_norm
+from . import k1, k2
+from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
+from .scratch import Scratch
+from .sync import DEFAULT_MAX_POLLS, SyncState
+from .weights import fp8_names, layer_weights, read_fp8
+
+
+class MonoRunner:
+    def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS):
+        self.model, self.config = model, model.config
+        reasons = refusals(self.config, model.device, model.dtype)
+        if reasons:
+            raise MonoRefused(reasons)
+        self.plan = layer_plan(self.config)
+        shared = bool(self.config.n_shared_experts)
+        names = [n for i, kind in enumerate(self.plan) for n in fp8_names(f"layers.{i}.", kind == WHOLE, shared)]
+        fp8 = read_fp8(model.checkpoint, names, model.device)
+        self.layers = [layer_weights(model, i, kind == WHOLE, fp8) for i, kind in enumerate(self.plan)]
+        self.device = model.device
+        self.grid = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.fast = not interpreted()  # the NVIDIA paths (PTX decode, bf16 dots); refusals() ruled out others
+        for lw in self.layers:
+            lw.experts.supports_fast_decode()  # checked (a host sync) now, before any capture
+        self.sync = {name: SyncState(self.device, stages) for name, stages in
+                     (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
+        self.max_polls = max_polls
+        self.graphs_enabled = graphs and self.device.type == "cuda" and all(k == WHOLE for k in self.plan)
+        self.scratch: dict[int, Scratch] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.fallbacks: Counter[str] = Counter()
+        self.last_path = None  # "mono" or "per-op": the path the last step took
+
+    # --- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, cache, tokens, positions, slots, return_hidden: bool = False):
+        """Model.step on the mono path where the step allows, per-op otherwise."""
+        host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
+        groups = self.model._group_rows(cache, *host)  # validates the rows (raises ValueError)
+        reason = self._per_op_reason(cache, host[0].numel(), groups)
+        if reason:
+            self.fallbacks[reason] += 1
+            self.last_path = "per-op"
+            return self.model.step_per_op(cache, tokens, positions, slots, return_hidden=return_hidden)
+        self.last_path = "mono"
+        scratch = self._scratch(host[0].numel())
+        for buffer, values in zip((scratch.tokens, scratch.positions, scratch.slots), host):
+            buffer.copy_(values, non_blocking=True)
+        if not self.graphs_enabled:
+            return self._run(scratch, cache, return_hidden)
+        key = (scratch.rows, id(cache))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(scratch, cache, return_hidden)
+        graph, out, hidden_flag = self.graphs[key]
+        if hidden_flag != return_hidden:  # the graph was captured for the other output
+            return self._run(scratch, cache, return_hidden)
+        graph.replay()
+        self.check()
+        return tuple(t.clone() for t in out) if return_hidden else out.clone()
+
+    def launch_options(self) -> dict:
+        """Launch keywords of the persistent kernels: cooperative on the GPU, so that the driver
+        refuses a grid that cannot be co-resident instead of letting its waits hang."""
+        return {} if interpreted() else {"launch_cooperative_grid": True}
+
+    def check(self) -> None:
+        """Raise MonoSyncError if a kernel's wait expired since the last check (a host sync)."""
+        for state in self.sync.values():
+            state.check()
+
+    def _per_op_reason(self, cache, rows: int, groups) -> str | None:
+        if rows > MAX_ROWS:
+            return f"more than {MAX_ROWS} rows"
+        if any(len(g.index) > cache.max_step_rows for g in groups):
+            return "a request with more rows than the cache rewinds (prefill)"
+        return None
+
+    def _scratch(self, rows: int) -> Scratch:
+        if rows not in self.scratch:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"mono: width {rows} is first reached inside a CUDA graph capture; "
+                                   "run one eager step of that width before capturing")
+            self.scratch[rows] = Scratch(self.config, rows, self.device)
+        return self.scratch[rows]
+
+    def _capture(self, scratch: Scratch, cache, return_hidden: bool):
+        self._run(scratch, cache, return_hidden)  # compile and warm up (this step's real result is replayed)
+        torch.cuda.synchronize(self.device)
+        self.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._run(scratch, cache, return_hidden)
+        # The warm-up wrote this step's KV rows already; the replay rewrites the same values.
+        return graph, out, return_hidden
+
+    def _run(self, s: Scratch, cache, return_hidden: bool):
+        model, c = self.model, self.config
+        s.streams[0].copy_(model.embed(s.tokens))
+        cur, owed, captured = 0, False, {}
+        targets = (c.dspark_target_layer_ids or ()) if return_hidden else ()
+        groups = None
+        for i, kind in enumerate(self.plan):
+            lw, lc = self.layers[i], cache.layers[i]
+            if kind == WHOLE:
+                cur = k1.launch(self, s, lw, lc, cur, owed)
+                cur = k2.launch(self, s, lw, lc, cur, attention=True)
+            else:
+                if groups is None:
+                    groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
+                self._attention_per_op(i, s, lc, cur, owed, groups)
+                cur = k2.launch(self, s, lw, lc, cur, attention=False)
+            owed = True
+            if i in targets:
+                captured[i] = self._settled(s, cur).mean(dim=1)
+        logits = model.logits(self._settled(s, cur))
+        if not return_hidden:
+            return logits
+        return logits, torch.cat([captured[i] for i in targets], dim=-1)
+
+    def _settled(self, s: Scratch, cur: int) -> torch.Tensor:
+        """The residual streams with the owed FFN output folded in."""
+        return hc_post(s.y, s.streams[cur], s.post_ffn, s.comb_ffn)
+
+    def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed: bool, groups) -> None:
+        """An `ffn` layer's attention sub-block on the per-op path, leaving the settled streams
+        (after the attention site's fold) in s.streams[cur] for K2."""
+        block, c = self.model.blocks[layer], self.config
+        streams = self._settled(s, cur) if owed else s.streams[cur]
+        x, post, comb = block._hc_pre(streams, "attn")
+        out = block.attention(rms_norm(x, block.w[f"{block.p}attn_norm"], c.rms_norm_eps), s.positions, groups, cache)
+        s.streams[cur].copy_(hc_post(out, streams, post, comb))

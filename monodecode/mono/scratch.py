@@ -1,0 +1,67 @@
+"""The device buffers of one step width: inputs, the residual streams, every stage's output.
+
+One `Scratch` per width R (rows of a step), allocated before the width's first launch and never
+shared with another width (DESIGN.md section 4): a CUDA graph of width R captures these pointers.
+Buffers are reused layer after layer (a layer's K1 and K2 run in stream order, so a buffer is
+free again once the stage that reads it has run); the residual streams ping-pong between two
+buffers because a fold reads one and writes the other.
+Activations bf16, mixes and accumulators fp32, as the stages' docstrings state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from . import hc as HC
+
+
+class Scratch:
+    def __init__(self, config: ModelConfig, rows: int, device, poison: bool = False):
+        c, r = config, rows
+        d, hc, heads, hd = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim
+        k, inter = c.num_experts_per_tok, c.moe_intermediate_size
+        picks, mix = r * k, (2 + hc) * hc
+        self.rows = r
+        fill = float("nan") if poison else 0.0
+
+        def f32(*shape):
+            return torch.full(shape, fill, dtype=torch.float32, device=device)
+
+        def bf16(*shape):
+            return torch.full(shape, fill, dtype=torch.bfloat16, device=device)
+
+        def i32(*shape):
+            return torch.full(shape, -1, dtype=torch.int32, device=device)
+
+        self.tokens = torch.zeros(r, dtype=torch.long, device=device)
+        self.positions = torch.zeros(r, dtype=torch.long, device=device)
+        self.slots = torch.full((r,), -1, dtype=torch.long, device=device)
+        self.streams = (bf16(r, hc, d), bf16(r, hc, d))
+        # mHC seams: fold partials, the attention site's mixes, the FFN site's (owed) mixes
+        self.partials = f32(r, -(-d // HC.CHUNK), mix + 1)
+        self.post_attn, self.comb_attn = f32(r, hc), f32(r, hc, hc)
+        self.post_ffn, self.comb_ffn = f32(r, hc), f32(r, hc, hc)
+        self.x = bf16(r, d)  # the collapsed, normalised sub-block input
+        # attention
+        self.qr_raw, self.kv_raw, self.qr = bf16(r, c.q_lora_rank), bf16(r, hd), bf16(r, c.q_lora_rank)
+        self.q_raw, self.q, self.o = bf16(r, heads * hd), bf16(r, heads, hd), bf16(r, heads, hd)
+        self.z, self.attn_out = bf16(r, c.o_groups * c.o_lora_rank), bf16(r, d)
+        # MoE
+        self.logits = f32(r, c.n_routed_experts)
+        self.ids, self.route_weights = i32(r, k), f32(r, k)
+        self.order, self.experts, self.counts = i32(picks), i32(picks), i32(picks)
+        self.shared_gate, self.shared_up, self.shared_h = bf16(r, inter), bf16(r, inter), bf16(r, inter)
+        self.shared_out = bf16(r, d)
+        self.gate_up, self.h, self.per_pick = f32(picks, 2, inter), bf16(picks, inter), f32(picks, d)
+        self.y = bf16(r, d)  # the FFN output, owed to the next layer's fold
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self):
+        for value in vars(self).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, tuple):
+                yield from value

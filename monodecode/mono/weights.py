@@ -1,0 +1,200 @@
+"""The mono kernels' views of one decoder layer's weights, checked once at build.
+
+The kernels read raw pointers: a tensor of the wrong shape, dtype or layout is read as garbage, it
+does not fault. So every tensor a kernel reads is checked here, once, before anything is compiled
+or captured: shape (from the checkpoint's tensor table), dtype, contiguity and 16-byte alignment.
+
+What the kernels read, per layer:
+- dense FP8 matrices (`wq_a`, `wkv`, `wq_b`, `wo_a`, `wo_b`, the shared expert's `w1`/`w2`/`w3`) in
+  the checkpoint's format: e4m3 codes as uint8 [N, K] and UE8M0 block scales as uint8
+  [ceil(N / b), ceil(K / b)]. The per-op path holds these dequantized to the compute dtype, so the
+  codes are read again from the checkpoint: an extra copy, FP8-sized, counted by `nbytes`.
+- the routed experts stacked per matrix (`experts.ExpertWeights`). They are the checkpoint's MXFP4
+  bytes; the per-op path's per-expert tensors are rebound to views of the stacked copy, so the
+  experts are held once.
+- fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
+  table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..model.rope import layer_frequencies
+from ..model.weights import ExpertBank
+from . import experts as X
+
+ALIGN = 16  # bytes: the kernels issue 16-byte vector loads
+
+
+class WeightCheckError(ValueError):
+    """A weight the mono kernels would read has the wrong shape, dtype or layout."""
+
+
+@dataclass
+class Fp8Matrix:
+    codes: torch.Tensor  # uint8 [N, K], e4m3 bit patterns
+    scales: torch.Tensor  # uint8 [ceil(N / b), ceil(K / b)], E8M0 codes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+
+@dataclass
+class LayerWeights:
+    """Kernel views of one layer. Attention fields are None on layers whose attention runs per-op."""
+
+    hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, base, scale (fp32)
+    hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate: torch.Tensor  # bf16 [E, d]
+    route_bias: torch.Tensor | None  # fp32 [E] (bias-routed layers)
+    tid2eid: torch.Tensor | None  # int64 [vocab, k] (hash-routed layers)
+    shared: tuple[Fp8Matrix, Fp8Matrix, Fp8Matrix] | None  # w1, w2, w3
+    experts: X.ExpertWeights
+    wq_a: Fp8Matrix | None = None
+    wkv: Fp8Matrix | None = None
+    wq_b: Fp8Matrix | None = None
+    wo_a: Fp8Matrix | None = None
+    wo_b: Fp8Matrix | None = None
+    q_norm: torch.Tensor | None = None
+    kv_norm: torch.Tensor | None = None
+    attn_sink: torch.Tensor | None = None
+    rope_freqs: torch.Tensor | None = None
+
+    def nbytes_extra(self) -> int:
+        """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
+        total = 0
+        for f in fields(self):
+            value = getattr(self, f.name)
+            for m in (value if isinstance(value, tuple) else (value,)):
+                if isinstance(m, Fp8Matrix):
+                    total += m.codes.numel() + m.scales.numel()
+        return total
+
+
+def fp8_names(prefix: str, whole: bool, shared: bool) -> list[str]:
+    """The layer's FP8 matrices the kernels read (names without `.weight`)."""
+    names = [f"{prefix}attn.{m}" for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")] if whole else []
+    if shared:
+        names += [f"{prefix}ffn.shared_experts.{m}" for m in ("w1", "w2", "w3")]
+    return names
+
+
+def read_fp8(checkpoint, names: list[str], device) -> dict[str, Fp8Matrix]:
+    """The checkpoint's own e4m3 codes and UE8M0 scales of these matrices, as uint8."""
+    stored = [f"{n}.{part}" for n in names for part in ("weight", "scale")]
+    raw = dict(checkpoint.tensors(stored, desc="loading fp8 weights for the mono kernels"))
+    out = {}
+    for name in names:
+        codes, scales = raw[f"{name}.weight"], raw[f"{name}.scale"]
+        if codes.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
+            raise WeightCheckError(f"{name}: the mono kernels read FP8 e4m3 weights with UE8M0 scales, the "
+                                   f"checkpoint holds {codes.dtype} / {scales.dtype}")
+        out[name] = Fp8Matrix(codes.view(torch.uint8).to(device).contiguous(),
+                              scales.view(torch.uint8).to(device).contiguous())
+    return out
+
+
+def stack_experts(bank: ExpertBank) -> X.ExpertWeights:
+    """Stack a layer's MXFP4 experts for the kernels and rebind the per-op bank to views of the
+    stacked copy, so the bytes are held once."""
+    experts = X.prepare(list(zip(bank.w1, bank.w2, bank.w3)))
+    for matrix, stacked in (("w1", experts.w1), ("w2", experts.w2), ("w3", experts.w3)):
+        codes, scales = stacked
+        getattr(bank, matrix)[:] = [(codes[e], scales[e].view(torch.float8_e8m0fnu)) for e in range(len(codes))]
+    return experts
+
+
+def layer_weights(model, layer: int, whole: bool, fp8: dict[str, Fp8Matrix]) -> LayerWeights:
+    c, w, p = model.config, model.w, f"layers.{layer}."
+    block = model.blocks[layer]
+    shared = None
+    if c.n_shared_experts:
+        shared = tuple(fp8[f"{p}ffn.shared_experts.{m}"] for m in ("w1", "w2", "w3"))
+    lw = LayerWeights(
+        hc_attn=tuple(w[f"{p}hc_attn_{s}"] for s in ("fn", "base", "scale")),
+        hc_ffn=tuple(w[f"{p}hc_ffn_{s}"] for s in ("fn", "base", "scale")),
+        attn_norm=w[f"{p}attn_norm"], ffn_norm=w[f"{p}ffn_norm"],
+        gate=w[f"{p}ffn.gate"].to(torch.bfloat16).contiguous(),
+        route_bias=block.moe.bias, tid2eid=block.moe.tid2eid,
+        shared=shared, experts=stack_experts(block.moe.experts),
+    )
+    if whole:
+        a = f"{p}attn."
+        lw.wq_a, lw.wkv, lw.wq_b, lw.wo_a, lw.wo_b = (fp8[f"{a}{m}"] for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b"))
+        lw.q_norm, lw.kv_norm, lw.attn_sink = w[f"{a}q_norm"], w[f"{a}kv_norm"], w[f"{a}attn_sink"]
+        lw.rope_freqs = layer_frequencies(c, compressed=False).to(model.device).contiguous()
+    check_layer(model.config, layer, lw)
+    return lw
+
+
+def check_layer(config, layer: int, lw: LayerWeights) -> None:
+    """Shape, dtype, contiguity and alignment of every tensor the kernels read."""
+    c = config
+    d, hc, heads, hd = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim
+    mix = (2 + hc) * hc
+    inter, n_exp = c.moe_intermediate_size, c.n_routed_experts
+    block = c.fp8_block or (128, 128)
+    p = f"layers.{layer}."
+    expect = {
+        "hc_attn_fn": (lw.hc_attn[0], (mix, hc * d), torch.float32),
+        "hc_attn_base": (lw.hc_attn[1], (mix,), torch.float32),
+        "hc_attn_scale": (lw.hc_attn[2], (3,), torch.float32),
+        "hc_ffn_fn": (lw.hc_ffn[0], (mix, hc * d), torch.float32),
+        "hc_ffn_base": (lw.hc_ffn[1], (mix,), torch.float32),
+        "hc_ffn_scale": (lw.hc_ffn[2], (3,), torch.float32),
+        "attn_norm": (lw.attn_norm, (d,), torch.float32),
+        "ffn_norm": (lw.ffn_norm, (d,), torch.float32),
+        "ffn.gate": (lw.gate, (n_exp, d), torch.bfloat16),
+        "ffn.experts.w1 codes": (lw.experts.w1[0], (n_exp, inter, d // 2), torch.uint8),
+        "ffn.experts.w1 scales": (lw.experts.w1[1], (n_exp, inter, d // 32), torch.uint8),
+        "ffn.experts.w3 codes": (lw.experts.w3[0], (n_exp, inter, d // 2), torch.uint8),
+        "ffn.experts.w3 scales": (lw.experts.w3[1], (n_exp, inter, d // 32), torch.uint8),
+        "ffn.experts.w2 codes": (lw.experts.w2[0], (n_exp, d, inter // 2), torch.uint8),
+        "ffn.experts.w2 scales": (lw.experts.w2[1], (n_exp, d, inter // 32), torch.uint8),
+    }
+    if lw.route_bias is not None:
+        expect["ffn.gate.bias"] = (lw.route_bias, (n_exp,), torch.float32)
+    if lw.tid2eid is not None:
+        expect["ffn.gate.tid2eid"] = (lw.tid2eid, (c.vocab_size, c.num_experts_per_tok), torch.int64)
+    fp8 = {}
+    if lw.shared is not None:
+        fp8.update({f"ffn.shared_experts.{m}": (t, s) for m, t, s in
+                    zip(("w1", "w2", "w3"), lw.shared, ((inter, d), (d, inter), (inter, d)))})
+    if lw.wq_a is not None:
+        fp8.update({"attn.wq_a": (lw.wq_a, (c.q_lora_rank, d)), "attn.wkv": (lw.wkv, (hd, d)),
+                    "attn.wq_b": (lw.wq_b, (heads * hd, c.q_lora_rank)),
+                    "attn.wo_a": (lw.wo_a, (c.o_groups * c.o_lora_rank, heads * hd // c.o_groups)),
+                    "attn.wo_b": (lw.wo_b, (d, c.o_groups * c.o_lora_rank))})
+        expect.update({
+            "attn.q_norm": (lw.q_norm, (c.q_lora_rank,), torch.float32),
+            "attn.kv_norm": (lw.kv_norm, (hd,), torch.float32),
+            "attn.attn_sink": (lw.attn_sink, (heads,), torch.float32),
+            "attn rope frequencies": (lw.rope_freqs, (c.qk_rope_head_dim // 2,), torch.float32),
+        })
+    for name, (matrix, shape) in fp8.items():
+        grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+        expect[f"{name}.weight"] = (matrix.codes, shape, torch.uint8)
+        expect[f"{name}.scale"] = (matrix.scales, grid, torch.uint8)
+    for name, (tensor, shape, dtype) in expect.items():
+        _check(f"{p}{name}", tensor, shape, dtype)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    problems = []
+    if tuple(t.shape) != tuple(shape):
+        problems.append(f"shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype != dtype:
+        problems.append(f"dtype {t.dtype}, expected {dtype}")
+    if not t.is_contiguous():
+        problems.append("not contiguous")
+    if t.data_ptr() % ALIGN:
+        problems.append(f"address not {ALIGN}-byte aligned")
+    if problems:
+        raise WeightCheckError(f"{name}: " + "; ".join(problems))
