@@ -35,7 +35,7 @@ from .gemv import gemv_task, row_block
 from .sync import finish_launch, grid_barrier, launch_epoch
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
-BARRIERS = len(STAGES) - 1
+BARRIERS = tl.constexpr(len(STAGES) - 1)
 
 
 @triton.jit
