@@ -24,8 +24,8 @@ SLOTS, CONTEXT, STEP_ROWS = 8, 96, 8
 
 
 def tiny(**overrides):
-    return preset("tiny", num_hidden_layers=3, compress_ratios=(0, 4, 16), dspark_target_layer_ids=(0, 1, 2),
-                  **overrides)
+    return preset("tiny", **{"num_hidden_layers": 3, "compress_ratios": (0, 4, 16), "dspark_target_layer_ids": (0, 1, 2),
+                             **overrides})
 
 
 @pytest.fixture(scope="module")

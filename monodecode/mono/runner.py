@@ -71,7 +71,9 @@ class MonoRunner:
         for buffer, values in zip((scratch.tokens, scratch.positions, scratch.slots), host):
             buffer.copy_(values, non_blocking=True)
         if not self.graphs_enabled:
-            return self._run(scratch, cache, return_hidden)
+            out = self._run(scratch, cache, return_hidden)
+            self.check()
+            return out
         key = (scratch.rows, id(cache))
         if key not in self.graphs:
             self.graphs[key] = self._capture(scratch, cache, return_hidden)
@@ -88,7 +90,8 @@ class MonoRunner:
         return {} if interpreted() else {"launch_cooperative_grid": True}
 
     def check(self) -> None:
-        """Raise MonoSyncError if a kernel's wait expired since the last check (a host sync)."""
+        """Raise MonoSyncError if a kernel's wait expired since the last check (a host sync, once
+        a step: the step's logits are wrong then, and the caller must fail its requests)."""
         for state in self.sync.values():
             state.check()
 
