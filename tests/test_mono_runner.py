@@ -8,12 +8,14 @@ and HCA (`ffn`, bias-routed); bf16, as the kernels run.
 
 import logging
 import os
+from contextlib import contextmanager
 
 if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
@@ -21,6 +23,10 @@ from monodecode.model import Model
 from monodecode.mono import MonoRefused, build
 
 SLOTS, CONTEXT, STEP_ROWS = 8, 96, 8
+# research/mono_design.md 6.2: a gap below this between the k-th and (k+1)-th biased router scores
+# is a near-tie; a last-bit difference in the FFN input may pick another expert there, and the
+# row then legitimately differs (at most a quarter of the rows may be such rows).
+ROUTING_NEAR_TIE = 5e-3
 
 
 def tiny(**overrides):
@@ -66,6 +72,47 @@ def step_rows(g, vocab, next_pos, groups, pads):
     return tokens, positions, slots
 
 
+@contextmanager
+def routing_gaps(model):
+    """Record, for the per-op step run inside, each bias-routed layer's per-row gap between the
+    k-th and (k+1)-th biased scores: the yielded dict {layer: gaps [N]}."""
+    current = {}
+    for layer, block in enumerate(model.blocks):
+        moe = block.moe
+        if moe.bias is None:
+            continue  # hash-routed: the token picks the experts, nothing can flip
+
+        def route(x, tokens, moe=moe, layer=layer, original=moe.route):
+            biased = F.softplus(F.linear(x.float(), moe.gate.float())).sqrt() + moe.bias
+            top = biased.topk(moe.topk + 1, dim=-1).values
+            current[layer] = (top[:, -2] - top[:, -1]).cpu()
+            return original(x, tokens)
+
+        moe.route = route
+    try:
+        yield current
+    finally:
+        for block in model.blocks:
+            block.moe.__dict__.pop("route", None)
+
+
+def near_ties(gaps: dict, layer: int, rows: int) -> torch.Tensor:
+    """Rows [N] whose routing at `layer` or before was a near-tie in the reference."""
+    flagged = torch.zeros(rows, dtype=torch.bool)
+    for at, gap in gaps.items():
+        if at <= layer:
+            flagged |= gap < ROUTING_NEAR_TIE
+    return flagged
+
+
+def assert_rows_agree(out, ref, rows: torch.Tensor, what):
+    """The floor of research/mono_design.md 6 over `rows`, and 3 % relative L2 for each row."""
+    cos, rel = agreement(out[rows], ref[rows])
+    assert cos >= 0.9999 and rel <= 1e-2, (what, cos, rel)
+    row_rel = (out[rows].double() - ref[rows].double()).norm(dim=-1) / ref[rows].double().norm(dim=-1)
+    assert (row_rel <= 3e-2).all(), (what, row_rel.max())
+
+
 STEPS = {  # width: (groups of (slot, rows), pad rows)
     1: ([(0, 1)], 0),
     5: ([(1, 4)], 1),
@@ -81,18 +128,18 @@ def test_a_step_matches_the_per_op_path(model, width):
     groups, pads = STEPS[width]
     tokens, positions, slots = step_rows(g, model.config.vocab_size, next_pos, groups, pads)
     assert len(tokens) == width
-    ref, ref_hidden = model.step_per_op(ref_cache, tokens, positions, slots, return_hidden=True)
+    with routing_gaps(model) as gaps:
+        ref, ref_hidden = model.step_per_op(ref_cache, tokens, positions, slots, return_hidden=True)
     out, hidden = model.step(mono_cache, tokens, positions, slots, return_hidden=True)
     assert model.mono.last_path == "mono"
     live = torch.tensor(slots) >= 0
-    d = model.config.hidden_size
+    d, n = model.config.hidden_size, len(tokens)
+    assert near_ties(gaps, 2, n)[live].float().mean() <= 0.25
     for layer in range(3):  # each layer's residual (mean over the hc streams): whole, ffn (CSA), ffn (HCA)
         cols = slice(layer * d, (layer + 1) * d)
-        cos, rel = agreement(hidden[live, cols].cpu(), ref_hidden[live, cols].cpu())
-        assert cos >= 0.9999 and rel <= 1e-2, (layer, cos, rel)
-    cos, rel = agreement(out[live].cpu(), ref[live].cpu())
-    # The floor of research/mono_design.md 6; observed values are in the mono issue's closing note.
-    assert cos >= 0.9999 and rel <= 1e-2, (cos, rel)
+        rows = live & ~near_ties(gaps, layer, n)
+        assert_rows_agree(hidden[:, cols].cpu(), ref_hidden[:, cols].cpu(), rows, f"layer {layer}")
+    assert_rows_agree(out.cpu(), ref.cpu(), live & ~near_ties(gaps, 2, n), "logits")
     for layer, (a, b) in enumerate(zip(mono_cache.layers, ref_cache.layers)):
         assert torch.equal(a.window.pos, b.window.pos), f"layer {layer}: ring positions differ"
         cos, rel = agreement(a.window.data["kv"].float().cpu(), b.window.data["kv"].float().cpu())
@@ -116,6 +163,17 @@ def greedy(model, step, cache, prompts, steps, forced=None):
     return tokens, logits
 
 
+def recorded_per_op(model, flagged: list):
+    """model.step_per_op that appends each step's near-tie rows to `flagged`."""
+    def step(cache, tokens, positions, slots):
+        with routing_gaps(model) as gaps:
+            out = model.step_per_op(cache, tokens, positions, slots)
+        flagged.append(near_ties(gaps, len(model.blocks), len(tokens)))
+        return out
+
+    return step
+
+
 def test_greedy_decoding_matches_for_32_steps(model):
     """Both paths are fed the per-op path's greedy tokens, so that one flip cannot derail the rest;
     their greedy picks agree at every step whose top-2 margin the logit differences cannot bridge.
@@ -124,33 +182,38 @@ def test_greedy_decoding_matches_for_32_steps(model):
     relative L2.)"""
     g = torch.Generator().manual_seed(32)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 11)]
-    ref_tokens, ref_logits = greedy(model, model.step_per_op, model.make_cache(2, CONTEXT, STEP_ROWS), prompts, 32)
+    flagged = []
+    ref_tokens, ref_logits = greedy(model, recorded_per_op(model, flagged), model.make_cache(2, CONTEXT, STEP_ROWS),
+                                    prompts, 32)
     tokens, logits = greedy(model, model.step, model.make_cache(2, CONTEXT, STEP_ROWS), prompts, 32,
                             forced=ref_tokens)
-    assert_follows(tokens, logits, ref_tokens, ref_logits)
+    assert_follows(tokens, logits, ref_tokens, ref_logits, torch.stack(flagged))
 
 
-def assert_follows(tokens, logits, ref_tokens, ref_logits):
-    """Logits close at every step; greedy picks equal wherever the reference's top-2 margin is
-    more than twice the largest logit difference of that row (a flip needs the gap bridged)."""
+def assert_follows(tokens, logits, ref_tokens, ref_logits, flagged):
+    """Per step, over the rows whose routing was no near-tie (`flagged` [steps, N]: at most a
+    quarter of them): logits close, and greedy picks equal wherever the reference's top-2 margin
+    is more than twice the row's largest logit difference (a flip needs the gap bridged)."""
     ref, out = torch.stack(ref_logits), torch.stack(logits)
+    assert flagged.float().mean() <= 0.25
     top2 = ref.topk(2, dim=-1).values
-    decided = (top2[..., 0] - top2[..., 1]) > 2 * (out - ref).abs().amax(dim=-1)
-    assert decided.float().mean() > 0.8  # the check is not vacuous
+    decided = ((top2[..., 0] - top2[..., 1]) > 2 * (out - ref).abs().amax(dim=-1)) & ~flagged
+    assert decided.float().mean() > 0.6  # the check is not vacuous
     assert torch.equal(torch.tensor(tokens)[decided], torch.tensor(ref_tokens)[decided])
-    for step, (a, b) in enumerate(zip(logits, ref_logits)):
-        cos, rel = agreement(a, b)
-        assert cos >= 0.9999 and rel <= 1e-2, (step, cos, rel)
+    for step in range(len(logits)):
+        assert_rows_agree(out[step], ref[step], ~flagged[step], f"step {step}")
 
 
 def test_paths_interleave_step_by_step_on_the_same_cache(model):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 9, 6)]
-    ref_tokens, ref_logits = greedy(model, model.step_per_op, model.make_cache(3, CONTEXT, STEP_ROWS), prompts, 12)
+    flagged = []
+    ref_tokens, ref_logits = greedy(model, recorded_per_op(model, flagged), model.make_cache(3, CONTEXT, STEP_ROWS),
+                                    prompts, 12)
     paths = iter([model.step, model.step_per_op] * 6)
     tokens, logits = greedy(model, lambda *a: next(paths)(*a), model.make_cache(3, CONTEXT, STEP_ROWS), prompts, 12,
                             forced=ref_tokens)
-    assert_follows(tokens, logits, ref_tokens, ref_logits)
+    assert_follows(tokens, logits, ref_tokens, ref_logits, torch.stack(flagged))
 
 
 def test_steps_the_kernels_do_not_take_run_per_op_and_are_counted(model):
