@@ -97,7 +97,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     ring = cache.window
     sb = c.fp8_block[0]
     bn = min(64, sb)
-    _k1[(runner.grid,)](
+    runner.launch(_k1, "K1",
         runner.sync["k1"].words, runner.max_polls, s.rows, s.positions, s.slots,
         res, s.y, s.post_ffn, s.comb_ffn, streams, s.partials,
         *lw.hc_attn, lw.attn_norm, s.post_attn, s.comb_attn, s.x,
@@ -108,6 +108,6 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, c.hidden_size),
         HAS_OWED=owed, SB=sb, BN=bn, BK_D=min(128, sb), BK_Q=min(128, sb), BR=row_block(s.rows),
         D=c.head_dim, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(c.q_lora_rank),
-        FAST=runner.fast, **runner.launch_options(),
+        FAST=runner.fast,
     )
     return 1 - cur if owed else cur

@@ -197,7 +197,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         attn = (s.q, s.o, s.q, s.slots, 1, s.logits, s.logits, 1, 1.0, s.q, s.q, s.z, s.q, s.q)
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
     ex = lw.experts
-    _k2[(runner.grid,)](
+    runner.launch(_k2, "K2",
         runner.sync["k2" if attention else "ffn"].words, runner.max_polls, s.rows, s.tokens, s.positions, s.slots,
         *attn,
         res, s.attn_out, s.post_attn, s.comb_attn, streams, s.partials,
@@ -217,6 +217,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         ROWS_E=X.ROWS, BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
         BNE=min(X.LaunchConfig.block_n, inter, d), BKE_D=min(X.LaunchConfig.block_k, d),
         BKE_I=min(X.LaunchConfig.block_k, inter), SWB_=min(SWB, inter), CBL_=min(CBL, d),
-        FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(), **runner.launch_options(),
+        FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
     )
     return 1 - cur if attention else cur

@@ -84,10 +84,19 @@ class MonoRunner:
         self.check()
         return tuple(t.clone() for t in out) if return_hidden else out.clone()
 
-    def launch_options(self) -> dict:
-        """Launch keywords of the persistent kernels: cooperative on the GPU, so that the driver
-        refuses a grid that cannot be co-resident instead of letting its waits hang."""
-        return {} if interpreted() else {"launch_cooperative_grid": True}
+    def launch(self, kernel, name: str, *args, **meta) -> None:
+        """One persistent launch of `self.grid` programs. On the GPU it is cooperative: the driver
+        refuses a grid whose programs cannot all be resident at once (registers, shared memory)
+        instead of letting their waits on each other hang; that refusal becomes MonoRefused."""
+        if interpreted():
+            kernel[(self.grid,)](*args, **meta)
+            return
+        try:
+            kernel[(self.grid,)](*args, **meta, launch_cooperative_grid=True)
+        except RuntimeError as e:
+            if "cooperative" not in str(e).lower():
+                raise
+            raise MonoRefused([f"{name}: {self.grid} programs (one per SM) cannot all be resident at once: {e}"]) from e
 
     def check(self) -> None:
         """Raise MonoSyncError if a kernel's wait expired since the last check (a host sync, once
