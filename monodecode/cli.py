@@ -19,6 +19,9 @@ GiB, MiB = 2**30, 2**20
 DEFAULT_MODEL = "tiny"
 
 
+MONO_HELP = ("decode steps of <= 48 rows on the mono kernels: auto (default) logs why they cannot run "
+             "and runs per-op, on fails with the reasons, off never uses them")
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="monodecode", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--mono", default="auto", choices=["auto", "on", "off"], help=MONO_HELP)
     gen.add_argument("--speculative-config", metavar="JSON",
                      help='DSpark speculation, e.g. \'{"method": "dspark", "num_speculative_tokens": 5, '
                           '"rejection_sample_method": "block"}\'')
@@ -67,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded at once (cache slots)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens prefilled a step")
     serve.add_argument("--speculative-config", metavar="JSON", help="DSpark speculation, as for generate")
-    serve.add_argument("--mono", default="auto", choices=["auto", "on", "off"],
-                       help="decode steps of <= 48 rows on the mono kernels: auto (default) logs why it cannot and "
-                            "runs per-op, on raises the reason, off never uses them")
+    serve.add_argument("--mono", default="auto", choices=["auto", "on", "off"], help=MONO_HELP)
     serve.add_argument("--device", default="cpu", help="cpu or cuda")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     serve.set_defaults(run=run_serve)
@@ -115,7 +117,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model == DEFAULT_MODEL:
         print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
               "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)
-    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype), mono=args.mono)
     config = model.config
     if prompt_ids is None:
         prompt_ids = [config.bos_token_id or 0]
