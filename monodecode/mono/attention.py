@@ -40,7 +40,7 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   rms_norm in fp32 (x * rsqrt(mean(x^2) + eps), then * weight), rounded to bf16; the rotation in
   fp32 from those bf16 values, rounded to bf16; attention in fp32, rounded to bf16 before the
   inverse rotation, rounded again after it. FAST (NVIDIA) rounds with the native cast; otherwise
-  (the CPU interpreter, whose cast truncates; AMD) with `experts._round_to_bf16`.
+  (the CPU interpreter, whose cast truncates; AMD) with `rounding.round_to_bf16`.
 
 Dots (constexpr FAST): attend's q . k ([HB, BD] x [BD, KW]) and probs @ keys ([HB, KW] x
 [KW, BD]) are `tl.dot`s, so HB, KW and BD >= 16 (powers of two). FAST: bf16 operands with fp32
@@ -58,7 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .experts import _round_to_bf16
+from .rounding import bf16
+
 
 HB = 16  # heads of an attend task: the M side of its dots
 BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs @ keys
@@ -78,16 +79,6 @@ def attend_tasks(R: int, H: int, HB: int = HB) -> int:
 
 # --- helpers --------------------------------------------------------------------------------------
 @triton.jit
-def _bf16(v, FAST: tl.constexpr):
-    """fp32 -> the nearest bf16, kept as fp32."""
-    if FAST:
-        r = v.to(tl.bfloat16).to(tl.float32)
-    else:
-        r = _round_to_bf16(v)
-    return r
-
-
-@triton.jit
 def _pair_offsets(BLOCK: tl.constexpr):
     """Channel offsets of a row as [BLOCK / 2, 2] (pair k holds channels 2k, 2k + 1), and the pair
     index of each pair [BLOCK / 2]."""
@@ -102,7 +93,7 @@ def _rms_norm(x, n, eps, w, FAST: tl.constexpr):
     y = x * tl.rsqrt(tl.sum(x * x) / n + eps)
     if w is not None:
         y = w * y
-    return _bf16(y, FAST)
+    return bf16(y, FAST)
 
 
 @triton.jit
@@ -120,7 +111,7 @@ def _rope(x, pair, position, freqs_ptr, first_pair, n_pairs, INVERSE: tl.constex
     even, odd = tl.split(x)
     rot_even = tl.where(is_rope, even * cos - odd * sin, even)
     rot_odd = tl.where(is_rope, even * sin + odd * cos, odd)
-    return _bf16(tl.join(rot_even, rot_odd), FAST)
+    return bf16(tl.join(rot_even, rot_odd), FAST)
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------
@@ -229,7 +220,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                 out = tl.dot(lo, keys, tl.dot(hi, keys))
             else:
                 out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
-            out = tl.reshape(_bf16(out / mass[:, None], FAST), (HB, BD // 2, 2))
+            out = tl.reshape(bf16(out / mass[:, None], FAST), (HB, BD // 2, 2))
             pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
             o = tl.reshape(_rope(out, pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True, FAST), (HB, BD))
             tl.store(o_ptr + rows + d[None, :], o.to(tl.bfloat16), mask=hmask[:, None])

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import formats
+from .rounding import round_to_bf16
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
 FAST_SCALE_CODES = (2, 128)
@@ -161,15 +162,6 @@ def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr, FAST: tl.
 
 
 @triton.jit
-def _round_to_bf16(v):
-    """fp32 -> the nearest bf16 (ties to even), still as fp32: the CPU interpreter's own cast
-    truncates, and the rounding point must be the reference's."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _matvec(codes_ptr, scales_ptr, n_rows, x_ptr, x_rows, x_mask, K,
             BK: tl.constexpr, FAST: tl.constexpr):
     """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K."""
@@ -224,7 +216,7 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
     up = tl.minimum(tl.maximum(tl.load(gu_ptr + p * (2 * I) + I + i), -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p)
     if not FAST:
-        h = _round_to_bf16(h)
+        h = round_to_bf16(h)
     tl.store(h_ptr + p * I + i, h.to(tl.bfloat16))
 
 

@@ -33,7 +33,7 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
   partials, so a grid barrier separates them.
 - Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
   the norm). FAST (NVIDIA) rounds with the native cast; otherwise (the CPU interpreter, whose cast
-  truncates; AMD) with `experts._round_to_bf16`. Exact to the reference up to fp32 summation order.
+  truncates; AMD) with `rounding.round_to_bf16`. Exact to the reference up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .experts import _round_to_bf16
+from .rounding import bf16
+
 
 CHUNK = 64  # columns a fold task covers (a power of two >= 16: the K side of its dot)
 RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot)
@@ -66,26 +67,16 @@ def mix_pad(hc: int) -> int:
 
 
 @triton.jit
-def _bf16(v, FAST: tl.constexpr):
-    """fp32 -> the nearest bf16, kept as fp32."""
-    if FAST:
-        r = v.to(tl.bfloat16).to(tl.float32)
-    else:
-        r = _round_to_bf16(v)
-    return r
-
-
-@triton.jit
 def _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC: tl.constexpr, FAST: tl.constexpr):
     """Stream k of hc_post on the task's tile: res3 [RB, HC, CHUNK] fp32 (the residual),
     out [RB, CHUNK] fp32 -> the new stream [RB, CHUNK], bf16 values as fp32."""
-    post = _bf16(tl.load(post_ptr + rows * HC + k, mask=rmask, other=0.0), FAST)
-    spread = _bf16(post[:, None] * out, FAST)
+    post = bf16(tl.load(post_ptr + rows * HC + k, mask=rmask, other=0.0), FAST)
+    spread = bf16(post[:, None] * out, FAST)
     j = tl.arange(0, HC)
-    comb = _bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j[None, :] * HC + k, mask=rmask[:, None],
+    comb = bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j[None, :] * HC + k, mask=rmask[:, None],
                          other=0.0), FAST)  # comb[r, j, k]: stream k receives sum over j
-    mixed = _bf16(tl.sum(comb[:, :, None] * res3, axis=1), FAST)
-    return _bf16(spread + mixed, FAST)
+    mixed = bf16(tl.sum(comb[:, :, None] * res3, axis=1), FAST)
+    return bf16(spread + mixed, FAST)
 
 
 @triton.jit
@@ -182,7 +173,7 @@ def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, po
         c = c0 + tl.arange(0, BD)
         cm = c < d
         s = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + c[None, :], mask=cm[None, :], other=0.0)
-        x = _bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0), FAST)
+        x = bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0), FAST)
         tl.store(row + c, x.to(tl.bfloat16), mask=cm)
         sq += x * x
     inv_x = tl.rsqrt(tl.sum(sq, axis=0) / d + norm_eps)
@@ -192,7 +183,7 @@ def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, po
         c = c0 + tl.arange(0, BD)
         cm = c < d
         x = tl.load(row + c, mask=cm, other=0.0).to(tl.float32)
-        y = _bf16(tl.load(norm_w_ptr + c, mask=cm, other=0.0) * (x * inv_x), FAST)
+        y = bf16(tl.load(norm_w_ptr + c, mask=cm, other=0.0) * (x * inv_x), FAST)
         tl.store(row + c, y.to(tl.bfloat16), mask=cm)
 
 

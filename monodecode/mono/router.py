@@ -36,7 +36,7 @@ Stages
 
 Rounding points: route is fp32 throughout; shared swiglu rounds once, at the store; combine rounds
 each pick's output and the sum. Constexpr FAST (NVIDIA, compiled): the compiler's bf16 cast (round to nearest even) and
-libdevice's log1p / exp; portable (interpreter, AMD): `experts._round_to_bf16` (the interpreter's
+libdevice's log1p / exp; portable (interpreter, AMD): `rounding.round_to_bf16` (the interpreter's
 cast truncates) and log1p from tl.log with Goldberg's correction.
 """
 
@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .experts import ROWS, _round_to_bf16
+from .experts import ROWS
+from .rounding import bf16, round_to_bf16
 
 _PAD: tl.constexpr = tl.constexpr(1 << 16)  # the sort class of pad picks: after every expert id
 MAX_PICKS_BLOCK = 1 << 14  # keys class * BP + pick must stay below 2^31
@@ -169,7 +170,7 @@ def shared_swiglu_task(t, gate_ptr, up_ptr, in_stride, h_ptr, I, limit, BLOCK: t
     up = tl.load(up_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32)
     h = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
     if not FAST:
-        h = _round_to_bf16(h)
+        h = round_to_bf16(h)
     tl.store(h_ptr + row * I + i, h.to(tl.bfloat16), mask=i < I)
 
 
@@ -191,16 +192,11 @@ def combine_task(t, per_pick_ptr, ids_ptr, shared_ptr, y_ptr, D, K,
         p = row * K + s
         # a pad pick's row was never written (NaN is possible): not read at all, not scaled by 0
         width = tl.where(tl.load(ids_ptr + p) >= 0, D, 0)
-        pick = tl.load(per_pick_ptr + p * D + c, mask=c < width, other=0.0)
-        if FAST:
-            pick = pick.to(tl.bfloat16).to(tl.float32)
-        else:
-            pick = _round_to_bf16(pick)
-        acc += pick
+        acc += bf16(tl.load(per_pick_ptr + p * D + c, mask=c < width, other=0.0), FAST)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
     if not FAST:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     tl.store(y_ptr + row * D + c, acc.to(tl.bfloat16), mask=c < D)
 
 
