@@ -1,6 +1,8 @@
 """The engine (monodecode.engine) offline: continuous batching changes no token, chunked prefill,
 slots, stop conditions, logprobs, refusals."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -128,3 +130,16 @@ def test_requests_that_cannot_fit_are_refused(model):
     with pytest.raises(RuntimeError, match="activations and caches in bfloat16; the model is torch.float32"):
         engine(model, mono="on")
     assert not eng.has_work()
+
+
+def test_decode_steps_take_the_mono_path_when_it_is_on():
+    """bf16, mono on (on a CPU: Triton's interpreter): the decode steps run on the kernels, are
+    counted as such, and greedy outputs equal the per-op path's."""
+    model = monodecode.load("tiny", seed=3, dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    per_op = engine(model, mono="off").generate(PROMPTS[:2], params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "mono on without a GPU": slow, and said once
+        eng = engine(model, mono="on")
+    assert eng.generate(PROMPTS[:2], params) == per_op
+    assert eng.metrics.steps["mono"] >= 3 and eng.metrics.steps["per-op"] == 0
