@@ -39,6 +39,7 @@ def model(device):
     m = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16)
     m.use_mono("on")
     assert m.mono is not None and m.mono.plan == ["whole", "ffn", "ffn"]
+    m.mono.poison = True  # every width's scratch starts as NaN: an unwritten element would show
     return m
 
 

@@ -31,7 +31,7 @@ from .weights import fp8_names, layer_weights, read_fp8
 
 
 class MonoRunner:
-    def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS):
+    def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False):
         self.model, self.config = model, model.config
         reasons = refusals(self.config, model.device, model.dtype)
         if reasons:
@@ -49,6 +49,7 @@ class MonoRunner:
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.max_polls = max_polls
+        self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.graphs_enabled = graphs and self.device.type == "cuda" and all(k == WHOLE for k in self.plan)
         self.scratch: dict[int, Scratch] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
@@ -116,7 +117,7 @@ class MonoRunner:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"mono: width {rows} is first reached inside a CUDA graph capture; "
                                    "run one eager step of that width before capturing")
-            self.scratch[rows] = Scratch(self.config, rows, self.device)
+            self.scratch[rows] = Scratch(self.config, rows, self.device, self.poison)
         return self.scratch[rows]
 
     def _capture(self, scratch: Scratch, cache, return_hidden: bool):
