@@ -4,7 +4,8 @@ Triton's CPU interpreter accepts code that compiled Triton refuses (a non-conste
 kernel, for one), so the CPU tests alone can pass kernels that do not build. This runs one mono
 step of a tiny three-layer model (a `whole`, a hash-routed `ffn` and a bias-routed `ffn` layer)
 at widths 1 and 48 with the launches recorded instead of run, then compiles each distinct
-recorded launch with `triton.compile` for sm_90, and prints one line a kernel. Run it in a
+recorded launch with `triton.compile` for sm_90 (and the first K1 and K2 with the timeline's
+stamps), and prints one line a kernel. Run it in a
 process where TRITON_INTERPRET is unset (tests/test_mono_compiles.py does).
 """
 
@@ -65,15 +66,20 @@ def main() -> int:
         slots = [0] if rows == 1 else [0] * 5 + [-1] * (rows - 5)
         runner.step(cache, [1] * rows, positions, slots)  # its outputs are garbage: nothing ran
     built = set()
-    for kernel, args, kwargs in launches:
+    # ... and the first K1 and K2 launches again with the timeline's stamps compiled in
+    timed = [(kernel, args, {**kwargs, "TIMELINE": True}) for kernel, args, kwargs in launches[:2]]
+    for kernel, args, kwargs in launches + timed:
         kwargs = {k: v for k, v in kwargs.items() if k != "launch_cooperative_grid"}
         types, constants = signature(kernel, args, kwargs)
+        if kwargs["TIMELINE"]:
+            types["timeline_ptr"] = "*i64"
         key = (kernel.__name__, tuple(sorted((k, repr(v)) for k, v in constants.items())))
         if key in built:
             continue
         built.add(key)
         compiled = triton.compile(ASTSource(kernel, types, constexprs=constants), target=GPUTarget("cuda", 90, 32))
-        print(f"{kernel.__name__}: built for sm_90, {compiled.metadata.shared} bytes of shared memory")
+        timed_note = " (timeline)" if kwargs["TIMELINE"] else ""
+        print(f"{kernel.__name__}{timed_note}: built for sm_90, {compiled.metadata.shared} bytes of shared memory")
     print(f"{len(built)} kernels built")
     return 0
 

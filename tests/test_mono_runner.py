@@ -267,3 +267,17 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device):
         m.mono.graphs_enabled = True
         assert torch.equal(out, ref), width
     assert len(m.mono.graphs) == 4
+
+
+def test_stage_times_from_stamps():
+    """Two programs, three stages (two barriers): slots start, (arrive, release) x 2, end."""
+    from monodecode.mono.timeline import format_times, stage_times
+
+    stamps = torch.zeros(2, 32, dtype=torch.int64)
+    stamps[0, :6] = torch.tensor([0, 4_000, 9_000, 10_000, 12_000, 20_000])
+    stamps[1, :6] = torch.tensor([1_000, 8_000, 9_500, 11_000, 12_500, 15_000])
+    times = stage_times(stamps, ["a", "b", "c"])
+    assert [t["stage"] for t in times] == ["a", "b", "c"]
+    assert [t["us"] for t in times] == [8.0, 2.0, 8.0]  # last arrival - first start, per stage
+    assert [t["barrier_us"] for t in times] == [1.5, 1.5, 0.0]  # last release - last arrival
+    assert "total" in format_times(times)

@@ -29,10 +29,10 @@ def _two_stages(data_ptr, out_ptr, sync_ptr, max_polls, extra_target, TASKS_: tl
     epoch = sync.launch_epoch(sync_ptr)
     for t in range(pid, TASKS_, grid):
         tl.store(data_ptr + t, 10 * t + epoch)
-    sync.grid_barrier(sync_ptr, epoch, 0, 2, 0, max_polls)
+    sync.grid_barrier(sync_ptr, epoch, 0, 2, max_polls, data_ptr, False)
     for t in range(pid, TASKS_, grid):
         tl.store(out_ptr + t, tl.load(data_ptr + (t + 7) % TASKS_) + 1)
-    sync.grid_barrier(sync_ptr, epoch + extra_target, 1, 2, 1, max_polls)
+    sync.grid_barrier(sync_ptr, epoch + extra_target, 1, 2, max_polls, data_ptr, False)
     sync.finish_launch(sync_ptr, epoch)
 
 

@@ -3,13 +3,15 @@
 A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
 bf16 on the GPU. With 2 layers (both `whole`) the runner captures a CUDA graph per width, so the
 agreement check runs through them; with more, the CSA/HCA layers run `ffn` and steps are eager.
-Three checks, results printed and written as JSON (`--skip` leaves some out):
+Four checks, results printed and written as JSON (`--skip` leaves some out):
 1. agreement: per layer (the mean of the hc streams after it, live rows) and on the logits, mono
    against per-op on copies of the same prefilled caches, at widths 1, 6, 16 and 48 (with pad
    rows at 48); cosine and relative L2; the ring rows each path wrote, compared;
 2. graph: the K1 + K2 launches of the `whole` layers for widths 1, 6, 16, 48, 6, 1 captured in one
    CUDA graph, replayed 300 times; every replay's outputs bit-for-bit equal to the first's;
-3. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
+3. timeline: per-stage times of the last layer's K1 / K2 / ffn launches, one eager step a width
+   (where the time goes; not a benchmark);
+4. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
    with a short poll bound: the launch ends, the host raises MonoSyncError naming the stage.
 No error word may be set anywhere else.
 """
@@ -31,6 +33,7 @@ from ..model import Model
 from . import k1, k2
 from .plan import WHOLE
 from .sync import EPOCH, MonoSyncError
+from .timeline import format_times, stage_times
 
 RATIOS = (0, 0, 4, 128)
 PROMPTS = [150, 7, 40, 133, 1, 90, 260, 12]  # tokens already in each slot's cache
@@ -135,6 +138,26 @@ def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
             "epochs": {name: state.epoch for name, state in runner.sync.items()}}
 
 
+def check_timeline(model: Model, base_cache) -> dict:
+    """Per-stage times (timeline.py) of the last layer's launches of each kind, one eager step a
+    width. Not a benchmark (one step, stamps on); it says where a launch's time goes."""
+    runner, g = model.mono, torch.Generator().manual_seed(5)
+    graphs, runner.graphs_enabled, runner.timeline = runner.graphs_enabled, False, True
+    names = {"k1": k1.STAGES, "k2": k2.STAGES, "ffn": k2.FFN_STAGES}
+    out = {}
+    for width in WIDTHS:
+        cache = copy.deepcopy(base_cache)
+        tokens, positions, slots = step_rows(width, g, model.config.vocab_size)
+        model.step(cache, tokens, positions, slots)  # warm
+        model.step(cache, tokens, positions, slots)
+        torch.cuda.synchronize()
+        out[width] = {kind: stage_times(stamps, names[kind]) for kind, stamps in runner.timelines.items()}
+        for kind, times in out[width].items():
+            print(f"width {width}, {kind} (last layer):\n{format_times(times)}")
+    runner.graphs_enabled, runner.timeline = graphs, False
+    return out
+
+
 def check_error_path(model: Model, base_cache) -> dict:
     runner, cache = model.mono, copy.deepcopy(base_cache)
     tokens, positions, slots = step_rows(6, torch.Generator().manual_seed(4), model.config.vocab_size)
@@ -158,7 +181,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=3, help="first N layers of v4-flash (2..4)")
     parser.add_argument("--out", help="write the results here as JSON")
-    parser.add_argument("--skip", default="", help="comma-separated checks to skip: agreement, graph, error_path")
+    parser.add_argument("--skip", default="", help="comma-separated checks to skip: agreement, graph, timeline, "
+                                                   "error_path")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = build(args.layers)
@@ -169,7 +193,9 @@ def main(argv=None) -> int:
         "plan": model.mono.plan, "grid": model.mono.grid, "build_seconds": time.perf_counter() - started,
         "runner_graphs": model.mono.graphs_enabled,  # all layers whole: agreement runs through the graphs
     }
-    for name, check in (("agreement", check_agreement), ("graph", check_graph), ("error_path", check_error_path)):
+    checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
+              ("error_path", check_error_path))
+    for name, check in checks:
         if name not in args.skip.split(","):
             report[name] = check(model, base)
     report["seconds"] = time.perf_counter() - started

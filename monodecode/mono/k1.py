@@ -32,14 +32,14 @@ import triton.language as tl
 from . import attention as A
 from . import hc as HC
 from .gemv import gemv_task, row_block
-from .sync import finish_launch, grid_barrier, launch_epoch
+from .sync import finish_launch, grid_barrier, launch_epoch, stamp
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
 BARRIERS = tl.constexpr(len(STAGES) - 1)
 
 
 @triton.jit
-def _k1(sync_ptr, max_polls, R, positions_ptr, slots_ptr,
+def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
         res_ptr, owed_ptr, owed_post_ptr, owed_comb_ptr, streams_ptr, part_ptr,
         fn_ptr, base_ptr, scale_ptr, attn_norm_ptr, post_ptr, comb_ptr, x_ptr,
         wqa_ptr, wqa_s_ptr, wkv_ptr, wkv_s_ptr, qr_raw_ptr, kv_raw_ptr,
@@ -49,19 +49,20 @@ def _k1(sync_ptr, max_polls, R, positions_ptr, slots_ptr,
         HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
         BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr,
         BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BQ: tl.constexpr,
-        FAST: tl.constexpr):
+        FAST: tl.constexpr, TIMELINE: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
+    stamp(timeline_ptr, 0, TIMELINE)
 
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, owed_ptr, d, owed_post_ptr, owed_comb_ptr, streams_ptr, fn_ptr, part_ptr,
                      HC_, MIXP, RB, CHUNK, HAS_OWED, FAST)
-    grid_barrier(sync_ptr, epoch, 0, BARRIERS, 0, max_polls)
+    grid_barrier(sync_ptr, epoch, 0, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R, grid):
         HC.settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, attn_norm_ptr, post_ptr, comb_ptr, x_ptr,
                        hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD, FAST)
-    grid_barrier(sync_ptr, epoch, 1, BARRIERS, 1, max_polls)
+    grid_barrier(sync_ptr, epoch, 1, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     q_tasks = tl.cdiv(q_lora, BN)
     for t in range(pid, q_tasks + tl.cdiv(D, BN), grid):
@@ -71,21 +72,22 @@ def _k1(sync_ptr, max_polls, R, positions_ptr, slots_ptr,
         else:
             gemv_task(t - q_tasks, x_ptr, d, R, wkv_ptr, wkv_s_ptr, kv_raw_ptr, D, D, d, 0,
                       0, SB, BN, BK_D, BR, True, FAST)
-    grid_barrier(sync_ptr, epoch, 2, BARRIERS, 2, max_polls)
+    grid_barrier(sync_ptr, epoch, 2, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, 2 * R, grid):
         A.norm_rope_kv_task(t, qr_raw_ptr, q_lora, q_norm_ptr, qr_ptr, kv_raw_ptr, D, kv_norm_ptr,
                             positions_ptr, slots_ptr, freqs_ptr, ring_kv_ptr, ring_pos_ptr, ring_size,
                             q_lora, D, RD, norm_eps, BQ, D, FAST)
-    grid_barrier(sync_ptr, epoch, 3, BARRIERS, 3, max_polls)
+    grid_barrier(sync_ptr, epoch, 3, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, tl.cdiv(heads * D, BN), grid):
         gemv_task(t, qr_ptr, q_lora, R, wqb_ptr, wqb_s_ptr, q_raw_ptr, heads * D, heads * D, q_lora, 0,
                   0, SB, BN, BK_Q, BR, True, FAST)
-    grid_barrier(sync_ptr, epoch, 4, BARRIERS, 4, max_polls)
+    grid_barrier(sync_ptr, epoch, 4, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R * heads, grid):
         A.q_heads_task(t, q_raw_ptr, heads * D, q_ptr, positions_ptr, freqs_ptr, heads, D, RD, norm_eps, D, FAST)
+    stamp(timeline_ptr, 2 * BARRIERS + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
 
@@ -98,7 +100,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     sb = c.fp8_block[0]
     bn = min(64, sb)
     runner.launch(_k1, "K1",
-        runner.sync["k1"].words, runner.max_polls, s.rows, s.positions, s.slots,
+        runner.sync["k1"].words, runner.max_polls, runner.timeline_buffer("k1"), s.rows, s.positions, s.slots,
         res, s.y, s.post_ffn, s.comb_ffn, streams, s.partials,
         *lw.hc_attn, lw.attn_norm, s.post_attn, s.comb_attn, s.x,
         lw.wq_a.codes, lw.wq_a.scales, lw.wkv.codes, lw.wkv.scales, s.qr_raw, s.kv_raw,
@@ -108,6 +110,6 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, c.hidden_size),
         HAS_OWED=owed, SB=sb, BN=bn, BK_D=min(128, sb), BK_Q=min(128, sb), BR=row_block(s.rows),
         D=c.head_dim, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(c.q_lora_rank),
-        FAST=runner.fast,
+        FAST=runner.fast, TIMELINE=runner.timeline,
     )
     return 1 - cur if owed else cur

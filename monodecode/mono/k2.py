@@ -36,7 +36,7 @@ from . import hc as HC
 from . import router as RT
 from .gemv import gemv_task, row_block
 from .plan import MAX_ROWS
-from .sync import finish_launch, grid_barrier, launch_epoch
+from .sync import finish_launch, grid_barrier, launch_epoch, stamp
 
 ATTENTION_STAGES = ["k2 attend", "k2 wo_a", "k2 wo_b"]
 FFN_STAGES = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2", "expert up",
@@ -48,7 +48,7 @@ CBL = 1024  # hidden columns of a combine task
 
 
 @triton.jit
-def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
+def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, pid, grid, R,
                 tokens_ptr, slots_ptr, res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
                 fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
                 gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
@@ -59,17 +59,18 @@ def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
                 BD: tl.constexpr, FOLD: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr,
                 BK_I: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
                 BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr, BKE_D: tl.constexpr, BKE_I: tl.constexpr,
-                SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr):
+                SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
+                TIMELINE: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
                      HC_, MIXP, RB, CHUNK, FOLD, FAST)
-    grid_barrier(sync_ptr, epoch, b0, NB, b0, max_polls)
+    grid_barrier(sync_ptr, epoch, b0, NB, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R, grid):
         HC.settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
                        hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD, FAST)
-    grid_barrier(sync_ptr, epoch, b0 + 1, NB, b0 + 1, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 1, NB, max_polls, timeline_ptr, TIMELINE)
 
     e_tasks = tl.cdiv(E, BN)
     i_tasks = tl.cdiv(I, BN)
@@ -84,7 +85,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
         else:
             gemv_task(t - e_tasks - i_tasks, x_ptr, d, R, sw3_ptr, sw3_s, sup_ptr, I, I, d, 0,
                       0, SB, BN, BK_D, BR, True, FAST)
-    grid_barrier(sync_ptr, epoch, b0 + 2, NB, b0 + 2, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 2, NB, max_polls, timeline_ptr, TIMELINE)
 
     n6 = R
     if SHARED:
@@ -95,7 +96,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
                           E, TOPK, route_scale, BE, BTOPK, HASH, FAST)
         else:
             RT.shared_swiglu_task(t - R, sgate_ptr, sup_ptr, I, sh_ptr, I, limit, SWB_, FAST)
-    grid_barrier(sync_ptr, epoch, b0 + 3, NB, b0 + 3, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 3, NB, max_polls, timeline_ptr, TIMELINE)
 
     n7 = 1
     if SHARED:
@@ -105,7 +106,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
             RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
         else:
             gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN, BK_I, BR, True, FAST)
-    grid_barrier(sync_ptr, epoch, b0 + 4, NB, b0 + 4, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK
     up_blocks = I // BNE
@@ -113,18 +114,18 @@ def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
         j = t // (2 * up_blocks)
         X.up_task(j, (t // 2) % up_blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
                   w1_codes, w1_scales, w3_codes, w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS)
-    grid_barrier(sync_ptr, epoch, b0 + 5, NB, b0 + 5, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
     for t in range(pid, P * sw_blocks, grid):
         X.swiglu_task(t // sw_blocks, t % sw_blocks, gu_ptr, rw_ptr, h_ptr, I, limit, SWB_, FAST_EXPERTS)
-    grid_barrier(sync_ptr, epoch, b0 + 6, NB, b0 + 6, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
 
     down_blocks = d // BNE
     for t in range(pid, P * down_blocks, grid):
         X.down_task(t // down_blocks, t % down_blocks, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr,
                     w2_codes, w2_scales, d, I, BNE, BKE_I, ROWS_E, FAST_EXPERTS)
-    grid_barrier(sync_ptr, epoch, b0 + 7, NB, b0 + 7, max_polls)
+    grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
 
     c_blocks = tl.cdiv(d, CBL_)
     for t in range(pid, R * c_blocks, grid):
@@ -132,7 +133,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, b0, NB: tl.constexpr, pid, grid, R,
 
 
 @triton.jit
-def _k2(sync_ptr, max_polls, R, tokens_ptr, positions_ptr, slots_ptr,
+def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_ptr,
         q_ptr, o_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr, freqs_ptr, window, attn_scale,
         woa_ptr, woa_s, z_ptr, wob_ptr, wob_s,
         res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
@@ -147,27 +148,29 @@ def _k2(sync_ptr, max_polls, R, tokens_ptr, positions_ptr, slots_ptr,
         BD: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr,
         BK_O: tl.constexpr, BK_Z: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
         BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr, BKE_D: tl.constexpr, BKE_I: tl.constexpr,
-        SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr):
+        SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
+        TIMELINE: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
+    stamp(timeline_ptr, 0, TIMELINE)
     NB: tl.constexpr = 11 if ATTENTION else 8
     b0 = 0
     if ATTENTION:
         for t in range(pid, R * tl.cdiv(heads, HB), grid):
             A.attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                           freqs_ptr, heads, D, RD, window, attn_scale, HB, KW, BDA, FAST)
-        grid_barrier(sync_ptr, epoch, 0, NB, 0, max_polls)
+        grid_barrier(sync_ptr, epoch, 0, NB, max_polls, timeline_ptr, TIMELINE)
         z_width = o_groups * o_lora
         for t in range(pid, tl.cdiv(z_width, BN), grid):
             gemv_task(t, o_ptr, heads * D, R, woa_ptr, woa_s, z_ptr, z_width, z_width, heads * D // o_groups, o_lora,
                       0, SB, BN, BK_O, BR, True, FAST)
-        grid_barrier(sync_ptr, epoch, 1, NB, 1, max_polls)
+        grid_barrier(sync_ptr, epoch, 1, NB, max_polls, timeline_ptr, TIMELINE)
         for t in range(pid, tl.cdiv(d, BN), grid):
             gemv_task(t, z_ptr, z_width, R, wob_ptr, wob_s, attn_out_ptr, d, d, z_width, 0,
                       0, SB, BN, BK_Z, BR, True, FAST)
-        grid_barrier(sync_ptr, epoch, 2, NB, 2, max_polls)
+        grid_barrier(sync_ptr, epoch, 2, NB, max_polls, timeline_ptr, TIMELINE)
         b0 = 3
-    _ffn_stages(sync_ptr, epoch, max_polls, b0, NB, pid, grid, R,
+    _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB, pid, grid, R,
                 tokens_ptr, slots_ptr, res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
                 fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
                 gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
@@ -175,7 +178,8 @@ def _k2(sync_ptr, max_polls, R, tokens_ptr, positions_ptr, slots_ptr,
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN, BK_D, BK_I, BR, HASH, SHARED,
-                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS)
+                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE)
+    stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
 
@@ -197,8 +201,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         attn = (s.q, s.o, s.q, s.slots, 1, s.logits, s.logits, 1, 1.0, s.q, s.q, s.z, s.q, s.q)
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
     ex = lw.experts
+    kind = "k2" if attention else "ffn"
     runner.launch(_k2, "K2",
-        runner.sync["k2" if attention else "ffn"].words, runner.max_polls, s.rows, s.tokens, s.positions, s.slots,
+        runner.sync[kind].words, runner.max_polls, runner.timeline_buffer(kind), s.rows, s.tokens, s.positions, s.slots,
         *attn,
         res, s.attn_out, s.post_attn, s.comb_attn, streams, s.partials,
         *lw.hc_ffn, lw.ffn_norm, s.post_ffn, s.comb_ffn, s.x,
@@ -218,5 +223,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BNE=min(X.LaunchConfig.block_n, inter, d), BKE_D=min(X.LaunchConfig.block_k, d),
         BKE_I=min(X.LaunchConfig.block_k, inter), SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
+        TIMELINE=runner.timeline,
     )
     return 1 - cur if attention else cur

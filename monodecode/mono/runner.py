@@ -26,7 +26,7 @@ from ..model.norm import rms_norm
 from . import k1, k2
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
-from .sync import DEFAULT_MAX_POLLS, SyncState
+from .sync import DEFAULT_MAX_POLLS, TIMELINE_SLOTS, SyncState
 from .weights import fp8_names, layer_weights, read_fp8
 
 
@@ -50,6 +50,8 @@ class MonoRunner:
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
+        self.timeline = False  # per-stage stamps (timeline.py); GPU only, eager steps only
+        self.timelines: dict[str, torch.Tensor] = {}
         self.graphs_enabled = graphs and self.device.type == "cuda" and all(k == WHOLE for k in self.plan)
         self.scratch: dict[int, Scratch] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
@@ -84,6 +86,17 @@ class MonoRunner:
         graph.replay()
         self.check()
         return tuple(t.clone() for t in out) if return_hidden else out.clone()
+
+    def timeline_buffer(self, kind: str) -> torch.Tensor:
+        """The stamps buffer of a kernel family ([grid, TIMELINE_SLOTS] int64; the last launch's
+        stamps), or, with the timeline off, any device pointer (the kernels do not touch it)."""
+        if not self.timeline:
+            return self.sync[kind].words
+        if interpreted():
+            raise RuntimeError("the mono timeline reads the GPU's global timer: it needs a GPU")
+        if kind not in self.timelines:
+            self.timelines[kind] = torch.zeros(self.grid, TIMELINE_SLOTS, dtype=torch.int64, device=self.device)
+        return self.timelines[kind]
 
     def launch(self, kernel, name: str, *args, **meta) -> None:
         """One persistent launch of `self.grid` programs. On the GPU it is cooperative: the driver

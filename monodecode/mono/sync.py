@@ -37,6 +37,8 @@ DEFAULT_MAX_POLLS = 1 << 22  # seconds of polling on an H200: far past any real 
 _ERROR: tl.constexpr = tl.constexpr(ERROR)
 _EXIT: tl.constexpr = tl.constexpr(EXIT)
 _BARRIER: tl.constexpr = tl.constexpr(BARRIER)
+TIMELINE_SLOTS = 32  # per program: start, 2 per barrier (up to 15), end
+_TIMELINE_SLOTS: tl.constexpr = tl.constexpr(TIMELINE_SLOTS)
 
 
 class MonoSyncError(RuntimeError):
@@ -95,13 +97,33 @@ def wait_at_least(counter_ptr, target, error_ptr, stage, max_polls):
 
 
 @triton.jit
-def grid_barrier(sync_ptr, epoch, k, num_barriers, stage, max_polls):
+def grid_barrier(sync_ptr, epoch, k, num_barriers, max_polls, timeline_ptr, TIMELINE: tl.constexpr):
     """Barrier k of a launch with `num_barriers` barriers: every program's earlier stores are
-    visible to every program after it. Returns False if the wait expired (or already had)."""
+    visible to every program after it. A wait that expires names stage k (the stage before it).
+    Returns False if the wait expired (or already had). With TIMELINE, stamps this program's
+    arrival and release (slots 2k + 1 and 2k + 2, see `stamp`)."""
     grid = tl.num_programs(0)
+    stamp(timeline_ptr, 2 * k + 1, TIMELINE)
     signal(sync_ptr + _BARRIER)
     target = (epoch * num_barriers + k + 1) * grid
-    return wait_at_least(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, stage, max_polls)
+    done = wait_at_least(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, k, max_polls)
+    stamp(timeline_ptr, 2 * k + 2, TIMELINE)
+    return done
+
+
+@triton.jit
+def clock_ns():
+    """The GPU's global timer (ns; NVIDIA PTX, so compiled only when a timeline is asked for)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def stamp(timeline_ptr, slot, TIMELINE: tl.constexpr):
+    """With TIMELINE, record the time in timeline[program, slot] ([grid, TIMELINE_SLOTS] int64).
+    Slots: 0 the launch's start, 2k + 1 / 2k + 2 arrival at / release from barrier k, and
+    2B + 1 the end of a launch with B barriers."""
+    if TIMELINE:
+        tl.store(timeline_ptr + tl.program_id(0) * _TIMELINE_SLOTS + slot, clock_ns())
 
 
 @triton.jit

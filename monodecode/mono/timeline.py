@@ -1,0 +1,36 @@
+"""Where a persistent launch spends its time: per-program stamps turned into per-stage times.
+
+With `MonoRunner.timeline` on (GPU only: the stamps read the PTX global timer), every program of
+a launch records (sync.stamp) its start, its arrival at and release from each grid barrier, and
+its end, in a [grid, TIMELINE_SLOTS] int64 buffer of ns. Stage k of a launch runs on program p
+from its previous release (or start) to its arrival at barrier k (or its end); the stage's time
+is from the earliest program starting it to the last one finishing it, and the barrier's wait is
+from that last arrival to the last release. The slowest program sets both, so a stage whose time
+is far above its bytes' worth is the one to rebalance (DESIGN.md section 4: per-task flags where
+the timeline shows waiting).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stage_times(stamps: torch.Tensor, stage_names: list[str]) -> list[dict]:
+    """stamps [grid, slots] int64 ns of one launch with len(stage_names) stages ->
+    [{"stage", "us", "barrier_us"}] (barrier_us 0 for the last stage), in stage order."""
+    stamps = stamps.to(torch.int64).cpu()
+    barriers = len(stage_names) - 1
+    starts = [stamps[:, 0]] + [stamps[:, 2 * k + 2] for k in range(barriers)]
+    ends = [stamps[:, 2 * k + 1] for k in range(barriers)] + [stamps[:, 2 * barriers + 1]]
+    out = []
+    for k, name in enumerate(stage_names):
+        us = float(ends[k].max() - starts[k].min()) / 1e3
+        wait = float(stamps[:, 2 * k + 2].max() - ends[k].max()) / 1e3 if k < barriers else 0.0
+        out.append({"stage": name, "us": us, "barrier_us": wait})
+    return out
+
+
+def format_times(times: list[dict]) -> str:
+    total = sum(t["us"] + t["barrier_us"] for t in times)
+    lines = [f"{t['stage']:<32} {t['us']:8.1f} us  barrier {t['barrier_us']:6.1f} us" for t in times]
+    return "\n".join(lines + [f"{'total':<32} {total:8.1f} us"])
