@@ -23,6 +23,11 @@ The `ffn` variant (ATTENTION False, for layers whose attention ran per-op) start
 nothing to fold: the streams it reads are already settled. y, post and comb of the FFN site are
 owed to the next layer's K1 (or the runner's final fold). Pad rows (slot < 0) route to no expert
 (ids -1), so their y holds the shared expert's output only; nothing reads a pad row's result.
+Waits: a grid barrier after every stage but the last (11; 8 in the `ffn` variant), so a stage
+reads only what finished stages wrote; an expired wait names the stage it waited on (STAGES,
+FFN_STAGES). Rounding points: those of each stage module (bf16 where the per-op path rounds;
+fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
+Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`.
 """
 
 from __future__ import annotations
@@ -38,11 +43,10 @@ from .gemv import gemv_task, row_block
 from .plan import MAX_ROWS
 from .sync import finish_launch, grid_barrier, launch_epoch, stamp
 
-ATTENTION_STAGES = ["k2 attend", "k2 wo_a", "k2 wo_b"]
-FFN_STAGES = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2", "expert up",
+_FFN_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2", "expert up",
               "expert swiglu", "expert down", "combine"]
-STAGES = ATTENTION_STAGES + [f"k2 {name}" for name in FFN_STAGES]
-FFN_STAGES = [f"ffn {name}" for name in FFN_STAGES]
+STAGES = ["k2 attend", "k2 wo_a", "k2 wo_b"] + [f"k2 {name}" for name in _FFN_PARTS]
+FFN_STAGES = [f"ffn {name}" for name in _FFN_PARTS]
 SWB = 1024  # intermediate columns of a SwiGLU task
 CBL = 1024  # hidden columns of a combine task
 
@@ -58,7 +62,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
                 BD: tl.constexpr, FOLD: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr,
                 BK_I: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
-                BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr, BKE_D: tl.constexpr, BKE_I: tl.constexpr,
+                BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
+                BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
                 TIMELINE: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
@@ -147,7 +152,8 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
         BD: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr,
         BK_O: tl.constexpr, BK_Z: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
-        BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr, BKE_D: tl.constexpr, BKE_I: tl.constexpr,
+        BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
+        BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
         TIMELINE: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
