@@ -73,18 +73,22 @@ class MonoRunner:
         scratch = self._scratch(host[0].numel())
         for buffer, values in zip((scratch.tokens, scratch.positions, scratch.slots), host):
             buffer.copy_(values, non_blocking=True)
-        if not self.graphs_enabled:
+        out = self._replay(scratch, cache, return_hidden) if self.graphs_enabled else None
+        if out is None:
             out = self._run(scratch, cache, return_hidden)
-            self.check()
-            return out
+        self.check()
+        return out
+
+    def _replay(self, scratch: Scratch, cache, return_hidden: bool):
+        """The step through the graph of its width and cache (captured on first use), or None
+        when that graph was captured for the other kind of output."""
         key = (scratch.rows, id(cache))
         if key not in self.graphs:
             self.graphs[key] = self._capture(scratch, cache, return_hidden)
-        graph, out, hidden_flag = self.graphs[key]
-        if hidden_flag != return_hidden:  # the graph was captured for the other output
-            return self._run(scratch, cache, return_hidden)
+        graph, out, captured_hidden = self.graphs[key]
+        if captured_hidden != return_hidden:
+            return None
         graph.replay()
-        self.check()
         return tuple(t.clone() for t in out) if return_hidden else out.clone()
 
     def timeline_buffer(self, kind: str) -> torch.Tensor:
