@@ -17,6 +17,7 @@ the host, so steps of such models are not graph-captured.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -85,6 +86,8 @@ class MonoRunner:
         key = (scratch.rows, id(cache))
         if key not in self.graphs:
             self.graphs[key] = self._capture(scratch, cache, return_hidden)
+            # the graph holds the cache's pointers: it goes with the cache (and its id with it)
+            weakref.finalize(cache, self.graphs.pop, key, None)
         graph, out, captured_hidden = self.graphs[key]
         if captured_hidden != return_hidden:
             return None
