@@ -262,7 +262,7 @@ def _ranges(ids) -> str:
 # --- `monodecode bench ...`: load generators against a running server (monodecode/bench/) ---
 
 def add_bench_commands(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmark a running server")
+    bench = commands.add_parser("bench", help="benchmarks: a running server, one decoder layer")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_commands.add_parser(
         "serve", help="load an OpenAI-compatible completions server at fixed concurrency levels",
@@ -288,6 +288,25 @@ def add_bench_commands(commands) -> None:
     serve.add_argument("--out", type=Path, metavar="DIR",
                        help="where bench_serve.json and bench_serve.png go (default: bench-serve-DATE-TIME)")
     serve.set_defaults(run=run_bench_serve)
+    layer = bench_commands.add_parser(
+        "layer", help="one decoder layer of each kind, per-op and mono, against the bandwidth floor",
+        description="Times a window, a CSA and an HCA layer at --preset sizes (synthetic weights, bf16) "
+                    "at each width, per-op (eager) and mono, against the bytes the step must read over "
+                    "the copy bandwidth measured in the same run (monodecode/bench/layer.py).")
+    layer.add_argument("--preset", default="v4-flash", help="model sizes (default: v4-flash)")
+    layer.add_argument("--widths", default="1,2,4,6,8,12,16,24,32,48", help="rows a step, comma-separated")
+    layer.add_argument("--context", type=int, default=512, help="tokens already cached a request")
+    layer.add_argument("--reps", type=int, default=20, help="timed repetitions (the median is kept)")
+    layer.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under "
+                                                        "Triton's interpreter (times meaningless)")
+    layer.add_argument("--out", default=".", help="where bench_layer.json goes")
+    layer.set_defaults(run=run_bench_layer)
+
+
+def run_bench_layer(args: argparse.Namespace) -> int:
+    from .bench.layer import run
+
+    return run(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

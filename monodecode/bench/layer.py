@@ -1,0 +1,207 @@
+"""`monodecode bench layer`: one decoder layer's decode-step time against the bandwidth floor.
+
+A model of three layers at `--preset` sizes, one of each kind (window-only, CSA, HCA), bias-routed
+so that the routing follows the activations; synthetic weights, bf16; every request's cache holds
+`--context` prefilled tokens. For each width (rows of the step: up to 8 requests, the rows spread
+over them as verify rows) and each layer, with a random residual as the layer's input:
+- `per-op eager`: the per-op block (attention + MoE), eagerly, timed with events. It is our
+  reference, not a fair baseline yet: it loops over the step's experts in Python and dequantizes
+  each expert's MXFP4 on every call (DESIGN.md 6 asks for batched experts prepared once);
+- `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (eager) + K2's FFN
+  launch; the kernels replayed in a CUDA graph (`mono kernels` is that part alone).
+Not yet measured (issue 6): the per-op path in a CUDA graph and under torch.compile, which need
+a per-op step without host syncs.
+
+The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
+distinct experts the step's routing picked, each request's window KV rows and, on CSA, its
+visible indexer keys and top-k entries, on HCA its visible entries) over the copy bandwidth
+measured in the same run. The same bytes serve every path, so % of floor compares them.
+On a CPU (tests) the kernels run under Triton's interpreter and times are wall-clock: the code
+paths, not the numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import SyntheticCheckpoint
+from ..config import preset
+from ..model import Model
+from ..model.attention import RequestRows
+from ..mono import k1, k2
+from ..mono.plan import WHOLE
+from ..schema import step_bytes, tensor_specs
+
+KINDS = {0: "window", 4: "CSA", 128: "HCA"}
+MAX_REQUESTS = 8
+
+
+def build(name: str, device: str) -> Model:
+    ratios = tuple(KINDS)
+    config = preset(name, num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=0,
+                    dspark_target_layer_ids=tuple(range(len(ratios))))
+    model = Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16)
+    model.use_mono("on")
+    return model
+
+
+def prefill(model: Model, context: int):
+    g = torch.Generator().manual_seed(1)
+    cache = model.make_cache(MAX_REQUESTS, context + 64, 8)
+    for slot in range(MAX_REQUESTS):
+        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g)
+        model.step_per_op(cache, prompt, torch.arange(context), torch.full((context,), slot))
+    return cache
+
+
+def step_rows(width: int, context: int):
+    """(positions, slots) of a step of `width` rows over min(width, 8) requests, each request's
+    rows consecutive positions after its context."""
+    requests = min(width, MAX_REQUESTS)
+    per = [width // requests + (i < width % requests) for i in range(requests)]
+    slots = [s for s, n in enumerate(per) for _ in range(n)]
+    positions = [context + i for n in per for i in range(n)]
+    return positions, slots
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes a second of a large device-to-device copy (read + written), eager (DESIGN.md 7)."""
+    n = 2 * 1024**3 if device.type == "cuda" else 64 * 1024**2
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    return 2 * n / timed(lambda: b.copy_(a), device, reps=5)
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of fn() (events on a GPU, wall clock on a CPU)."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def graphed(fn, device):
+    """fn captured in a CUDA graph (after a warm-up run) on a GPU; fn itself on a CPU."""
+    fn()
+    if device.type != "cuda":
+        return fn
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+class LayerBench:
+    def __init__(self, model: Model, cache, context: int, reps: int):
+        self.model, self.runner, self.base_cache = model, model.mono, cache
+        self.context, self.reps, self.device = context, reps, model.device
+        self.specs = tensor_specs(model.config)
+
+    def measure(self, layer: int, width: int, g: torch.Generator) -> dict:
+        model, runner, c = self.model, self.runner, self.model.config
+        positions, slots = step_rows(width, self.context)
+        cache = copy.deepcopy(self.base_cache)
+        s = runner._scratch(width)
+        s.tokens.copy_(torch.randint(0, c.vocab_size, (width,), generator=g))
+        s.positions.copy_(torch.tensor(positions))
+        s.slots.copy_(torch.tensor(slots))
+        streams = torch.randn(width, c.hc_mult, c.hidden_size, generator=g).to(torch.bfloat16).to(self.device)
+        lw, lc, block = runner.layers[layer], cache.layers[layer], model.blocks[layer]
+        groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
+
+        def kernels():
+            s.streams[0].copy_(streams)
+            cur = 0
+            if runner.plan[layer] == WHOLE:
+                cur = k1.launch(runner, s, lw, lc, cur, owed=False)
+            k2.launch(runner, s, lw, lc, cur, attention=runner.plan[layer] == WHOLE)
+
+        mono_kernels = timed(graphed(kernels, self.device), self.device, self.reps)
+        runner.check()
+        experts = int(s.ids.unique().ge(0).sum())
+        attention = 0.0
+        if runner.plan[layer] != WHOLE:
+            attention = timed(lambda: runner._attention_per_op(layer, s, lc, 0, False, groups), self.device,
+                              self.reps)
+        per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
+        return {"per_op_eager_s": per_op, "mono_s": mono_kernels + attention, "mono_kernels_s": mono_kernels,
+                "distinct_experts": experts, "floor_bytes": self.floor_bytes(layer, width, experts, groups)}
+
+    def floor_bytes(self, layer: int, width: int, experts: int, groups: list[RequestRows]) -> int:
+        c = self.model.config
+        dense, all_picks = step_bytes(c, self.specs, f"layers.{layer}.", rows=width)
+        per_expert = all_picks // min(width * c.num_experts_per_tok, c.n_routed_experts)
+        return dense + experts * per_expert + sum(self.kv_bytes(layer, int(g.positions[-1])) for g in groups)
+
+    def kv_bytes(self, layer: int, last: int) -> int:
+        """Cache bytes (bf16) a request whose last row is at position `last` reads: its window,
+        and on CSA every visible indexer key plus the top-k entries, on HCA every visible entry."""
+        c = self.model.config
+        ratio = c.compress_ratios[layer]
+        rows = min(c.sliding_window, last + 1) * c.head_dim
+        visible = (last + 1) // ratio if ratio else 0
+        if ratio == 4:
+            rows += visible * c.index_head_dim + min(c.index_topk, visible) * c.head_dim
+        elif ratio:
+            rows += visible * c.head_dim
+        return 2 * rows
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    widths = [int(w) for w in args.widths.split(",")]
+    started = time.strftime("%Y-%m-%d %H:%M")
+    model = build(args.preset, args.device)
+    bench = LayerBench(model, prefill(model, args.context), args.context, args.reps)
+    bandwidth = copy_bandwidth(device)
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for layer, ratio in enumerate(model.config.compress_ratios):
+        for width in widths:
+            m = bench.measure(layer, width, g)
+            floor_s = m["floor_bytes"] / bandwidth
+            rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
+                         "floor_s": floor_s, "per_op_of_floor": floor_s / m["per_op_eager_s"],
+                         "mono_of_floor": floor_s / m["mono_s"], "speedup": m["per_op_eager_s"] / m["mono_s"]})
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
+              "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth, "layers": rows}
+    print(table(report))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {out / 'bench_layer.json'}")
+    return 0
+
+
+def table(report: dict) -> str:
+    head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
+            f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
+    cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'of floor':>9}"
+            f"{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}")
+    lines = [head, cols]
+    for r in report["layers"]:
+        lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
+                     f"{r['per_op_eager_s'] * 1e6:>12.1f}{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
+                     f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x")
+    lines.append("per-op: the eager reference (experts looped and dequantized each call: not a fair baseline "
+                 "yet); mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers")
+    return "\n".join(lines)
