@@ -225,6 +225,15 @@ def test_steps_the_kernels_do_not_take_run_per_op_and_are_counted(model):
     assert sum(model.mono.fallbacks.values()) == before + 1
 
 
+def test_memory_beyond_the_per_op_path_is_reported(model):
+    c = model.config
+    fp8 = model.mono.memory()["fp8_weights"]
+    dense_fp8 = sum(s.nbytes() for s in model.checkpoint.specs if s.fmt == "fp8" and s.name.startswith("layers.0.attn."))
+    assert fp8 >= dense_fp8 > 0  # layer 0's attention (whole) and every layer's shared expert
+    scratch = model.mono._scratch(3)  # built now if no step of 3 rows ran yet
+    assert model.mono.memory()["scratch"] >= scratch.nbytes() >= 2 * 3 * c.hc_mult * c.hidden_size * 2  # streams
+
+
 def test_weights_are_checked_at_build(model):
     from monodecode.mono.weights import WeightCheckError, check_layer
 

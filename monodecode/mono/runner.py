@@ -17,6 +17,7 @@ the host, so steps of such models are not graph-captured.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import Counter
 
@@ -29,6 +30,8 @@ from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusal
 from .scratch import Scratch
 from .sync import DEFAULT_MAX_POLLS, TIMELINE_SLOTS, SyncState
 from .weights import fp8_names, layer_weights, read_fp8
+
+log = logging.getLogger("monodecode.mono")
 
 
 class MonoRunner:
@@ -58,6 +61,14 @@ class MonoRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.last_path = None  # "mono" or "per-op": the path the last step took
+        log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
+                 self.memory()["fp8_weights"] / 2**20)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the runner holds beyond the per-op path's weights: the FP8 dense copies the
+        kernels read, and the scratch of every width built so far."""
+        return {"fp8_weights": sum(lw.nbytes_extra() for lw in self.layers),
+                "scratch": sum(s.nbytes() for s in self.scratch.values())}
 
     # --- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
