@@ -1,16 +1,17 @@
-"""`monodecode bench layer` end to end at tiny sizes on the CPU (the kernels interpreted): the code
-paths and the report, not the times."""
+"""`monodecode bench layer` end to end at tiny sizes (on the CPU the kernels are interpreted): the
+code paths and the report, not the times."""
 
 import json
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 from monodecode.cli import main
 
 
-def test_bench_layer_reports_every_kind_and_width(tmp_path, capsys):
-    assert main(["bench", "layer", "--preset", "tiny", "--device", "cpu", "--widths", "1,3",
+def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
+    assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "1,3",
                  "--context", "20", "--reps", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_layer.json").read_text())
     rows = report["layers"]

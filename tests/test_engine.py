@@ -132,10 +132,10 @@ def test_requests_that_cannot_fit_are_refused(model):
     assert not eng.has_work()
 
 
-def test_decode_steps_take_the_mono_path_when_it_is_on():
+def test_decode_steps_take_the_mono_path_when_it_is_on(device):
     """bf16, mono on (on a CPU: Triton's interpreter): the decode steps run on the kernels, are
     counted as such, and greedy outputs equal the per-op path's."""
-    model = monodecode.load("tiny", seed=3, dtype=torch.bfloat16)
+    model = monodecode.load("tiny", seed=3, dtype=torch.bfloat16, device=device)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     per_op = engine(model, mono="off").generate(PROMPTS[:2], params)
     with warnings.catch_warnings():
