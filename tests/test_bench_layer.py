@@ -8,6 +8,7 @@ if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 from monodecode.cli import main
+from monodecode.model import Model
 
 
 def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
@@ -21,7 +22,37 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
     for r in rows:
         assert 1 <= r["distinct_experts"] <= 2 * r["width"]  # tiny: top-2 of 8
         assert r["floor_bytes"] > 0 and r["per_op_eager_s"] > 0 and r["mono_s"] >= r["mono_kernels_s"] > 0
+        assert (r["per_op_graph_s"] is not None) == (r["kind"] == "window")  # the batched per-op layer
     wider = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 3}
     narrow = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 1}
     assert all(wider[k] > narrow[k] for k in wider)  # more rows read more KV (and experts)
     assert "of floor" in capsys.readouterr().out
+
+
+def test_batched_window_layer_matches_the_per_op_block(device):
+    """The graph-capturable per-op baseline against model.layer.Block on the same rows and caches."""
+    import copy
+
+    import torch
+
+    from monodecode.bench.batched import BatchedWindowLayer
+    from monodecode.checkpoint import SyntheticCheckpoint
+    from monodecode.config import preset
+
+    model = Model.from_checkpoint(SyntheticCheckpoint(preset("tiny"), seed=4), device, torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    cache = model.make_cache(4, 64, 8)
+    for slot, n in enumerate([30, 3, 12, 1]):
+        model.step_per_op(cache, torch.randint(0, 512, (n,), generator=g), torch.arange(n), torch.full((n,), slot))
+    tokens = torch.randint(0, 512, (9,), generator=g).to(device)
+    positions = torch.tensor([30, 31, 32, 33, 34, 3, 12, 13, 1], device=device)
+    slots = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 3], device=device)
+    streams = torch.randn(9, 4, 64, generator=g).to(torch.bfloat16).to(device)
+    block, ref_cache = model.blocks[0], copy.deepcopy(cache.layers[0])
+    ref = block(streams, tokens, positions, model._group_rows(cache, tokens, positions, slots), ref_cache)
+    out = BatchedWindowLayer(block)(streams, tokens, positions, slots, cache.layers[0].window)
+    a, b = out.double().flatten().cpu(), ref.double().flatten().cpu()
+    cos, rel = float(a @ b / (a.norm() * b.norm())), float((a - b).norm() / b.norm())
+    assert cos >= 0.99999 and rel <= 5e-3, (cos, rel)  # seen: bit-equal on the CPU
+    assert torch.equal(cache.layers[0].window.pos, ref_cache.window.pos)
+    assert torch.equal(cache.layers[0].window.data["kv"], ref_cache.window.data["kv"])

@@ -7,10 +7,12 @@ over them as verify rows) and each layer, with a random residual as the layer's 
 - `per-op eager`: the per-op block (attention + MoE), eagerly, timed with events. It is our
   reference, not a fair baseline yet: it loops over the step's experts in Python and dequantizes
   each expert's MXFP4 on every call (DESIGN.md 6 asks for batched experts prepared once);
+- `per-op graph` (window layers): the same math without host syncs and with the experts batched
+  and prepared once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph;
 - `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (eager) + K2's FFN
   launch; the kernels replayed in a CUDA graph (`mono kernels` is that part alone).
-Not yet measured (issue 6): the per-op path in a CUDA graph and under torch.compile, which need
-a per-op step without host syncs.
+Not yet measured (issue 6): the per-op graph of CSA/HCA layers (their compressor and indexer
+still sync with the host) and torch.compile.
 
 The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
 distinct experts the step's routing picked, each request's window KV rows and, on CSA, its
@@ -37,6 +39,7 @@ from ..model.attention import RequestRows
 from ..mono import k1, k2
 from ..mono.plan import WHOLE
 from ..schema import step_bytes, tensor_specs
+from .batched import BatchedWindowLayer
 
 KINDS = {0: "window", 4: "CSA", 128: "HCA"}
 MAX_REQUESTS = 8
@@ -114,6 +117,7 @@ class LayerBench:
         self.model, self.runner, self.base_cache = model, model.mono, cache
         self.context, self.reps, self.device = context, reps, model.device
         self.specs = tensor_specs(model.config)
+        self.batched: dict[int, BatchedWindowLayer] = {}  # experts prepared once a layer
 
     def measure(self, layer: int, width: int, g: torch.Generator) -> dict:
         model, runner, c = self.model, self.runner, self.model.config
@@ -142,8 +146,14 @@ class LayerBench:
             attention = timed(lambda: runner._attention_per_op(layer, s, lc, 0, False, groups), self.device,
                               self.reps)
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
-        return {"per_op_eager_s": per_op, "mono_s": mono_kernels + attention, "mono_kernels_s": mono_kernels,
-                "distinct_experts": experts, "floor_bytes": self.floor_bytes(layer, width, experts, groups)}
+        per_op_graph = None
+        if runner.plan[layer] == WHOLE:
+            batched = self.batched.setdefault(layer, BatchedWindowLayer(block))
+            step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
+            per_op_graph = timed(step, self.device, self.reps)
+        return {"per_op_eager_s": per_op, "per_op_graph_s": per_op_graph, "mono_s": mono_kernels + attention,
+                "mono_kernels_s": mono_kernels, "distinct_experts": experts,
+                "floor_bytes": self.floor_bytes(layer, width, experts, groups)}
 
     def floor_bytes(self, layer: int, width: int, experts: int, groups: list[RequestRows]) -> int:
         c = self.model.config
@@ -178,9 +188,10 @@ def run(args) -> int:
         for width in widths:
             m = bench.measure(layer, width, g)
             floor_s = m["floor_bytes"] / bandwidth
+            best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"]) if t is not None)
             rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
-                         "floor_s": floor_s, "per_op_of_floor": floor_s / m["per_op_eager_s"],
-                         "mono_of_floor": floor_s / m["mono_s"], "speedup": m["per_op_eager_s"] / m["mono_s"]})
+                         "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
+                         "mono_of_floor": floor_s / m["mono_s"], "speedup": best_per_op / m["mono_s"]})
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
               "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth, "layers": rows}
@@ -195,13 +206,19 @@ def run(args) -> int:
 def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
-    cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'of floor':>9}"
-            f"{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}")
+    cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
+            f"{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}")
     lines = [head, cols]
     for r in report["layers"]:
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
-                     f"{r['per_op_eager_s'] * 1e6:>12.1f}{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
+                     f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
+                     f"{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
                      f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x")
-    lines.append("per-op: the eager reference (experts looped and dequantized each call: not a fair baseline "
-                 "yet); mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers")
+    lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
+                 "per-op layer in a CUDA graph (window layers); of floor and speedup use the faster per-op; "
+                 "mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers")
     return "\n".join(lines)
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
