@@ -299,6 +299,8 @@ def add_bench_commands(commands) -> None:
     layer.add_argument("--reps", type=int, default=20, help="timed repetitions (the median is kept)")
     layer.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under "
                                                         "Triton's interpreter (times meaningless)")
+    layer.add_argument("--compile", metavar="MODE", help="also time the batched per-op window layer under "
+                                                         "torch.compile in this mode (e.g. max-autotune-no-cudagraphs)")
     layer.add_argument("--out", default=".", help="where bench_layer.json goes")
     layer.set_defaults(run=run_bench_layer)
 

@@ -56,3 +56,10 @@ def test_batched_window_layer_matches_the_per_op_block(device):
     assert cos >= 0.99999 and rel <= 5e-3, (cos, rel)  # seen: bit-equal on the CPU
     assert torch.equal(cache.layers[0].window.pos, ref_cache.window.pos)
     assert torch.equal(cache.layers[0].window.data["kv"], ref_cache.window.data["kv"])
+
+
+def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path):
+    assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--context", "8",
+                 "--reps", "1", "--compile", "default", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
+    assert [r["per_op_compiled_s"] is not None for r in rows] == [True, False, False]  # window layers only

@@ -8,11 +8,13 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   reference, not a fair baseline yet: it loops over the step's experts in Python and dequantizes
   each expert's MXFP4 on every call (DESIGN.md 6 asks for batched experts prepared once);
 - `per-op graph` (window layers): the same math without host syncs and with the experts batched
-  and prepared once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph;
+  and prepared once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with
+  `--compile MODE`, also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs;
+  one compile a width), in a CUDA graph;
 - `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (eager) + K2's FFN
   launch; the kernels replayed in a CUDA graph (`mono kernels` is that part alone).
-Not yet measured (issue 6): the per-op graph of CSA/HCA layers (their compressor and indexer
-still sync with the host) and torch.compile.
+Not yet measured (issue 6): the per-op graph and torch.compile of CSA/HCA layers (their
+compressor and indexer still sync with the host).
 
 The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
 distinct experts the step's routing picked, each request's window KV rows and, on CSA, its
@@ -113,11 +115,12 @@ def graphed(fn, device):
 
 
 class LayerBench:
-    def __init__(self, model: Model, cache, context: int, reps: int):
+    def __init__(self, model: Model, cache, context: int, reps: int, compile_mode: str | None = None):
         self.model, self.runner, self.base_cache = model, model.mono, cache
         self.context, self.reps, self.device = context, reps, model.device
         self.specs = tensor_specs(model.config)
         self.batched: dict[int, BatchedWindowLayer] = {}  # experts prepared once a layer
+        self.compile_mode = compile_mode
 
     def measure(self, layer: int, width: int, g: torch.Generator) -> dict:
         model, runner, c = self.model, self.runner, self.model.config
@@ -146,12 +149,17 @@ class LayerBench:
             attention = timed(lambda: runner._attention_per_op(layer, s, lc, 0, False, groups), self.device,
                               self.reps)
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
-        per_op_graph = None
+        per_op_graph = per_op_compiled = None
         if runner.plan[layer] == WHOLE:
             batched = self.batched.setdefault(layer, BatchedWindowLayer(block))
             step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
             per_op_graph = timed(step, self.device, self.reps)
-        return {"per_op_eager_s": per_op, "per_op_graph_s": per_op_graph, "mono_s": mono_kernels + attention,
+            if self.compile_mode:
+                compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
+                step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
+                per_op_compiled = timed(step, self.device, self.reps)
+        return {"per_op_eager_s": per_op, "per_op_graph_s": per_op_graph, "per_op_compiled_s": per_op_compiled,
+                "mono_s": mono_kernels + attention,
                 "mono_kernels_s": mono_kernels, "distinct_experts": experts,
                 "floor_bytes": self.floor_bytes(layer, width, experts, groups)}
 
@@ -180,7 +188,7 @@ def run(args) -> int:
     widths = [int(w) for w in args.widths.split(",")]
     started = time.strftime("%Y-%m-%d %H:%M")
     model = build(args.preset, args.device)
-    bench = LayerBench(model, prefill(model, args.context), args.context, args.reps)
+    bench = LayerBench(model, prefill(model, args.context), args.context, args.reps, args.compile)
     bandwidth = copy_bandwidth(device)
     g = torch.Generator().manual_seed(2)
     rows = []
@@ -188,7 +196,8 @@ def run(args) -> int:
         for width in widths:
             m = bench.measure(layer, width, g)
             floor_s = m["floor_bytes"] / bandwidth
-            best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"]) if t is not None)
+            best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
+                              if t is not None)
             rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
                          "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
                          "mono_of_floor": floor_s / m["mono_s"], "speedup": best_per_op / m["mono_s"]})
@@ -207,15 +216,17 @@ def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
     cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
-            f"{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}")
+            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}")
     lines = [head, cols]
     for r in report["layers"]:
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
                      f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
+                     f"{_us(r['per_op_compiled_s']):>12}"
                      f"{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
                      f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
-                 "per-op layer in a CUDA graph (window layers); of floor and speedup use the faster per-op; "
+                 "per-op layer in a CUDA graph (window layers), compiled: the same under torch.compile; of floor "
+                 "and speedup use the fastest per-op; "
                  "mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers")
     return "\n".join(lines)
 
