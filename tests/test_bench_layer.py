@@ -27,6 +27,7 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
     narrow = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 1}
     assert all(wider[k] > narrow[k] for k in wider)  # more rows read more KV (and experts)
     assert "of floor" in capsys.readouterr().out
+    assert (tmp_path / "bench_layer.png").stat().st_size > 0  # matplotlib is in the test extra
 
 
 def test_batched_window_layer_matches_the_per_op_block(device):

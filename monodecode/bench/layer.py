@@ -27,6 +27,7 @@ paths, not the numbers.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import statistics
 import time
@@ -209,7 +210,43 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_layer.json'}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("note: matplotlib is not installed, so no bench_layer.png (pip install 'monodecode[bench]')")
+    else:
+        write_plot(report, out / "bench_layer.png")
+        print(f"wrote {out / 'bench_layer.png'}")
     return 0
+
+
+PATHS = {"per_op_eager_s": ("per-op eager", "tab:blue"), "per_op_graph_s": ("per-op graph", "tab:orange"),
+         "per_op_compiled_s": ("per-op compiled", "tab:purple"), "mono_s": ("mono", "tab:green")}
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """Time and % of floor against width, a column of panels a layer kind, a line a path."""
+    from matplotlib.figure import Figure  # the object API: no GUI backend, no global state
+
+    kinds = list(dict.fromkeys(r["kind"] for r in report["layers"]))
+    figure = Figure(figsize=(4 * len(kinds), 7), layout="constrained")
+    axes = figure.subplots(2, len(kinds), squeeze=False)
+    for col, kind in enumerate(kinds):
+        rows = [r for r in report["layers"] if r["kind"] == kind]
+        widths = [r["width"] for r in rows]
+        for key, (label, color) in PATHS.items():
+            if all(r[key] is None for r in rows):
+                continue
+            times = [r[key] * 1e6 if r[key] is not None else float("nan") for r in rows]
+            fractions = [r["floor_s"] * 1e6 / t for r, t in zip(rows, times)]
+            axes[0, col].plot(widths, times, marker="o", label=label, color=color)
+            axes[1, col].plot(widths, fractions, marker="o", label=label, color=color)
+        axes[0, col].plot(widths, [r["floor_s"] * 1e6 for r in rows], linestyle="--", color="gray", label="floor")
+        axes[0, col].set(title=f"{kind} layer", ylabel="us a step", yscale="log")
+        axes[1, col].set(xlabel="rows a step", ylabel="fraction of the floor", ylim=(0, 1))
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize="small")
+    figure.suptitle(f"{report['device']}, {report['preset']}: one decoder layer a step")
+    figure.savefig(path, dpi=120)
 
 
 def table(report: dict) -> str:
