@@ -248,6 +248,15 @@ def test_weights_are_checked_at_build(model):
     check_layer(model.config, 0, lw)
 
 
+def test_a_cache_the_kernels_cannot_use_is_refused(model):
+    from monodecode.mono.weights import WeightCheckError
+
+    cache = model.make_cache(2, CONTEXT, STEP_ROWS)
+    cache.layers[0].window.data["kv"] = cache.layers[0].window.data["kv"].float()
+    with pytest.raises(WeightCheckError, match="cache layer 0 window kv: dtype torch.float32, expected torch.bfloat16"):
+        model.step(cache, [1], [0], [0])
+
+
 def test_refused_configurations_say_why(device, caplog):
     fp32 = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=1), device, torch.float32)
     with caplog.at_level(logging.WARNING, logger="monodecode.mono"):

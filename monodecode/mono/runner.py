@@ -29,7 +29,7 @@ from . import k1, k2
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
 from .sync import DEFAULT_MAX_POLLS, TIMELINE_SLOTS, SyncState
-from .weights import fp8_names, layer_weights, read_fp8
+from .weights import check_cache, fp8_names, layer_weights, read_fp8
 
 log = logging.getLogger("monodecode.mono")
 
@@ -61,6 +61,7 @@ class MonoRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.last_path = None  # "mono" or "per-op": the path the last step took
+        self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
                  self.memory()["fp8_weights"] / 2**20)
 
@@ -82,6 +83,10 @@ class MonoRunner:
             self.last_path = "per-op"
             return self.model.step_per_op(cache, tokens, positions, slots, return_hidden=return_hidden)
         self.last_path = "mono"
+        if id(cache) not in self.checked_caches:
+            check_cache(self.config, cache)
+            self.checked_caches.add(id(cache))
+            weakref.finalize(cache, self.checked_caches.discard, id(cache))
         scratch = self._scratch(host[0].numel())
         for buffer, values in zip((scratch.tokens, scratch.positions, scratch.slots), host):
             buffer.copy_(values, non_blocking=True)

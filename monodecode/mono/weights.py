@@ -186,6 +186,16 @@ def check_layer(config, layer: int, lw: LayerWeights) -> None:
         _check(f"{p}{name}", tensor, shape, dtype)
 
 
+def check_cache(config, cache) -> None:
+    """The KV rings the kernels read and write (each layer's window): bf16 rows, int64 positions,
+    contiguous, aligned, on the kernels' shapes."""
+    for i, layer in enumerate(cache.layers):
+        ring = layer.window
+        slots, size = ring.pos.shape
+        _check(f"cache layer {i} window kv", ring.data["kv"], (slots, size, config.head_dim), torch.bfloat16)
+        _check(f"cache layer {i} window positions", ring.pos, (slots, size), torch.int64)
+
+
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     problems = []
     if tuple(t.shape) != tuple(shape):
