@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -39,10 +38,10 @@ from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
 from ..model import Model
 from ..model.attention import RequestRows
-from ..mono import k1, k2
 from ..mono.plan import WHOLE
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedWindowLayer
+from .timing import copy_bandwidth, graphed, timed
 
 KINDS = {0: "window", 4: "CSA", 128: "HCA"}
 MAX_REQUESTS = 8
@@ -76,45 +75,6 @@ def step_rows(width: int, context: int):
     return positions, slots
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes a second of a large device-to-device copy (read + written), eager (DESIGN.md 7)."""
-    n = 2 * 1024**3 if device.type == "cuda" else 64 * 1024**2
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    return 2 * n / timed(lambda: b.copy_(a), device, reps=5)
-
-
-def timed(fn, device, reps: int) -> float:
-    """Median seconds of fn() (events on a GPU, wall clock on a CPU)."""
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def graphed(fn, device):
-    """fn captured in a CUDA graph (after a warm-up run) on a GPU; fn itself on a CPU."""
-    fn()
-    if device.type != "cuda":
-        return fn
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 class LayerBench:
     def __init__(self, model: Model, cache, context: int, reps: int, compile_mode: str | None = None):
         self.model, self.runner, self.base_cache = model, model.mono, cache
@@ -124,6 +84,8 @@ class LayerBench:
         self.compile_mode = compile_mode
 
     def measure(self, layer: int, width: int, g: torch.Generator) -> dict:
+        from ..mono import k1, k2  # after use_mono: on a CPU it turns Triton's interpreter on first
+
         model, runner, c = self.model, self.runner, self.model.config
         positions, slots = step_rows(width, self.context)
         cache = copy.deepcopy(self.base_cache)

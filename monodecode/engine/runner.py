@@ -7,19 +7,12 @@ by the path each step took. Plain decode steps and speculative verify steps both
 from __future__ import annotations
 
 from ..model import Model
-from ..mono import MODES as MONO_MODES
+from ..mono import check_mode as check_mono  # noqa: F401 (the server checks the mode before loading)
 from .metrics import Metrics
-
-
-def check_mono(mono: str) -> None:
-    """Refuse an unknown mono mode before anything is loaded."""
-    if mono not in MONO_MODES:
-        raise ValueError(f"mono must be one of {list(MONO_MODES)}, got {mono!r}")
 
 
 class StepRunner:
     def __init__(self, model: Model, mono: str, metrics: Metrics):
-        check_mono(mono)
         model.use_mono(mono)
         self.model, self.metrics = model, metrics
 

@@ -16,12 +16,17 @@ log = logging.getLogger("monodecode.mono")
 MODES = ("off", "auto", "on")
 
 
+def check_mode(mono: str) -> None:
+    """Refuse an unknown mono mode (before anything is loaded, where the caller can)."""
+    if mono not in MODES:
+        raise ValueError(f"mono must be one of {list(MODES)}, got {mono!r}")
+
+
 def build(model, mono: str):
     """The MonoRunner for `mono` = "off" | "auto" | "on", or None (off; auto when refused, each
     reason logged once). "on" raises MonoRefused with every reason. Without a GPU, "on" runs the
     kernels under Triton's interpreter with grid (1,): slow, for tests; it warns."""
-    if mono not in MODES:
-        raise ValueError(f"mono must be one of {list(MODES)}, got {mono!r}")
+    check_mode(mono)
     if mono == "off":
         return None
     if mono == "on" and model.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

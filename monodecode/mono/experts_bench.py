@@ -20,24 +20,10 @@ import time
 
 import torch
 
+from ..bench.timing import copy_bandwidth
 from . import experts as X
 
 E, D, I, TOPK = 256, 4096, 2048, 6  # v4-flash
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3)
 
 
 def random_bank(g: torch.Generator) -> X.ExpertWeights:
@@ -109,7 +95,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    copy = copy_bandwidth()
+    copy = copy_bandwidth("cuda")
     bank = random_bank(g)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),

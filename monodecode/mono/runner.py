@@ -28,7 +28,7 @@ from ..model.norm import rms_norm
 from . import k1, k2
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
-from .sync import DEFAULT_MAX_POLLS, TIMELINE_SLOTS, SyncState
+from .sync import DEFAULT_MAX_POLLS, ERROR, TIMELINE_SLOTS, SyncState
 from .weights import check_cache, fp8_names, layer_weights, read_fp8
 
 log = logging.getLogger("monodecode.mono")
@@ -136,10 +136,12 @@ class MonoRunner:
             raise MonoRefused([f"{name}: {self.grid} programs (one per SM) cannot all be resident at once: {e}"]) from e
 
     def check(self) -> None:
-        """Raise MonoSyncError if a kernel's wait expired since the last check (a host sync, once
-        a step: the step's logits are wrong then, and the caller must fail its requests)."""
-        for state in self.sync.values():
-            state.check()
+        """Raise MonoSyncError if a kernel's wait expired since the last check (one host sync a
+        step: the step's logits are wrong then, and the caller must fail its requests)."""
+        errors = torch.stack([state.words[ERROR] for state in self.sync.values()]).tolist()
+        for state, error in zip(self.sync.values(), errors):
+            if error:
+                state.check()
 
     def _per_op_reason(self, cache, rows: int, groups) -> str | None:
         if rows > MAX_ROWS:

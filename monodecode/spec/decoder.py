@@ -68,7 +68,8 @@ class SpecCaches:
 class SpeculativeDecoder:
     def __init__(self, model: Model, config: SpeculativeConfig, target_step=None):
         """`target_step` runs the target's verify rows (Model.step's signature); the engine passes
-        the one place where a step picks the mono or the per-op path. Prefill is always per-op."""
+        its StepRunner, which counts the path each step took. Prefill goes through Model.step,
+        whose mono runner sends prompt-sized steps to the per-op path."""
         self.model, self.config = model, config
         self.target_step = target_step or model.step
         self.draft = model.draft()

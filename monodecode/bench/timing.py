@@ -1,0 +1,49 @@
+"""Timing shared by the benchmarks: the copy bandwidth that sets the floor, a median timer, and
+CUDA-graph capture of a step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes a second of a large device-to-device copy (read + written), eager (DESIGN.md 7)."""
+    device = torch.device(device)
+    n = 2 * 1024**3 if device.type == "cuda" else 64 * 1024**2
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    return 2 * n / timed(lambda: b.copy_(a), device, reps=5)
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of fn() (events on a GPU, wall clock on a CPU)."""
+    times = []
+    for _ in range(reps):
+        if torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def graphed(fn, device):
+    """fn captured in a CUDA graph (after a warm-up run) on a GPU; fn itself on a CPU."""
+    fn()
+    if torch.device(device).type != "cuda":
+        return fn
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
