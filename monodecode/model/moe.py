@@ -4,7 +4,8 @@ Router: sqrtsoftplus scores of `gate` (fp32); experts chosen by the token's `tid
 hash-routed layers, else by top-k of score + bias; weights are the unbiased scores of the chosen
 experts, renormalised, times `routed_scaling_factor`. Experts: SwiGLU in fp32 with the clamp
 (gate <= limit, |up| <= limit), the routing weight applied before `w2` and rounded to the
-activation dtype there, as the reference does; outputs summed in fp32 in top-k order per row.
+activation dtype there, as the reference does; each expert's output rounded to the activation dtype
+(its w2 projection), summed in fp32 per row, expert by expert in ascending id order.
 """
 
 from __future__ import annotations
