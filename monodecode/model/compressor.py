@@ -70,13 +70,18 @@ class Indexer:
         weights = F.linear(x, self.weights_proj).float() * self.heads**-0.5
         return apply_rope(q, positions, self.freqs), weights
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-        """Mask [n, E] of the entries each query attends: its top-k visible ones."""
+        """Index scores [n, E] fp32 of each query's entries; -inf where an entry is not visible."""
         scores = torch.einsum("nhd,ed->nhe", q.float(), keys.float()).relu() * self.head_dim**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
         visible = torch.arange(keys.shape[0], device=keys.device)[None] < ((positions + 1) // 4)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        return scores.masked_fill(~visible, float("-inf"))
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Mask [n, E] of the entries each query attends: its top-k visible ones."""
+        scores = self.scores(q, weights, keys, positions)
         top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+        return chosen & (scores > float("-inf"))
