@@ -301,6 +301,12 @@ def add_bench_commands(commands) -> None:
                                                         "Triton's interpreter (times meaningless)")
     layer.add_argument("--compile", metavar="MODE", help="also time the batched per-op window layer under "
                                                          "torch.compile in this mode (e.g. max-autotune-no-cudagraphs)")
+    layer.add_argument("--kinds", default="window,CSA,HCA", help="layer kinds to time, comma-separated")
+    layer.add_argument("--shapes", default="default",
+                       help="mono launch shapes to time, ';'-separated, each `default` or field=value,... of "
+                            "monodecode.mono.runner.LaunchShape (e.g. 'default;k2_warps=8,expert_block_n=128')")
+    layer.add_argument("--timeline", action="store_true",
+                       help="also print and save the per-stage times of one eager run of the mono kernels (GPU)")
     layer.add_argument("--out", default=".", help="where bench_layer.json goes")
     layer.set_defaults(run=run_bench_layer)
 

@@ -30,6 +30,29 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
     assert (tmp_path / "bench_layer.png").stat().st_size > 0  # matplotlib is in the test extra
 
 
+def test_bench_layer_times_each_launch_shape(device, tmp_path):
+    assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--kinds", "window",
+                 "--shapes", "default;block_n=32,expert_stages=2", "--context", "20", "--reps", "1",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
+    assert [(r["kind"], r["width"], r["shape"]) for r in rows] == [
+        ("window", 2, "default"), ("window", 2, "block_n=32,expert_stages=2")]
+    assert rows[0]["per_op_eager_s"] == rows[1]["per_op_eager_s"]  # the per-op path is timed once
+    assert all(r["mono_kernels_s"] > 0 for r in rows)
+
+
+def test_launch_shapes_parse_and_name_bad_fields():
+    import pytest
+
+    from monodecode.mono.runner import LaunchShape
+
+    shape = LaunchShape.parse("k2_warps=8, expert_block_n=128,gemv_stages=none")
+    assert (shape.k2_warps, shape.expert_block_n, shape.gemv_stages) == (8, 128, None)
+    assert LaunchShape.parse(shape.spec()) == shape and LaunchShape.parse("default") == LaunchShape()
+    with pytest.raises(ValueError, match="warps=8"):
+        LaunchShape.parse("warps=8")
+
+
 def test_batched_window_layer_matches_the_per_op_block(device):
     """The graph-capturable per-op baseline against model.layer.Block on the same rows and caches."""
     import copy

@@ -13,6 +13,9 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   one compile a width), in a CUDA graph;
 - `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (eager) + K2's FFN
   launch; the kernels replayed in a CUDA graph (`mono kernels` is that part alone).
+`--shapes` times mono once per launch shape (`mono.runner.LaunchShape`: programs a SM, warps,
+tile sizes, pipelining depth; a row each), `--kinds` restricts the layer kinds, and `--timeline`
+adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
 Not yet measured (issue 6): the per-op graph and torch.compile of CSA/HCA layers (their
 compressor and indexer still sync with the host).
 
@@ -39,6 +42,8 @@ from ..config import preset
 from ..model import Model
 from ..model.attention import RequestRows
 from ..mono.plan import WHOLE
+from ..mono.runner import LaunchShape
+from ..mono.timeline import format_times, stage_times
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedWindowLayer
 from .timing import copy_bandwidth, graphed, timed
@@ -83,7 +88,9 @@ class LayerBench:
         self.batched: dict[int, BatchedWindowLayer] = {}  # experts prepared once a layer
         self.compile_mode = compile_mode
 
-    def measure(self, layer: int, width: int, g: torch.Generator) -> dict:
+    def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
+                timeline: bool = False) -> list[dict]:
+        """One row a launch shape: the per-op times (measured once) and mono's with that shape."""
         from ..mono import k1, k2  # after use_mono: on a CPU it turns Triton's interpreter on first
 
         model, runner, c = self.model, self.runner, self.model.config
@@ -96,24 +103,22 @@ class LayerBench:
         streams = torch.randn(width, c.hc_mult, c.hidden_size, generator=g).to(torch.bfloat16).to(self.device)
         lw, lc, block = runner.layers[layer], cache.layers[layer], model.blocks[layer]
         groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
+        whole = runner.plan[layer] == WHOLE
 
         def kernels():
             s.streams[0].copy_(streams)
             cur = 0
-            if runner.plan[layer] == WHOLE:
+            if whole:
                 cur = k1.launch(runner, s, lw, lc, cur, owed=False)
-            k2.launch(runner, s, lw, lc, cur, attention=runner.plan[layer] == WHOLE)
+            k2.launch(runner, s, lw, lc, cur, attention=whole)
 
-        mono_kernels = timed(graphed(kernels, self.device), self.device, self.reps)
-        runner.check()
-        experts = int(s.ids.unique().ge(0).sum())
         attention = 0.0
-        if runner.plan[layer] != WHOLE:
+        if not whole:
             attention = timed(lambda: runner._attention_per_op(layer, s, lc, 0, False, groups), self.device,
                               self.reps)
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
         per_op_graph = per_op_compiled = None
-        if runner.plan[layer] == WHOLE:
+        if whole:
             batched = self.batched.setdefault(layer, BatchedWindowLayer(block))
             step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
             per_op_graph = timed(step, self.device, self.reps)
@@ -121,10 +126,34 @@ class LayerBench:
                 compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
                 step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
                 per_op_compiled = timed(step, self.device, self.reps)
-        return {"per_op_eager_s": per_op, "per_op_graph_s": per_op_graph, "per_op_compiled_s": per_op_compiled,
-                "mono_s": mono_kernels + attention,
-                "mono_kernels_s": mono_kernels, "distinct_experts": experts,
-                "floor_bytes": self.floor_bytes(layer, width, experts, groups)}
+        rows = []
+        for shape in shapes:
+            runner.configure(shape)
+            mono_kernels = timed(graphed(kernels, self.device), self.device, self.reps)
+            runner.check()
+            experts = int(s.ids.unique().ge(0).sum())
+            rows.append({"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
+                         "per_op_compiled_s": per_op_compiled, "mono_s": mono_kernels + attention,
+                         "mono_kernels_s": mono_kernels, "distinct_experts": experts,
+                         "floor_bytes": self.floor_bytes(layer, width, experts, groups),
+                         "stages": self.stage_times(kernels, whole) if timeline else None})
+        return rows
+
+    def stage_times(self, kernels, whole: bool) -> dict:
+        """Per-stage times (mono/timeline.py) of one eager run of the layer's kernels: where their
+        time goes (the stamps cost a little; not the timed number)."""
+        from ..mono import k1, k2
+
+        runner = self.runner
+        runner.timeline = True
+        try:
+            kernels()
+            torch.cuda.synchronize(self.device)
+            names = {"k1": k1.STAGES, "k2": k2.STAGES} if whole else {"ffn": k2.FFN_STAGES}
+            return {kind: stage_times(runner.timelines[kind], stages) for kind, stages in names.items()}
+        finally:
+            runner.timeline = False
+            runner.timelines.clear()
 
     def floor_bytes(self, layer: int, width: int, experts: int, groups: list[RequestRows]) -> int:
         c = self.model.config
@@ -149,6 +178,13 @@ class LayerBench:
 def run(args) -> int:
     device = torch.device(args.device)
     widths = [int(w) for w in args.widths.split(",")]
+    shapes = [LaunchShape.parse(text) for text in args.shapes.split(";")]
+    kinds = args.kinds.split(",")
+    unknown = set(kinds) - set(KINDS.values())
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS.values())})")
+    if args.timeline and device.type != "cuda":
+        raise SystemExit("--timeline reads the GPU's global timer: it needs --device cuda")
     started = time.strftime("%Y-%m-%d %H:%M")
     model = build(args.preset, args.device)
     bench = LayerBench(model, prefill(model, args.context), args.context, args.reps, args.compile)
@@ -156,14 +192,19 @@ def run(args) -> int:
     g = torch.Generator().manual_seed(2)
     rows = []
     for layer, ratio in enumerate(model.config.compress_ratios):
+        if KINDS[ratio] not in kinds:
+            continue
         for width in widths:
-            m = bench.measure(layer, width, g)
-            floor_s = m["floor_bytes"] / bandwidth
-            best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
-                              if t is not None)
-            rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
-                         "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
-                         "mono_of_floor": floor_s / m["mono_s"], "speedup": best_per_op / m["mono_s"]})
+            for m in bench.measure(layer, width, g, shapes, args.timeline):
+                floor_s = m["floor_bytes"] / bandwidth
+                best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
+                                  if t is not None)
+                rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
+                             "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
+                             "mono_of_floor": floor_s / m["mono_s"], "speedup": best_per_op / m["mono_s"]})
+                if m["stages"]:
+                    for kind, times in m["stages"].items():
+                        print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
               "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth, "layers": rows}
@@ -181,7 +222,7 @@ def run(args) -> int:
 
 
 PATHS = {"per_op_eager_s": ("per-op eager", "tab:blue"), "per_op_graph_s": ("per-op graph", "tab:orange"),
-         "per_op_compiled_s": ("per-op compiled", "tab:purple"), "mono_s": ("mono", "tab:green")}
+         "per_op_compiled_s": ("per-op compiled", "tab:purple"), "mono_s": ("mono", None)}
 
 
 def write_plot(report: dict, path: Path) -> None:
@@ -191,14 +232,18 @@ def write_plot(report: dict, path: Path) -> None:
     kinds = list(dict.fromkeys(r["kind"] for r in report["layers"]))
     figure = Figure(figsize=(4 * len(kinds), 7), layout="constrained")
     axes = figure.subplots(2, len(kinds), squeeze=False)
+    shapes = list(dict.fromkeys(r["shape"] for r in report["layers"]))
     for col, kind in enumerate(kinds):
-        rows = [r for r in report["layers"] if r["kind"] == kind]
+        rows = [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shapes[0]]
         widths = [r["width"] for r in rows]
-        for key, (label, color) in PATHS.items():
-            if all(r[key] is None for r in rows):
+        lines = [(key, label, color, rows) for key, (label, color) in PATHS.items() if key != "mono_s"]
+        lines += [("mono_s", "mono" if len(shapes) == 1 else f"mono ({shape})", None,
+                   [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shape]) for shape in shapes]
+        for key, label, color, series in lines:
+            if all(r[key] is None for r in series):
                 continue
-            times = [r[key] * 1e6 if r[key] is not None else float("nan") for r in rows]
-            fractions = [r["floor_s"] * 1e6 / t for r, t in zip(rows, times)]
+            times = [r[key] * 1e6 if r[key] is not None else float("nan") for r in series]
+            fractions = [r["floor_s"] * 1e6 / t for r, t in zip(series, times)]
             axes[0, col].plot(widths, times, marker="o", label=label, color=color)
             axes[1, col].plot(widths, fractions, marker="o", label=label, color=color)
         axes[0, col].plot(widths, [r["floor_s"] * 1e6 for r in rows], linestyle="--", color="gray", label="floor")
@@ -215,18 +260,20 @@ def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
     cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
-            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}")
+            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}  shape")
     lines = [head, cols]
     for r in report["layers"]:
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
                      f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
                      f"{_us(r['per_op_compiled_s']):>12}"
                      f"{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
-                     f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x")
+                     f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x"
+                     f"  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph (window layers), compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
-                 "mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers")
+                 "mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers; shape: the kernels' "
+                 "launch shape (mono/runner.py LaunchShape)")
     return "\n".join(lines)
 
 

@@ -195,15 +195,14 @@ def main(argv=None) -> int:
     }
     checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
               ("error_path", check_error_path))
-    for name, check in checks:
+    for name, check in checks:  # each result is printed and saved as it comes (a run may be cut short)
         if name not in args.skip.split(","):
             report[name] = check(model, base)
-    report["seconds"] = time.perf_counter() - started
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+            report["seconds"] = time.perf_counter() - started
+            print(f"{name}: {json.dumps(report[name])}", flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(json.dumps(report, indent=1))
     return 0
 
 

@@ -163,10 +163,11 @@ def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr, FAST: tl.
 
 @triton.jit
 def _matvec(codes_ptr, scales_ptr, n_rows, x_ptr, x_rows, x_mask, K,
-            BK: tl.constexpr, FAST: tl.constexpr):
-    """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K."""
+            BK: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr):
+    """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K (NS: the loop's
+    software-pipelining depth, `tl.range` num_stages; None: the launch's)."""
     acc = tl.zeros((n_rows.shape[0], x_rows.shape[0]), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=NS):
         w = _weight_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK, FAST)
         rk = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
@@ -191,7 +192,8 @@ def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
 @triton.jit
 def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
-            BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+            BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+            NS: tl.constexpr = None):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
@@ -202,9 +204,9 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
         w_off = tl.multiple_of(expert * I * (K // 2), 16)
         s_off = expert * I * (K // 32)
         if which == 0:
-            acc = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST)
+            acc = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS)
         else:
-            acc = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST)
+            acc = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS)
         tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
 
 
@@ -222,13 +224,14 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 
 @triton.jit
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-              BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+              BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+              NS: tl.constexpr = None):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         n = nb * BN + tl.arange(0, BN)
         y = _matvec(w2_codes + tl.multiple_of(expert * D * (I // 2), 16), w2_scales + expert * D * (I // 32), n,
-                    h_ptr, picks, mask, I, BK, FAST)
+                    h_ptr, picks, mask, I, BK, FAST, NS)
         tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
 
 

@@ -76,9 +76,10 @@ def _e8m0_value(code):
 @triton.jit
 def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
               WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None):
     """y[:R, nb*BN : nb*BN + BN] (masked at N) = x[:R, xoff : xoff + K] @ W[block].T (the
-    contract in the module docstring). K1 / K2 call this."""
+    contract in the module docstring). K1 / K2 call this. NS: the K loop's software-pipelining
+    depth (`tl.range` num_stages; None: the launch's)."""
     n = nb * BN + tl.arange(0, BN)
     n_mask = n < N
     r = tl.arange(0, BR)
@@ -90,7 +91,7 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
     x_rows = x_ptr + r[:, None] * x_stride + xoff + rk[None, :]
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]  # N * K may pass 2^31
     acc = tl.zeros((BN, BR), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=NS):
         x = tl.load(x_rows + k0, mask=r_mask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
         if WFMT == 0:

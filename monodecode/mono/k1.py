@@ -49,7 +49,7 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
         HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
         BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr,
         BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BQ: tl.constexpr,
-        FAST: tl.constexpr, TIMELINE: tl.constexpr):
+        FAST: tl.constexpr, TIMELINE: tl.constexpr, GNS: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -68,10 +68,10 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
     for t in range(pid, q_tasks + tl.cdiv(D, BN), grid):
         if t < q_tasks:
             gemv_task(t, x_ptr, d, R, wqa_ptr, wqa_s_ptr, qr_raw_ptr, q_lora, q_lora, d, 0,
-                      0, SB, BN, BK_D, BR, True, FAST)
+                      0, SB, BN, BK_D, BR, True, FAST, GNS)
         else:
             gemv_task(t - q_tasks, x_ptr, d, R, wkv_ptr, wkv_s_ptr, kv_raw_ptr, D, D, d, 0,
-                      0, SB, BN, BK_D, BR, True, FAST)
+                      0, SB, BN, BK_D, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, 2, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, 2 * R, grid):
@@ -82,7 +82,7 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
 
     for t in range(pid, tl.cdiv(heads * D, BN), grid):
         gemv_task(t, qr_ptr, q_lora, R, wqb_ptr, wqb_s_ptr, q_raw_ptr, heads * D, heads * D, q_lora, 0,
-                  0, SB, BN, BK_Q, BR, True, FAST)
+                  0, SB, BN, BK_Q, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, 4, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R * heads, grid):
@@ -98,7 +98,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     streams = s.streams[1 - cur] if owed else res
     ring = cache.window
     sb = c.fp8_block[0]
-    bn = min(64, sb)
+    bn = min(runner.shape.block_n, sb)
     runner.launch(_k1, "K1",
         runner.sync["k1"].words, runner.max_polls, runner.timeline_buffer("k1"), s.rows, s.positions, s.slots,
         res, s.y, s.post_ffn, s.comb_ffn, streams, s.partials,
@@ -110,6 +110,6 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, c.hidden_size),
         HAS_OWED=owed, SB=sb, BN=bn, BK_D=min(128, sb), BK_Q=min(128, sb), BR=row_block(s.rows),
         D=c.head_dim, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(c.q_lora_rank),
-        FAST=runner.fast, TIMELINE=runner.timeline,
+        FAST=runner.fast, TIMELINE=runner.timeline, GNS=runner.shape.gemv_stages,
     )
     return 1 - cur if owed else cur

@@ -65,7 +65,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-                TIMELINE: tl.constexpr):
+                TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
@@ -84,12 +84,12 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         n5 += 2 * i_tasks
     for t in range(pid, n5, grid):
         if t < e_tasks:
-            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN, BK_D, BR, False, FAST)
+            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN, BK_D, BR, False, FAST, GNS)
         elif t < e_tasks + i_tasks:
-            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN, BK_D, BR, True, FAST)
+            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN, BK_D, BR, True, FAST, GNS)
         else:
             gemv_task(t - e_tasks - i_tasks, x_ptr, d, R, sw3_ptr, sw3_s, sup_ptr, I, I, d, 0,
-                      0, SB, BN, BK_D, BR, True, FAST)
+                      0, SB, BN, BK_D, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, b0 + 2, NB, max_polls, timeline_ptr, TIMELINE)
 
     n6 = R
@@ -110,7 +110,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         if t == 0:
             RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
         else:
-            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN, BK_I, BR, True, FAST)
+            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN, BK_I, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK
@@ -118,7 +118,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     for t in range(pid, P * up_blocks * 2, grid):
         j = t // (2 * up_blocks)
         X.up_task(j, (t // 2) % up_blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                  w1_codes, w1_scales, w3_codes, w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS)
+                  w1_codes, w1_scales, w3_codes, w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS)
     grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
@@ -129,7 +129,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     down_blocks = d // BNE
     for t in range(pid, P * down_blocks, grid):
         X.down_task(t // down_blocks, t % down_blocks, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr,
-                    w2_codes, w2_scales, d, I, BNE, BKE_I, ROWS_E, FAST_EXPERTS)
+                    w2_codes, w2_scales, d, I, BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS)
     grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
 
     c_blocks = tl.cdiv(d, CBL_)
@@ -155,7 +155,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-        TIMELINE: tl.constexpr):
+        TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -169,11 +169,11 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         z_width = o_groups * o_lora
         for t in range(pid, tl.cdiv(z_width, BN), grid):
             gemv_task(t, o_ptr, heads * D, R, woa_ptr, woa_s, z_ptr, z_width, z_width, heads * D // o_groups, o_lora,
-                      0, SB, BN, BK_O, BR, True, FAST)
+                      0, SB, BN, BK_O, BR, True, FAST, GNS)
         grid_barrier(sync_ptr, epoch, 1, NB, max_polls, timeline_ptr, TIMELINE)
         for t in range(pid, tl.cdiv(d, BN), grid):
             gemv_task(t, z_ptr, z_width, R, wob_ptr, wob_s, attn_out_ptr, d, d, z_width, 0,
-                      0, SB, BN, BK_Z, BR, True, FAST)
+                      0, SB, BN, BK_Z, BR, True, FAST, GNS)
         grid_barrier(sync_ptr, epoch, 2, NB, max_polls, timeline_ptr, TIMELINE)
         b0 = 3
     _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB, pid, grid, R,
@@ -184,7 +184,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN, BK_D, BK_I, BR, HASH, SHARED,
-                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE)
+                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
@@ -196,7 +196,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     res = s.streams[cur]
     streams = s.streams[1 - cur] if attention else res
     sb = c.fp8_block[0]
-    bn = min(64, sb)
+    shape = runner.shape
+    bn = min(shape.block_n, sb)
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
     shared = lw.shared if lw.shared is not None else (lw.wq_a,) * 3  # unread (SHARED False): any pointer
     if attention:
@@ -226,9 +227,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         ROWS_E=X.ROWS, BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        BNE=min(X.LaunchConfig.block_n, inter, d), BKE_D=min(X.LaunchConfig.block_k, d),
-        BKE_I=min(X.LaunchConfig.block_k, inter), SWB_=min(SWB, inter), CBL_=min(CBL, d),
+        BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
+        BKE_I=min(shape.expert_block_k, inter), SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
-        TIMELINE=runner.timeline,
+        TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
     )
     return 1 - cur if attention else cur

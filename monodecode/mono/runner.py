@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -34,8 +35,48 @@ from .weights import check_cache, fp8_names, layer_weights, read_fp8
 log = logging.getLogger("monodecode.mono")
 
 
+@dataclass(frozen=True)
+class LaunchShape:
+    """How the persistent kernels are launched and tiled (tuning knobs; results do not depend on
+    them beyond fp32 summation order). `programs_per_sm` co-resident programs on every SM; dense GEMV tasks of `block_n` outputs; expert tasks of `expert_block_n`
+    outputs over K tiles of `expert_block_k`; `*_stages`: the software-pipelining depth of the
+    GEMV and expert K loops (None: Triton's default for the launch). K1 and K2 (and the `ffn`
+    launch) have their own warp counts."""
+
+    programs_per_sm: int = 1
+    k1_warps: int = 4
+    k2_warps: int = 4
+    block_n: int = 64
+    gemv_stages: int | None = None
+    expert_block_n: int = 64
+    expert_block_k: int = 256
+    expert_stages: int | None = None
+
+    def spec(self) -> str:
+        """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
+        changed = [f"{name}={'none' if value is None else value}" for name, value in vars(self).items()
+                   if value != self.__dataclass_fields__[name].default]
+        return ",".join(changed) or "default"
+
+    @classmethod
+    def parse(cls, text: str) -> "LaunchShape":
+        """`default`, or comma-separated field=value (an int, or `none`): "k2_warps=8,expert_block_n=128"."""
+        if text.strip() == "default":
+            return cls()
+        fields = {}
+        for item in text.split(","):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in cls.__dataclass_fields__ or not value:
+                raise ValueError(f"launch shape {text!r}: {item!r} is not field=value with a field of "
+                                 f"{', '.join(cls.__dataclass_fields__)}")
+            fields[name] = None if value.strip().lower() == "none" else int(value)
+        return cls(**fields)
+
+
 class MonoRunner:
-    def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False):
+    def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False,
+                 shape: LaunchShape = LaunchShape()):
         self.model, self.config = model, model.config
         reasons = refusals(self.config, model.device, model.dtype)
         if reasons:
@@ -46,24 +87,34 @@ class MonoRunner:
         fp8 = read_fp8(model.checkpoint, names, model.device)
         self.layers = [layer_weights(model, i, kind == WHOLE, fp8) for i, kind in enumerate(self.plan)]
         self.device = model.device
-        self.grid = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.fast = not interpreted()  # the NVIDIA paths (PTX decode, bf16 dots); refusals() ruled out others
         for lw in self.layers:
             lw.experts.supports_fast_decode()  # checked (a host sync) now, before any capture
-        self.sync = {name: SyncState(self.device, stages) for name, stages in
-                     (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.timelines: dict[str, torch.Tensor] = {}
+        self.configure(shape)
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only, eager steps only
-        self.timelines: dict[str, torch.Tensor] = {}
         self.graphs_enabled = graphs and self.device.type == "cuda" and all(k == WHOLE for k in self.plan)
         self.scratch: dict[int, Scratch] = {}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.last_path = None  # "mono" or "per-op": the path the last step took
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
                  self.memory()["fp8_weights"] / 2**20)
+
+    def configure(self, shape: LaunchShape) -> None:
+        """Launch the kernels with `shape` from now on (the grid: programs_per_sm a SM; 1 under
+        the interpreter). Resets the sync state (its barrier targets count programs) and drops
+        the graphs and timelines captured so far."""
+        sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.grid = 1 if interpreted() else sms * shape.programs_per_sm
+        self.shape = shape
+        self.sync = {name: SyncState(self.device, stages) for name, stages in
+                     (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
+        self.graphs.clear()
+        self.timelines.clear()
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds beyond the per-op path's weights: the FP8 dense copies the
@@ -125,15 +176,17 @@ class MonoRunner:
         """One persistent launch of `self.grid` programs. On the GPU it is cooperative: the driver
         refuses a grid whose programs cannot all be resident at once (registers, shared memory)
         instead of letting their waits on each other hang; that refusal becomes MonoRefused."""
+        warps = self.shape.k1_warps if name == "K1" else self.shape.k2_warps
         if interpreted():
-            kernel[(self.grid,)](*args, **meta)
+            kernel[(self.grid,)](*args, **meta, num_warps=warps)
             return
         try:
-            kernel[(self.grid,)](*args, **meta, launch_cooperative_grid=True)
+            kernel[(self.grid,)](*args, **meta, num_warps=warps, launch_cooperative_grid=True)
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
-            raise MonoRefused([f"{name}: {self.grid} programs (one per SM) cannot all be resident at once: {e}"]) from e
+            raise MonoRefused([f"{name}: {self.grid} programs ({self.shape.programs_per_sm} per SM, {warps} warps) "
+                               f"cannot all be resident at once: {e}"]) from e
 
     def check(self) -> None:
         """Raise MonoSyncError if a kernel's wait expired since the last check (one host sync a
