@@ -322,6 +322,47 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device):
     assert len(m.mono.graphs) == 4
 
 
+def test_another_launch_shape_gives_the_same_step(model):
+    """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN: the same
+    result up to fp32 summation order."""
+    from monodecode.mono.runner import LaunchShape
+
+    g = torch.Generator().manual_seed(21)
+    caches, next_pos = prefilled(model, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)
+    tokens, positions, slots = step_rows(g, model.config.vocab_size, next_pos, *STEPS[6])
+    default = model.mono.shape
+    out = model.step(caches[0], tokens, positions, slots)
+    try:
+        model.mono.configure(LaunchShape(block_n=0, block_k=512, expert_block_n=16, expert_block_k=64))
+        other = model.step(caches[1], tokens, positions, slots)
+    finally:
+        model.mono.configure(default)
+    cos, rel = agreement(other, out)
+    assert cos >= 0.99999 and rel <= 2e-3, (cos, rel)
+
+
+def test_the_residency_check_launches_every_kernel_at_the_widest_build(model):
+    """On a GPU it runs at build (and at configure); here it is called to run its code."""
+    epochs = {name: state.epoch for name, state in model.mono.sync.items()}
+    model.mono.check_residency()
+    assert {name: state.epoch - epochs[name] for name, state in model.mono.sync.items()} == {"k1": 1, "k2": 1, "ffn": 2}
+    assert 48 in model.mono.scratch
+
+
+@pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu", reason="needs a GPU")
+def test_a_launch_shape_that_cannot_be_resident_is_refused_and_the_old_one_kept(model):
+    from monodecode.mono.runner import LaunchShape
+
+    before = model.mono.shape
+    with pytest.raises(MonoRefused, match="cannot all be resident"):
+        model.mono.configure(LaunchShape(programs_per_sm=8, k1_warps=8, k2_warps=8))
+    assert model.mono.shape == before
+    cache = model.make_cache(1, CONTEXT, STEP_ROWS)
+    model.step_per_op(cache, [1, 2, 3], [0, 1, 2], [0, 0, 0])
+    model.step(cache, [4], [3], [0])
+    assert model.mono.last_path == "mono"
+
+
 def test_stage_times_from_stamps():
     """Two programs, three stages (two barriers): slots start, (arrive, release) x 2, end."""
     from monodecode.mono.timeline import format_times, stage_times

@@ -14,10 +14,13 @@ Contract
   g, which reads x columns g*K .. g*K + K - 1, so xoff = (nb*BN // group_rows) * K; BN must
   divide group_rows so that a task lies in one group. group_rows == 0: xoff = 0.
 - WFMT 0, FP8: W is e4m3 codes as uint8 [N, K], s the E8M0 codes uint8 [ceil(N/SB), ceil(K/SB)]
-  (2^(code - 127); `formats.quantize_fp8_block`). BN and BK divide SB, so one scale covers a
-  BN x BK tile and is applied to the tile's fp32 partial product, not to each weight. The e4m3
-  values and the power-of-two scale are exact in bf16 / fp32, so the result equals
-  x @ dequantize_fp8_block(W).T up to fp32 accumulation order.
+  (2^(code - 127); `formats.quantize_fp8_block`). BN divides SB. When BK divides SB too, one
+  scale covers a BN x BK tile and is applied to the tile's fp32 partial product; when BK is a
+  multiple of SB (a longer K step: more bytes in flight a load), each weight is scaled in
+  registers before the dot. The e4m3 values and the power-of-two scales are exact in bf16 /
+  fp32 (the scaled weights while they are normal numbers, which the per-op path's bf16
+  dequantized weights must be too), so the result equals x @ dequantize_fp8_block(W).T up to
+  fp32 accumulation order.
 - WFMT 1: bf16 W [N, K] (the router gate, whose output is fp32); s_ptr is not read.
 - K % BK == 0; N is arbitrary (the tail block is masked). Rows: R runtime, BR = R padded up to a
   power of two >= 16 (the dot's minimum), rows >= R masked.
@@ -94,7 +97,19 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
     for k0 in tl.range(0, K, BK, num_stages=NS):
         x = tl.load(x_rows + k0, mask=r_mask[:, None], other=0.0)
         w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
-        if WFMT == 0:
+        if WFMT == 0 and BK > SB:
+            # Several scale blocks along K: each weight scaled in registers before the dot (a
+            # power of two: exact while the product is a normal number, as the per-op path's
+            # bf16 dequantized weights are). BN divides SB, so a tile spans one block row.
+            codes = tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + (k0 + rk) // SB)
+            scale_k = _e8m0_value(codes.to(tl.int32))[None, :]
+            if FAST:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale_k.to(tl.bfloat16)
+                acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
+            else:
+                acc = tl.dot(_e4m3_value(w.to(tl.int32)) * scale_k, tl.trans(x.to(tl.float32)), acc,
+                             input_precision="ieee")
+        elif WFMT == 0:
             if FAST:
                 w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
                 part = tl.dot(w, tl.trans(x.to(tl.bfloat16)))
@@ -153,6 +168,14 @@ def default_blocks(N: int, K: int, SB: int | None = None, programs: int | None =
     return bn, bk
 
 
+def kernel_blocks(block_n: int, block_k: int, N: int, K: int, SB: int | None, programs: int) -> tuple[int, int]:
+    """(BN, BK) of a GEMV stage inside the persistent kernels (`LaunchShape.block_n / block_k`):
+    BN = block_n capped at SB, or with block_n 0 `default_blocks`' choice for `programs`; BK =
+    block_k capped at the largest power of two dividing K."""
+    bn = default_blocks(N, K, SB, programs)[0] if block_n == 0 else min(block_n, SB or block_n)
+    return bn, min(block_k, K & -K)
+
+
 def check_blocks(N: int, K: int, SB: int | None, BN: int, BK: int, group_rows: int = 0) -> None:
     """Raise ValueError unless (BN, BK) is a valid tiling of an [N, K] weight (SB None: bf16)."""
     for name, b in (("BN", BN), ("BK", BK)):
@@ -160,9 +183,8 @@ def check_blocks(N: int, K: int, SB: int | None, BN: int, BK: int, group_rows: i
             raise ValueError(f"gemv: {name}={b} must be a power of two >= 16")
     if K <= 0 or K % BK:
         raise ValueError(f"gemv: BK={BK} must divide K={K}")
-    if SB is not None and (SB % BN or SB % BK):
-        raise ValueError(f"gemv: BN={BN} and BK={BK} must divide the scale block SB={SB}, "
-                         "so that one scale covers a tile")
+    if SB is not None and SB % BN:  # (BK, a power of two as SB, divides SB or is a multiple of it)
+        raise ValueError(f"gemv: BN={BN} must divide the scale block SB={SB}, so that a tile spans one block row")
     if group_rows and (group_rows < 0 or group_rows % BN or N % group_rows):
         raise ValueError(f"gemv: group_rows={group_rows} must be a multiple of BN={BN} dividing N={N}")
 

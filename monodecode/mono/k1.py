@@ -11,11 +11,11 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                mix partials (hc_attn_fn)
 1 settle    hc.settle_task     R                               partials, streams -> post/comb of the
                                                                attention site, x = attn_norm(collapse)
-2 wq_a|wkv  gemv_task (FP8)    ceil(q_lora/BN) + ceil(D/BN)    x -> qr_raw, kv_raw (bf16)
+2 wq_a|wkv  gemv_task (FP8)    ceil(q_lora/BN_QA) + ceil(D/BN_KV)  x -> qr_raw, kv_raw (bf16)
 3 norms     norm_rope_kv_task  2R                              qr_raw -> qr = q_norm(qr_raw); kv_raw ->
                                                                kv_norm, RoPE -> the KV ring (not for
                                                                pad rows, slot < 0)
-4 wq_b      gemv_task (FP8)    ceil(H*D/BN)                    qr -> q_raw
+4 wq_b      gemv_task (FP8)    ceil(H*D/BN_QB)                 qr -> q_raw
 5 heads     q_heads_task       R * H                           q_raw -> q = RoPE(rms_norm(head))
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and streams_out is streams_in. K2 reads q, the ring and the attention site's post/comb,
@@ -47,8 +47,8 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
         wqb_ptr, wqb_s_ptr, q_raw_ptr, q_ptr,
         d, q_lora, heads, hc_eps, norm_eps, sinkhorn_iters,
         HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-        BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr,
-        BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BQ: tl.constexpr,
+        BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN_QA: tl.constexpr, BN_KV: tl.constexpr,
+        BN_QB: tl.constexpr, BK_D: tl.constexpr, BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BQ: tl.constexpr,
         FAST: tl.constexpr, TIMELINE: tl.constexpr, GNS: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
@@ -64,14 +64,14 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
                        hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD, FAST)
     grid_barrier(sync_ptr, epoch, 1, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
-    q_tasks = tl.cdiv(q_lora, BN)
-    for t in range(pid, q_tasks + tl.cdiv(D, BN), grid):
+    q_tasks = tl.cdiv(q_lora, BN_QA)
+    for t in range(pid, q_tasks + tl.cdiv(D, BN_KV), grid):
         if t < q_tasks:
             gemv_task(t, x_ptr, d, R, wqa_ptr, wqa_s_ptr, qr_raw_ptr, q_lora, q_lora, d, 0,
-                      0, SB, BN, BK_D, BR, True, FAST, GNS)
+                      0, SB, BN_QA, BK_D, BR, True, FAST, GNS)
         else:
             gemv_task(t - q_tasks, x_ptr, d, R, wkv_ptr, wkv_s_ptr, kv_raw_ptr, D, D, d, 0,
-                      0, SB, BN, BK_D, BR, True, FAST, GNS)
+                      0, SB, BN_KV, BK_D, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, 2, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, 2 * R, grid):
@@ -80,9 +80,9 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
                             q_lora, D, RD, norm_eps, BQ, D, FAST)
     grid_barrier(sync_ptr, epoch, 3, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
-    for t in range(pid, tl.cdiv(heads * D, BN), grid):
+    for t in range(pid, tl.cdiv(heads * D, BN_QB), grid):
         gemv_task(t, qr_ptr, q_lora, R, wqb_ptr, wqb_s_ptr, q_raw_ptr, heads * D, heads * D, q_lora, 0,
-                  0, SB, BN, BK_Q, BR, True, FAST, GNS)
+                  0, SB, BN_QB, BK_Q, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, 4, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R * heads, grid):
@@ -98,7 +98,10 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     streams = s.streams[1 - cur] if owed else res
     ring = cache.window
     sb = c.fp8_block[0]
-    bn = min(runner.shape.block_n, sb)
+    d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
+    bn_qa, bk_d = runner.gemv_blocks(q_lora, d)
+    bn_kv, _ = runner.gemv_blocks(hd, d)
+    bn_qb, bk_q = runner.gemv_blocks(heads * hd, q_lora)
     runner.launch(_k1, "K1",
         runner.sync["k1"].words, runner.max_polls, runner.timeline_buffer("k1"), s.rows, s.positions, s.slots,
         res, s.y, s.post_ffn, s.comb_ffn, streams, s.partials,
@@ -108,7 +111,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         lw.wq_b.codes, lw.wq_b.scales, s.q_raw, s.q,
         c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters,
         HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, c.hidden_size),
-        HAS_OWED=owed, SB=sb, BN=bn, BK_D=min(128, sb), BK_Q=min(128, sb), BR=row_block(s.rows),
+        HAS_OWED=owed, SB=sb, BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q, BR=row_block(s.rows),
         D=c.head_dim, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(c.q_lora_rank),
         FAST=runner.fast, TIMELINE=runner.timeline, GNS=runner.shape.gemv_stages,
     )

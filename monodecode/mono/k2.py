@@ -6,15 +6,15 @@ interpreter), program p takes tasks p, p + grid, ... of each stage, a grid barri
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 0 attend    attention.attend_task  R * ceil(H/HB)     q, the KV ring, sinks -> o (inverse RoPE;
                                                       zero for pad rows)
-1 wo_a      gemv_task, grouped     ceil(G*o_lora/BN)  o -> z
-2 wo_b      gemv_task              ceil(d/BN)         z -> attn_out
+1 wo_a      gemv_task, grouped     ceil(G*o_lora/BN_OA) o -> z
+2 wo_b      gemv_task              ceil(d/BN_OB)      z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
                                                       post/comb (K1) -> streams, partials (hc_ffn_fn)
 4 settle    hc.settle_task         R                  -> post/comb of the FFN site (owed to the next
                                                       layer), x = ffn_norm(collapse)
-5 gate|w1|w3 gemv_task             ceil(E/BN) + 2 ceil(I/BN)   x -> logits (fp32), shared gate/up
+5 gate|w1|w3 gemv_task             ceil(E/BN_G) + 2 ceil(I/BN_SH)  x -> logits (fp32), shared gate/up
 6 route|swiglu route_task, shared_swiglu_task   R + R*ceil(I/SWB)   -> ids, weights; shared h
-7 group|w2  group_task, gemv_task  1 + ceil(d/BN)     ids -> order/experts/counts; h -> shared_out
+7 group|w2  group_task, gemv_task  1 + ceil(d/BN_S2)  ids -> order/experts/counts; h -> shared_out
 8 up        experts.up_task        P * (I/BNE) * 2    x -> gate/up of each pick
 9 swiglu    experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
 10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
@@ -60,7 +60,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-                BD: tl.constexpr, FOLD: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr,
+                BD: tl.constexpr, FOLD: tl.constexpr, SB: tl.constexpr, BN_G: tl.constexpr, BN_SH: tl.constexpr,
+                BN_S2: tl.constexpr, BK_D: tl.constexpr,
                 BK_I: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
                 BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
@@ -77,19 +78,19 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                        hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD, FAST)
     grid_barrier(sync_ptr, epoch, b0 + 1, NB, max_polls, timeline_ptr, TIMELINE)
 
-    e_tasks = tl.cdiv(E, BN)
-    i_tasks = tl.cdiv(I, BN)
+    e_tasks = tl.cdiv(E, BN_G)
+    i_tasks = tl.cdiv(I, BN_SH)
     n5 = e_tasks
     if SHARED:
         n5 += 2 * i_tasks
     for t in range(pid, n5, grid):
         if t < e_tasks:
-            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN, BK_D, BR, False, FAST, GNS)
+            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN_G, BK_D, BR, False, FAST, GNS)
         elif t < e_tasks + i_tasks:
-            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN, BK_D, BR, True, FAST, GNS)
+            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN_SH, BK_D, BR, True, FAST, GNS)
         else:
             gemv_task(t - e_tasks - i_tasks, x_ptr, d, R, sw3_ptr, sw3_s, sup_ptr, I, I, d, 0,
-                      0, SB, BN, BK_D, BR, True, FAST, GNS)
+                      0, SB, BN_SH, BK_D, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, b0 + 2, NB, max_polls, timeline_ptr, TIMELINE)
 
     n6 = R
@@ -105,12 +106,12 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
 
     n7 = 1
     if SHARED:
-        n7 += tl.cdiv(d, BN)
+        n7 += tl.cdiv(d, BN_S2)
     for t in range(pid, n7, grid):
         if t == 0:
             RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
         else:
-            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN, BK_I, BR, True, FAST, GNS)
+            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN_S2, BK_I, BR, True, FAST, GNS)
     grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK
@@ -150,7 +151,8 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         ATTENTION: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, HB: tl.constexpr, KW: tl.constexpr,
         BDA: tl.constexpr,
         HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-        BD: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr,
+        BD: tl.constexpr, SB: tl.constexpr, BN_OA: tl.constexpr, BN_OB: tl.constexpr, BN_G: tl.constexpr,
+        BN_SH: tl.constexpr, BN_S2: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr,
         BK_O: tl.constexpr, BK_Z: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
         BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
@@ -167,13 +169,13 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                           freqs_ptr, heads, D, RD, window, attn_scale, HB, KW, BDA, FAST)
         grid_barrier(sync_ptr, epoch, 0, NB, max_polls, timeline_ptr, TIMELINE)
         z_width = o_groups * o_lora
-        for t in range(pid, tl.cdiv(z_width, BN), grid):
+        for t in range(pid, tl.cdiv(z_width, BN_OA), grid):
             gemv_task(t, o_ptr, heads * D, R, woa_ptr, woa_s, z_ptr, z_width, z_width, heads * D // o_groups, o_lora,
-                      0, SB, BN, BK_O, BR, True, FAST, GNS)
+                      0, SB, BN_OA, BK_O, BR, True, FAST, GNS)
         grid_barrier(sync_ptr, epoch, 1, NB, max_polls, timeline_ptr, TIMELINE)
-        for t in range(pid, tl.cdiv(d, BN), grid):
+        for t in range(pid, tl.cdiv(d, BN_OB), grid):
             gemv_task(t, z_ptr, z_width, R, wob_ptr, wob_s, attn_out_ptr, d, d, z_width, 0,
-                      0, SB, BN, BK_Z, BR, True, FAST, GNS)
+                      0, SB, BN_OB, BK_Z, BR, True, FAST, GNS)
         grid_barrier(sync_ptr, epoch, 2, NB, max_polls, timeline_ptr, TIMELINE)
         b0 = 3
     _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB, pid, grid, R,
@@ -183,7 +185,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
-                HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN, BK_D, BK_I, BR, HASH, SHARED,
+                HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
                 BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
@@ -197,8 +199,13 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     streams = s.streams[1 - cur] if attention else res
     sb = c.fp8_block[0]
     shape = runner.shape
-    bn = min(shape.block_n, sb)
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
+    z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * hd // c.o_groups
+    bn_oa, bk_o = runner.gemv_blocks(z_width, o_in, group_rows=c.o_lora_rank)
+    bn_ob, bk_z = runner.gemv_blocks(d, z_width)
+    bn_g, bk_d = runner.gemv_blocks(c.n_routed_experts, d, fp8=False)
+    bn_sh, _ = runner.gemv_blocks(inter, d)
+    bn_s2, bk_i = runner.gemv_blocks(d, inter)
     shared = lw.shared if lw.shared is not None else (lw.wq_a,) * 3  # unread (SHARED False): any pointer
     if attention:
         ring = cache.window
@@ -223,7 +230,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
         BDA=A.BD,
         HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, d),
-        SB=sb, BN=bn, BK_D=min(128, sb), BK_I=min(128, sb), BK_O=min(128, sb), BK_Z=min(128, sb),
+        SB=sb, BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_D=bk_d, BK_I=bk_i, BK_O=bk_o,
+        BK_Z=bk_z,
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         ROWS_E=X.ROWS, BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths

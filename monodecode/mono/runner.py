@@ -13,6 +13,8 @@ A step on the mono path:
   output, hc_head, norm, lm_head (torch ops, graph-safe).
 Layers with compressed attention (`ffn`) need the per-op attention, whose row grouping syncs with
 the host, so steps of such models are not graph-captured.
+Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
+at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from ..model.hc import hc_post
 from ..model.norm import rms_norm
 from . import k1, k2
+from .gemv import kernel_blocks
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
 from .sync import DEFAULT_MAX_POLLS, ERROR, TIMELINE_SLOTS, SyncState
@@ -37,16 +40,21 @@ log = logging.getLogger("monodecode.mono")
 
 @dataclass(frozen=True)
 class LaunchShape:
-    """How the persistent kernels are launched and tiled (tuning knobs; results do not depend on
-    them beyond fp32 summation order). `programs_per_sm` co-resident programs on every SM; dense GEMV tasks of `block_n` outputs; expert tasks of `expert_block_n`
-    outputs over K tiles of `expert_block_k`; `*_stages`: the software-pipelining depth of the
-    GEMV and expert K loops (None: Triton's default for the launch). K1 and K2 (and the `ffn`
-    launch) have their own warp counts."""
+    """How the persistent kernels are launched and tiled (tuning knobs: results do not depend on
+    them beyond fp32 summation order). `programs_per_sm` co-resident programs on every SM, of
+    `k1_warps` warps in K1 and `k2_warps` in K2 and the `ffn` launch; dense GEMV tasks of
+    `block_n` outputs (0: chosen per GEMV by `gemv.default_blocks`, smaller where a GEMV has
+    few outputs) over K steps of `block_k` (a multiple of the 128 scale block scales each weight
+    in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
+    `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
+    default for the launch). The defaults are the shape verified on the H200 (issue 5's check);
+    docs/PERFORMANCE.md has the measured alternatives."""
 
     programs_per_sm: int = 1
     k1_warps: int = 4
     k2_warps: int = 4
     block_n: int = 64
+    block_k: int = 128
     gemv_stages: int | None = None
     expert_block_n: int = 64
     expert_block_k: int = 256
@@ -92,7 +100,7 @@ class MonoRunner:
             lw.experts.supports_fast_decode()  # checked (a host sync) now, before any capture
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.timelines: dict[str, torch.Tensor] = {}
-        self.configure(shape)
+        self.configure(shape, check=False)  # checked below, once the runner is complete
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only, eager steps only
@@ -103,11 +111,32 @@ class MonoRunner:
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
                  self.memory()["fp8_weights"] / 2**20)
+        if not interpreted():
+            self.check_residency()
 
-    def configure(self, shape: LaunchShape) -> None:
+    @torch.no_grad()
+    def check_residency(self) -> None:
+        """Launch every kernel the plan uses at its widest build (MAX_ROWS rows: the most registers
+        and shared memory) on a private cache, so that a grid that cannot be co-resident is refused
+        now, at build, with the reason (MonoRefused from `launch`), and not at a serving step. It
+        also compiles those builds. The outputs are discarded."""
+        requests = 8
+        rows = MAX_ROWS // requests
+        cache = self.model.make_cache(requests, 2 * rows, rows)
+        s = self._scratch(MAX_ROWS)
+        s.tokens.zero_()
+        s.positions.copy_(torch.arange(rows).repeat(requests))
+        s.slots.copy_(torch.arange(requests).repeat_interleave(rows))
+        self._run(s, cache, return_hidden=False)
+        self.check()  # a host sync
+
+    def configure(self, shape: LaunchShape, check: bool = True) -> None:
         """Launch the kernels with `shape` from now on (the grid: programs_per_sm a SM; 1 under
-        the interpreter). Resets the sync state (its barrier targets count programs) and drops
-        the graphs and timelines captured so far."""
+        the interpreter). Resets the sync state (its barrier targets count programs), drops the
+        graphs and timelines captured so far and, on a GPU, checks co-residency
+        (`check_residency`: raises MonoRefused if the shape cannot be resident, and keeps the
+        shape it had)."""
+        previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = 1 if interpreted() else sms * shape.programs_per_sm
         self.shape = shape
@@ -115,6 +144,19 @@ class MonoRunner:
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.graphs.clear()
         self.timelines.clear()
+        if check and not interpreted():
+            try:
+                self.check_residency()
+            except MonoRefused:
+                self.configure(previous, check=False)
+                raise
+
+    def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
+        """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
+        `gemv.default_blocks`' choice for this grid); BN at most `group_rows` for a grouped one."""
+        bn, bk = kernel_blocks(self.shape.block_n, self.shape.block_k, N, K,
+                               self.config.fp8_block[0] if fp8 else None, self.grid)
+        return (min(bn, group_rows) if group_rows else bn), bk
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds beyond the per-op path's weights: the FP8 dense copies the
