@@ -299,7 +299,7 @@ def add_bench_commands(commands) -> None:
     layer.add_argument("--reps", type=int, default=20, help="timed repetitions (the median is kept)")
     layer.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under "
                                                         "Triton's interpreter (times meaningless)")
-    layer.add_argument("--compile", metavar="MODE", help="also time the batched per-op window layer under "
+    layer.add_argument("--compile", metavar="MODE", help="also time the batched per-op layer under "
                                                          "torch.compile in this mode (e.g. max-autotune-no-cudagraphs)")
     layer.add_argument("--kinds", default="window,CSA,HCA", help="layer kinds to time, comma-separated")
     layer.add_argument("--shapes", default="default",

@@ -7,17 +7,15 @@ over them as verify rows) and each layer, with a random residual as the layer's 
 - `per-op eager`: the per-op block (attention + MoE), eagerly, timed with events. It is our
   reference, not a fair baseline yet: it loops over the step's experts in Python and dequantizes
   each expert's MXFP4 on every call (DESIGN.md 6 asks for batched experts prepared once);
-- `per-op graph` (window layers): the same math without host syncs and with the experts batched
-  and prepared once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with
-  `--compile MODE`, also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs;
-  one compile a width), in a CUDA graph;
+- `per-op graph`: the same math without host syncs and with the experts batched and prepared
+  once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with `--compile MODE`,
+  also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs; one compile a
+  width), in a CUDA graph;
 - `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (eager) + K2's FFN
   launch; the kernels replayed in a CUDA graph (`mono kernels` is that part alone).
 `--shapes` times mono once per launch shape (`mono.runner.LaunchShape`: programs a SM, warps,
 tile sizes, pipelining depth; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
-Not yet measured (issue 6): the per-op graph and torch.compile of CSA/HCA layers (their
-compressor and indexer still sync with the host).
 
 The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
 distinct experts the step's routing picked, each request's window KV rows and, on CSA, its
@@ -45,7 +43,7 @@ from ..mono.plan import WHOLE
 from ..mono.runner import LaunchShape
 from ..mono.timeline import format_times, stage_times
 from ..schema import step_bytes, tensor_specs
-from .batched import BatchedWindowLayer
+from .batched import BatchedLayer
 from .timing import copy_bandwidth, graphed, timed
 
 KINDS = {0: "window", 4: "CSA", 128: "HCA"}
@@ -85,7 +83,7 @@ class LayerBench:
         self.model, self.runner, self.base_cache = model, model.mono, cache
         self.context, self.reps, self.device = context, reps, model.device
         self.specs = tensor_specs(model.config)
-        self.batched: dict[int, BatchedWindowLayer] = {}  # experts prepared once a layer
+        self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
         self.compile_mode = compile_mode
 
     def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
@@ -117,15 +115,13 @@ class LayerBench:
             attention = timed(lambda: runner._attention_per_op(layer, s, lc, 0, False, groups), self.device,
                               self.reps)
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
-        per_op_graph = per_op_compiled = None
-        if whole:
-            batched = self.batched.setdefault(layer, BatchedWindowLayer(block))
-            step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
-            per_op_graph = timed(step, self.device, self.reps)
-            if self.compile_mode:
-                compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
-                step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc.window), self.device)
-                per_op_compiled = timed(step, self.device, self.reps)
+        batched = self.batched.setdefault(layer, BatchedLayer(block))
+        step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc), self.device)
+        per_op_graph, per_op_compiled = timed(step, self.device, self.reps), None
+        if self.compile_mode:
+            compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
+            step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
+            per_op_compiled = timed(step, self.device, self.reps)
         rows = []
         for shape in shapes:
             runner.configure(shape)
@@ -270,7 +266,7 @@ def table(report: dict) -> str:
                      f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x"
                      f"  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
-                 "per-op layer in a CUDA graph (window layers), compiled: the same under torch.compile; of floor "
+                 "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
                  "mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers; shape: the kernels' "
                  "launch shape (mono/runner.py LaunchShape)")

@@ -41,15 +41,24 @@ class Compressor:
                 windows: torch.Tensor) -> torch.Tensor:
         """Entries of `windows` [k] from source rows kv/gate [L, c * width] of positions
         start .. start + L - 1 (`valid` [L] marks rows that exist)."""
+        def lookup(pos):
+            rows = (pos - start).clamp(min=0)
+            return kv[rows], gate[rows], (pos >= start) & valid[rows]
+
+        return self.compress(lookup, windows)
+
+    def compress(self, lookup, windows: torch.Tensor) -> torch.Tensor:
+        """Entries of `windows` [k]; `lookup(positions [k, m])` gives the source rows of those
+        positions: (kv, gate [k, m, c * width], present [k, m])."""
         m, d = self.ratio, self.width
-        b_pos = windows[:, None] * m + torch.arange(m, device=kv.device)  # [k, m]
+        b_pos = windows[:, None] * m + torch.arange(m, device=windows.device)  # [k, m]
         slots_kv, slots_gate, slots_valid = [], [], []
         halves = [(b_pos - m, slice(0, d)), (b_pos, slice(d, 2 * d))] if self.overlap else [(b_pos, slice(0, d))]
         for pos, half in halves:
-            rows = (pos - start).clamp(min=0)
-            slots_kv.append(kv[rows][..., half])
-            slots_gate.append(gate[rows][..., half] + self.ape[:, half])
-            slots_valid.append((pos >= start) & valid[rows])
+            kv, gate, present = lookup(pos)
+            slots_kv.append(kv[..., half])
+            slots_gate.append(gate[..., half] + self.ape[:, half])
+            slots_valid.append(present)
         values, scores = torch.cat(slots_kv, dim=1), torch.cat(slots_gate, dim=1)
         present = torch.cat(slots_valid, dim=1).unsqueeze(-1)
         scores = scores.float().masked_fill(~present, float("-inf"))
@@ -72,16 +81,18 @@ class Indexer:
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-        """Index scores [n, E] fp32 of each query's entries; -inf where an entry is not visible."""
-        scores = torch.einsum("nhd,ed->nhe", q.float(), keys.float()).relu() * self.head_dim**-0.5
+        """Index scores [n, E] fp32 of each query's entries (keys [E, d], or [n, E, d] per query);
+        -inf where an entry is not visible."""
+        equation = "nhd,ed->nhe" if keys.dim() == 2 else "nhd,ned->nhe"
+        scores = torch.einsum(equation, q.float(), keys.float()).relu() * self.head_dim**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
-        visible = torch.arange(keys.shape[0], device=keys.device)[None] < ((positions + 1) // 4)[:, None]
+        visible = torch.arange(keys.shape[-2], device=keys.device)[None] < ((positions + 1) // 4)[:, None]
         return scores.masked_fill(~visible, float("-inf"))
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """Mask [n, E] of the entries each query attends: its top-k visible ones."""
         scores = self.scores(q, weights, keys, positions)
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
         return chosen & (scores > float("-inf"))
