@@ -84,7 +84,9 @@ class Choices:
     """The top-k choices of each step that may flip (ROUTING_NEAR_TIE above): the last layer's
     picks (per-op steps through its `MoE.route`, with the gap between the k-th and (k+1)-th
     biased scores; mono steps from the kernels' scratch: the picks of the step's last K2 launch,
-    which is the last layer's) and the CSA indexer's kept entries per row, with their gap."""
+    which is the last layer's) and the CSA indexer's kept entries per row, with their gap (the
+    per-op path through `Attention._compressed_keys`, the mono path's fixed-shape attention
+    through `Indexer.top`)."""
 
     def __init__(self, model):
         self.model, self.moe, self.attention = model, model.blocks[LAST].moe, model.blocks[CSA].attention
@@ -103,27 +105,42 @@ class Choices:
             self.routed = (ids.sort(dim=-1).values.cpu(), (top[:, -2] - top[:, -1]).cpu())
             return ids, weights
 
-        def recording_keys(g, side, cache):
+        indexer, top = attention.indexer, attention.indexer.top
+
+        def record(rows, q, weights, keys, positions, kept):
+            """kept [n, E] bool: the entries each of `rows` attends."""
+            scores = indexer.scores(q, weights, keys, positions)
+            k, gaps = indexer.topk, torch.full((len(positions),), float("inf"))
+            if keys.shape[-2] > k:  # else every visible entry is kept
+                best = scores.topk(k + 1, dim=-1).values
+                scale = scores.masked_fill(scores == float("-inf"), 0).abs().amax(dim=-1)
+                visible = (scores > float("-inf")).sum(dim=-1)
+                gaps = torch.where(visible > k, (best[:, k - 1] - best[:, k]) / scale, float("inf"))
+            for row, entries, gap in zip(rows, kept.cpu(), gaps.cpu()):
+                self.index[row] = (tuple(entries.nonzero().flatten().tolist()), float(gap))
+
+        def recording_keys(g, side, cache):  # the per-op path: a request's rows at a time
             entries, mask = compressed_keys(g, side, cache)
             count = mask.shape[1]
             if count:
-                scores = attention.indexer.scores(side["index_q"], side["index_w"],
-                                                  cache.index_entries[g.slot, :count], g.positions)
-                k = attention.indexer.topk
-                top = scores.topk(min(k + 1, count), dim=-1).values
-                scale = scores.masked_fill(scores == float("-inf"), 0).abs().amax(dim=-1)
-                gaps = ((top[:, k - 1] - top[:, k]) / scale if count > k
-                        else torch.full((len(g.positions),), float("inf")))
-                for row, kept, gap in zip(g.index.tolist(), mask.cpu(), gaps.cpu()):
-                    self.index[row] = (tuple(kept.nonzero().flatten().tolist()), float(gap))
+                record(g.index.tolist(), side["index_q"], side["index_w"], cache.index_entries[g.slot, :count],
+                       g.positions, mask)
             return entries, mask
 
-        moe.route, attention._compressed_keys = recording_route, recording_keys
+        def recording_top(q, weights, keys, positions):  # the fixed-shape attention: every row at once
+            indices, valid = top(q, weights, keys, positions)
+            if keys.dim() == 3 and keys.shape[1]:
+                kept = torch.zeros(keys.shape[:2], dtype=torch.bool, device=keys.device).scatter_(1, indices, valid)
+                record(range(len(positions)), q, weights, keys, positions, kept)
+            return indices, valid
+
+        moe.route, attention._compressed_keys, indexer.top = recording_route, recording_keys, recording_top
         return self
 
     def __exit__(self, *exc):
         self.moe.__dict__.pop("route", None)
         self.attention.__dict__.pop("_compressed_keys", None)
+        self.attention.indexer.__dict__.pop("top", None)
 
     def take(self, rows: int) -> dict:
         """The choices of the step that just ran: picks [N, k] sorted, their gaps [N] (None on a
@@ -140,7 +157,8 @@ def flips(out: dict, ref: dict, live: torch.Tensor) -> tuple[torch.Tensor, torch
     """(index flips, routing flips): live rows whose indexer entries / last-layer picks differ from
     the reference's. Each must have been a near-tie there; at most a quarter of the rows flip."""
     rows = range(len(live))
-    index = torch.tensor([out["index"].get(r, (None,))[0] != ref["index"].get(r, (None,))[0] for r in rows]) & live
+    kept = lambda choices, r: choices["index"].get(r, ((),))[0]  # noqa: E731  (no entry visible yet: none)
+    index = torch.tensor([kept(out, r) != kept(ref, r) for r in rows]) & live
     routing = (out["picks"] != ref["picks"]).any(dim=-1) & live
     index_gaps = torch.tensor([ref["index"].get(r, (None, float("inf")))[1] for r in rows])
     assert (index_gaps[index] < INDEX_NEAR_TIE).all(), ("an index flip at a wide gap", index_gaps[index])
@@ -305,9 +323,11 @@ def test_refused_configurations_say_why(device, caplog):
 
 
 @pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu", reason="needs a GPU")
-def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device):
-    """All layers `whole`: each width's step is captured once and replayed; replays equal eager runs."""
-    m = Model.from_checkpoint(SyntheticCheckpoint(tiny(compress_ratios=(0, 0, 0)), seed=9), device, torch.bfloat16)
+@pytest.mark.parametrize("ratios", [(0, 0, 0), (0, 4, 16)])
+def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, ratios):
+    """Every layer `whole`, or `ffn` layers with their fixed-shape per-op attention in the graph:
+    each width's step is captured once and replayed; replays equal eager runs."""
+    m = Model.from_checkpoint(SyntheticCheckpoint(tiny(compress_ratios=ratios), seed=9), device, torch.bfloat16)
     m.use_mono("on")
     assert m.mono.graphs_enabled
     g = torch.Generator().manual_seed(11)

@@ -11,8 +11,8 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with `--compile MODE`,
   also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs; one compile a
   width), in a CUDA graph;
-- `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (eager) + K2's FFN
-  launch; the kernels replayed in a CUDA graph (`mono kernels` is that part alone).
+- `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (fixed shapes,
+  model/batched.py) + K2's FFN launch, in a CUDA graph (`mono kernels`: the kernels alone).
 `--shapes` times mono once per launch shape (`mono.runner.LaunchShape`: programs a SM, warps,
 tile sizes, pipelining depth; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
@@ -103,17 +103,15 @@ class LayerBench:
         groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
         whole = runner.plan[layer] == WHOLE
 
-        def kernels():
+        def kernels(attention_too: bool):
             s.streams[0].copy_(streams)
             cur = 0
             if whole:
                 cur = k1.launch(runner, s, lw, lc, cur, owed=False)
+            elif attention_too:
+                runner._attention_per_op(layer, s, lc, 0, False)
             k2.launch(runner, s, lw, lc, cur, attention=whole)
 
-        attention = 0.0
-        if not whole:
-            attention = timed(lambda: runner._attention_per_op(layer, s, lc, 0, False, groups), self.device,
-                              self.reps)
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
         batched = self.batched.setdefault(layer, BatchedLayer(block))
         step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc), self.device)
@@ -125,14 +123,16 @@ class LayerBench:
         rows = []
         for shape in shapes:
             runner.configure(shape)
-            mono_kernels = timed(graphed(kernels, self.device), self.device, self.reps)
+            mono_kernels = timed(graphed(lambda: kernels(False), self.device), self.device, self.reps)
+            mono = mono_kernels if whole else timed(graphed(lambda: kernels(True), self.device), self.device,
+                                                    self.reps)
             runner.check()
             experts = int(s.ids.unique().ge(0).sum())
             rows.append({"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
-                         "per_op_compiled_s": per_op_compiled, "mono_s": mono_kernels + attention,
+                         "per_op_compiled_s": per_op_compiled, "mono_s": mono,
                          "mono_kernels_s": mono_kernels, "distinct_experts": experts,
                          "floor_bytes": self.floor_bytes(layer, width, experts, groups),
-                         "stages": self.stage_times(kernels, whole) if timeline else None})
+                         "stages": self.stage_times(lambda: kernels(False), whole) if timeline else None})
         return rows
 
     def stage_times(self, kernels, whole: bool) -> dict:
@@ -268,7 +268,7 @@ def table(report: dict) -> str:
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
-                 "mono: kernels in a CUDA graph, plus the per-op attention on `ffn` layers; shape: the kernels' "
+                 "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; shape: the kernels' "
                  "launch shape (mono/runner.py LaunchShape)")
     return "\n".join(lines)
 

@@ -89,10 +89,17 @@ class Indexer:
         visible = torch.arange(keys.shape[-2], device=keys.device)[None] < ((positions + 1) // 4)[:, None]
         return scores.masked_fill(~visible, float("-inf"))
 
+    def top(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [n, k], valid [n, k]) of each query's top-k entries, k = min(topk, E); an
+        index is valid where its entry is visible (fewer than k may be)."""
+        scores = self.scores(q, weights, keys, positions)
+        top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1)
+        return top.indices, top.values > float("-inf")
+
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """Mask [n, E] of the entries each query attends: its top-k visible ones."""
-        scores = self.scores(q, weights, keys, positions)
-        top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1).indices
-        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-        return chosen & (scores > float("-inf"))
+        indices, valid = self.top(q, weights, keys, positions)
+        return torch.zeros(indices.shape[0], keys.shape[-2], dtype=torch.bool, device=keys.device).scatter_(
+            1, indices, valid)

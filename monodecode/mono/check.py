@@ -1,8 +1,8 @@
 """The mono path checked on a GPU at real dims: `python -m monodecode.mono.check [--layers N] [--out FILE]`.
 
 A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
-bf16 on the GPU. With 2 layers (both `whole`) the runner captures a CUDA graph per width, so the
-agreement check runs through them; with more, the CSA/HCA layers run `ffn` and steps are eager.
+bf16 on the GPU; the window layers run `whole`, the CSA/HCA ones `ffn`, and the runner captures
+each width's step in a CUDA graph, so the agreement check runs through them.
 Four checks, results printed and written as JSON (`--skip` leaves some out):
 1. agreement: per layer (the mean of the hc streams after it, live rows) and on the logits, mono
    against per-op on copies of the same prefilled caches, at widths 1, 6, 16 and 48 (with pad
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(), "layers": args.layers,
         "plan": model.mono.plan, "grid": model.mono.grid, "build_seconds": time.perf_counter() - started,
-        "runner_graphs": model.mono.graphs_enabled,  # all layers whole: agreement runs through the graphs
+        "runner_graphs": model.mono.graphs_enabled,  # agreement runs through the runner's graphs
     }
     checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
               ("error_path", check_error_path))

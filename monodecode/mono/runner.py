@@ -9,10 +9,10 @@ cache can rewind, i.e. a prefill chunk) run on the per-op path, counted in `fall
 A step on the mono path:
   embed -> per layer: `whole`: K1 (fold the owed FFN output, attention seam, q/kv projections,
   KV write) then K2 (attention, output projections, fold, FFN seam, MoE; the FFN output is owed);
-  `ffn`: fold and attention per-op, then K2 without its attention part -> fold the last owed
-  output, hc_head, norm, lm_head (torch ops, graph-safe).
-Layers with compressed attention (`ffn`) need the per-op attention, whose row grouping syncs with
-the host, so steps of such models are not graph-captured.
+  `ffn`: fold and attention per-op (torch ops in fixed shapes: model/batched.py), then K2 without
+  its attention part -> fold the last owed output, hc_head, norm, lm_head (torch ops).
+Nothing in a step syncs with the host, so every step is graph-captured (one graph per width and
+cache), whatever the plan.
 Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
 at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.batched import BatchedAttention
 from ..model.hc import hc_post
 from ..model.norm import rms_norm
 from . import k1, k2
@@ -104,7 +105,9 @@ class MonoRunner:
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only, eager steps only
-        self.graphs_enabled = graphs and self.device.type == "cuda" and all(k == WHOLE for k in self.plan)
+        self.graphs_enabled = graphs and self.device.type == "cuda"
+        self.attention = {i: BatchedAttention(model.blocks[i].attention, self.device)
+                          for i, kind in enumerate(self.plan) if kind != WHOLE}  # of the `ffn` layers
         self.scratch: dict[int, Scratch] = {}
         self.fallbacks: Counter[str] = Counter()
         self.last_path = None  # "mono" or "per-op": the path the last step took
@@ -268,16 +271,13 @@ class MonoRunner:
         s.streams[0].copy_(model.embed(s.tokens))
         cur, owed, captured = 0, False, {}
         targets = (c.dspark_target_layer_ids or ()) if return_hidden else ()
-        groups = None
         for i, kind in enumerate(self.plan):
             lw, lc = self.layers[i], cache.layers[i]
             if kind == WHOLE:
                 cur = k1.launch(self, s, lw, lc, cur, owed)
                 cur = k2.launch(self, s, lw, lc, cur, attention=True)
             else:
-                if groups is None:
-                    groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
-                self._attention_per_op(i, s, lc, cur, owed, groups)
+                self._attention_per_op(i, s, lc, cur, owed)
                 cur = k2.launch(self, s, lw, lc, cur, attention=False)
             owed = True
             if i in targets:
@@ -291,11 +291,12 @@ class MonoRunner:
         """The residual streams with the owed FFN output folded in."""
         return hc_post(s.y, s.streams[cur], s.post_ffn, s.comb_ffn)
 
-    def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed: bool, groups) -> None:
-        """An `ffn` layer's attention sub-block on the per-op path, leaving the settled streams
-        (after the attention site's fold) in s.streams[cur] for K2."""
+    def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed: bool) -> None:
+        """An `ffn` layer's attention sub-block on the per-op path (in fixed shapes), leaving the
+        settled streams (after the attention site's fold) in s.streams[cur] for K2."""
         block, c = self.model.blocks[layer], self.config
         streams = self._settled(s, cur) if owed else s.streams[cur]
         x, post, comb = block._hc_pre(streams, "attn")
-        out = block.attention(rms_norm(x, block.w[f"{block.p}attn_norm"], c.rms_norm_eps), s.positions, groups, cache)
+        out = self.attention[layer](rms_norm(x, block.w[f"{block.p}attn_norm"], c.rms_norm_eps), s.positions,
+                                    s.slots, cache)
         s.streams[cur].copy_(hc_post(out, streams, post, comb))
