@@ -309,6 +309,32 @@ def add_bench_commands(commands) -> None:
                        help="also print and save the per-stage times of one eager run of the mono kernels (GPU)")
     layer.add_argument("--out", default=".", help="where bench_layer.json goes")
     layer.set_defaults(run=run_bench_layer)
+    decode = bench_commands.add_parser(
+        "decode", help="whole speculative decode steps of an N-layer model, per-op graph and mono",
+        description="Times speculative decode steps (DSpark draft, synthetic acceptance) of the first N layers "
+                    "of --preset at each request count, the target's verify step per-op in a CUDA graph and on "
+                    "the mono kernels: step time split into draft, verify (head) and host work, tokens/s per "
+                    "user (monodecode/bench/decode.py).")
+    decode.add_argument("--preset", default="v4-flash", help="model sizes (default: v4-flash)")
+    decode.add_argument("--layers", default="fit", help="target layers: a number, or `fit` (as many as the GPU "
+                                                       "holds with the mono kernels' copies; ~35 s a v4-flash layer "
+                                                       "to build)")
+    decode.add_argument("--requests", default="1,2,4,8", help="request counts, comma-separated")
+    decode.add_argument("--acceptance", type=float, default=3.51,
+                        help="synthetic acceptance: mean tokens committed a step (default 3.51)")
+    decode.add_argument("--context", type=int, default=256, help="tokens prefilled a request")
+    decode.add_argument("--steps", type=int, default=20, help="timed steps a request count (the median is kept)")
+    decode.add_argument("--reps", type=int, default=20, help="timed repetitions of the head alone")
+    decode.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under Triton's "
+                                                         "interpreter (times meaningless)")
+    decode.add_argument("--out", default=".", help="where bench_decode.json goes")
+    decode.set_defaults(run=run_bench_decode)
+
+
+def run_bench_decode(args: argparse.Namespace) -> int:
+    from .bench.decode import run
+
+    return run(args)
 
 
 def run_bench_layer(args: argparse.Namespace) -> int:

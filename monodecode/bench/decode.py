@@ -1,0 +1,203 @@
+"""`monodecode bench decode`: whole speculative decode steps of an N-layer model, per-op against mono.
+
+A model of the first N layers of `--preset` (synthetic weights, bf16; N = `--layers`, or `fit`: as
+many as the GPU holds with the mono kernels' copies, stated in the report) and its DSpark draft.
+For each request count B of `--requests`: B requests, each with `--context` prefilled tokens, decode
+`--steps` speculative steps with synthetic verification (`--acceptance`: the mean tokens committed
+a step), the target verifying B x (1 + block) rows a step, through
+- `per-op graph`: the per-op layers in fixed shapes (`bench/batched.py` BatchedLayer: the routed
+  experts dequantized to bf16 once, about 12.9 GB a v4-flash layer, so only when they fit) and
+  the head, captured in a CUDA graph per width;
+- `mono`: the mono runner (K1/K2 per layer, its CUDA graph per width).
+Per path and B: the median step time, split into the draft's proposal, the target's verify step
+(of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
+commits to the draft's rings: host work); tokens committed a step a request; tokens/s per user.
+The draft runs per-op on both paths (not on the kernels yet). Not a test: it never fails for
+being slow. On a CPU (tests) the kernels run under Triton's interpreter: the code paths, not
+the numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import SyntheticCheckpoint
+from ..config import preset
+from ..model import Model
+from ..model.weights import free_memory, resident_bytes
+from ..spec.config import SpeculativeConfig
+from ..spec.decoder import SpeculativeDecoder
+from .batched import BatchedLayer
+from .timing import graphed, timed
+
+RESERVE = 24 * 2**30  # bytes left free by `--layers fit`: caches, scratch, graphs, the draft's weights
+
+
+def build(name: str, layers: int, device: str) -> Model:
+    """The first `layers` layers of `name` (the draft's target layers moved onto the last ones)."""
+    model = Model.from_checkpoint(SyntheticCheckpoint(preset(name, num_hidden_layers=layers), seed=0), device,
+                                  torch.bfloat16)
+    model.use_mono("on")
+    return model
+
+
+def layers_that_fit(name: str, device) -> int:
+    """The first N layers of `name` whose weights (as the per-op path keeps them, plus the mono
+    kernels' FP8 copies of the dense ones) fit in the free memory less RESERVE."""
+    config = preset(name)
+    ckpt = SyntheticCheckpoint(config)
+    per_layer = []
+    for i in range(config.num_hidden_layers):
+        specs = [s for s in ckpt.specs if s.name.startswith(f"layers.{i}.")]
+        per_layer.append(resident_bytes(specs, torch.bfloat16) + sum(s.nbytes() for s in specs if s.fmt == "fp8"))
+    shared = resident_bytes([s for s in ckpt.specs if s.group == "model" and not s.name.startswith("layers.")],
+                            torch.bfloat16)
+    budget, n = free_memory(device) - RESERVE - shared, 0
+    while n < len(per_layer) and per_layer[n] <= budget:
+        budget -= per_layer[n]
+        n += 1
+    if n == 0:
+        raise SystemExit(f"--layers fit: not one {name} layer fits in the free memory of {device}")
+    return n
+
+
+class PerOpGraphStep:
+    """`Model.step` for verify steps on the per-op path in fixed shapes (BatchedLayer per layer,
+    then the head), captured in a CUDA graph per (width, cache, hidden) on a GPU."""
+
+    def __init__(self, model: Model):
+        self.model, self.layers = model, [BatchedLayer(block) for block in model.blocks]
+        self.graphs: dict[tuple, tuple] = {}
+
+    @torch.no_grad()
+    def __call__(self, cache, tokens, positions, slots, return_hidden: bool = False):
+        key = (len(tokens), id(cache), return_hidden)
+        if key not in self.graphs:
+            inputs = [torch.as_tensor(t, device=self.model.device).clone() for t in (tokens, positions, slots)]
+            outputs = {}
+            run = graphed(lambda: outputs.update(out=self.forward(cache, *inputs, return_hidden)), self.model.device)
+            self.graphs[key] = (inputs, outputs, run)
+        inputs, outputs, run = self.graphs[key]
+        for buffer, values in zip(inputs, (tokens, positions, slots)):
+            buffer.copy_(torch.as_tensor(values, device=buffer.device))
+        run()
+        out = outputs["out"]
+        return tuple(t.clone() for t in out) if return_hidden else out.clone()
+
+    def forward(self, cache, tokens, positions, slots, return_hidden: bool):
+        model = self.model
+        targets = (model.config.dspark_target_layer_ids or ()) if return_hidden else ()
+        streams, captured = model.embed(tokens), {}
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, tokens, positions, slots, cache.layers[i])
+            if i in targets:
+                captured[i] = streams.mean(dim=1)
+        logits = model.logits(streams)
+        return (logits, torch.cat([captured[i] for i in targets], dim=-1)) if return_hidden else logits
+
+
+class Timer:
+    """Wraps a function: the seconds of each call, the device synchronised around it."""
+
+    def __init__(self, fn, device):
+        self.fn, self.device, self.seconds = fn, torch.device(device), []
+
+    def __call__(self, *args, **kwargs):
+        self._sync()
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self._sync()
+        self.seconds.append(time.perf_counter() - start)
+        return out
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def measure(model: Model, target_step, caches, requests, steps: int, acceptance: float) -> dict:
+    """`steps` timed speculative steps (after two warm-up steps, which capture the graphs)."""
+    block = model.draft().block_size
+    config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": block,
+                                          "rejection_sample_method": "synthetic",
+                                          "synthetic_acceptance_length": acceptance})
+    verify = Timer(target_step, model.device)
+    decoder = SpeculativeDecoder(model, config, target_step=verify)
+    draft = decoder.draft
+    propose = Timer(draft.propose, model.device)
+    draft.propose = propose
+    step = Timer(decoder.step, model.device)
+    try:
+        for _ in range(2):
+            step(caches, requests)
+        for timer in (verify, propose, step):
+            timer.seconds.clear()
+        committed = sum(len(tokens) for _ in range(steps) for tokens in step(caches, requests))
+    finally:
+        del draft.propose  # the instance attribute: back to the class's method
+    median = statistics.median
+    return {"step_s": median(step.seconds), "draft_s": median(propose.seconds), "verify_s": median(verify.seconds),
+            "tokens_per_step": committed / steps / len(requests),
+            "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds)}
+
+
+def head_seconds(model: Model, rows: int, reps: int) -> float:
+    streams = torch.randn(rows, model.config.hc_mult, model.config.hidden_size).to(model.dtype).to(model.device)
+    return timed(graphed(lambda: model.logits(streams), model.device), model.device, reps)
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    layers = layers_that_fit(args.preset, device) if args.layers == "fit" else int(args.layers)
+    started = time.strftime("%Y-%m-%d %H:%M")
+    model = build(args.preset, layers, args.device)
+    block = model.draft().block_size
+    bank_bytes = 3 * 2 * model.config.n_routed_experts * model.config.moe_intermediate_size * model.config.hidden_size
+    per_op, reserve = None, RESERVE if device.type == "cuda" else 0
+    if bank_bytes * layers + reserve <= free_memory(device):
+        per_op = PerOpGraphStep(model)
+    else:
+        print(f"per-op graph: not run: its bf16 expert banks need {bank_bytes * layers / 2**30:.0f} GiB for "
+              f"{layers} layers (use --layers N for a model where both paths fit)")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for count in [int(b) for b in args.requests.split(",")]:
+        base = SpeculativeDecoder(model, SpeculativeConfig.from_json(
+            {"method": "dspark", "num_speculative_tokens": block, "rejection_sample_method": "synthetic",
+             "synthetic_acceptance_length": args.acceptance}))
+        caches = base.make_caches(count, args.context + (args.steps + 3) * (block + 1) + block + 2)
+        requests = [base.prefill(caches, slot, torch.randint(0, model.config.vocab_size, (args.context,),
+                                                               generator=g).tolist()) for slot in range(count)]
+        head = head_seconds(model, count * (block + 1), args.reps)
+        for path, step in (("per-op graph", per_op), ("mono", model.step)):
+            if step is None:
+                continue
+            m = measure(model, step, copy.deepcopy(caches), copy.deepcopy(requests), args.steps, args.acceptance)
+            rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
+                         "other_s": m["step_s"] - m["draft_s"] - m["verify_s"]})
+            print(line(rows[-1]), flush=True)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
+              "preset": args.preset, "layers": layers, "layer_kinds": list(model.config.compress_ratios),
+              "context": args.context, "block": block, "acceptance": args.acceptance, "steps": args.steps,
+              "mono_shape": model.mono.shape.spec(), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_decode.json").write_text(json.dumps(report, indent=1))
+    print(f"{report['device']}, torch {report['torch']}, Triton {report['triton']}; {args.preset}, {layers} layers "
+          f"(compress ratios {report['layer_kinds']}), context {args.context}, block {block}, synthetic "
+          f"acceptance {args.acceptance}\nwrote {out / 'bench_decode.json'}")
+    return 0
+
+
+def line(r: dict) -> str:
+    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    return (f"{r['path']:<13}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = draft "
+            f"{ms(r['draft_s'])} + verify {ms(r['verify_s'])} (head {ms(r['head_s'])}) + other {ms(r['other_s'])}; "
+            f"{r['tokens_per_step']:.2f} tokens a step, {r['tokens_per_s_per_user']:.1f} tokens/s/user")
