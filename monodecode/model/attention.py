@@ -81,13 +81,14 @@ class Attention:
         return apply_rope(kv, positions, self.freqs)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of q [n, H, D] over keys [K, D] (= values) where mask [n, K], with
-        the per-head sink logit in the softmax; fp32 inside, q's dtype out."""
-        logits = torch.einsum("nhd,kd->nhk", q.float(), keys.float()) * self.c.head_dim**-0.5
+        """Softmax attention of q [n, H, D] over keys [K, D] (or [n, K, D], per query; = values)
+        where mask [n, K], with the per-head sink logit in the softmax; fp32 inside, q's dtype out."""
+        k = "kd" if keys.dim() == 2 else "nkd"
+        logits = torch.einsum(f"nhd,{k}->nhk", q.float(), keys.float()) * self.c.head_dim**-0.5
         logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
         sink = self.w["attn_sink"].float().view(1, -1, 1).expand(q.shape[0], -1, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("nhk,kd->nhd", probs, keys.float()).to(q.dtype)
+        return torch.einsum(f"nhk,{k}->nhd", probs, keys.float()).to(q.dtype)
 
     def output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate the heads' rope dims at the query positions, then grouped wo_a and wo_b."""

@@ -56,12 +56,7 @@ class BatchedAttention:
             else:
                 entries = cache.entries[slots]  # [R, E, d]: every entry slot, `visible` masks
             keys, valid = torch.cat([keys, entries], dim=1), torch.cat([valid, visible], dim=1)
-        logits = torch.einsum("rhd,rkd->rhk", q.float(), keys.float()) * self.c.head_dim ** -0.5
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sink = att.w["attn_sink"].float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = torch.einsum("rhk,rkd->rhd", probs, keys.float()).to(q.dtype)
-        y = att.output(out, positions)
+        y = att.output(att.attend(q, keys, valid), positions)
         return torch.where(live[:, None], y, torch.zeros_like(y))
 
 
