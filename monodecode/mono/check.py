@@ -1,4 +1,5 @@
-"""The mono path checked on a GPU at real dims: `python -m monodecode.mono.check [--layers N] [--out FILE]`.
+"""The mono path checked on a GPU at real dims: `python -m monodecode.mono.check [--layers N]
+[--shape FIELD=VALUE,...] [--skip CHECKS] [--out FILE]`.
 
 A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
 bf16 on the GPU; the window layers run `whole`, the CSA/HCA ones `ffn`, and the runner captures
@@ -32,6 +33,7 @@ from ..config import preset
 from ..model import Model
 from . import k1, k2
 from .plan import WHOLE
+from .runner import LaunchShape
 from .sync import EPOCH, MonoSyncError
 from .timeline import format_times, stage_times
 
@@ -181,16 +183,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=3, help="first N layers of v4-flash (2..4)")
     parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--shape", default="default", help="the kernels' launch shape: `default` or field=value,... "
+                                                           "of monodecode.mono.runner.LaunchShape")
     parser.add_argument("--skip", default="", help="comma-separated checks to skip: agreement, graph, timeline, "
                                                    "error_path")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     model = build(args.layers)
+    shape = LaunchShape.parse(args.shape)
+    if shape != model.mono.shape:
+        model.mono.configure(shape)  # checks co-residency again
     base = prefilled_cache(model)
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(), "layers": args.layers,
-        "plan": model.mono.plan, "grid": model.mono.grid, "build_seconds": time.perf_counter() - started,
+        "plan": model.mono.plan, "grid": model.mono.grid, "shape": model.mono.shape.spec(),
+        "build_seconds": time.perf_counter() - started,
         "runner_graphs": model.mono.graphs_enabled,  # agreement runs through the runner's graphs
     }
     checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
