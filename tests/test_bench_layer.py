@@ -25,6 +25,12 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
         assert 1 <= r["distinct_experts"] <= 2 * r["width"]  # tiny: top-2 of 8
         assert r["floor_bytes"] > 0 and r["per_op_eager_s"] > 0 and r["mono_s"] > 0 and r["mono_kernels_s"] > 0
         assert (r["mono_s"] == r["mono_kernels_s"]) == (r["plan"] == "whole")  # ffn: + the attention, timed apart
+        launches = r["kernels_launched"]
+        if device == "cpu":
+            assert launches == {"per_op_eager": None, "per_op_graph": None, "mono": None}
+        else:
+            assert launches["mono"] == 2 if r["plan"] == "whole" else launches["mono"] > 1  # K1 + K2
+            assert launches["per_op_eager"] > launches["mono"] and launches["per_op_graph"] > launches["mono"]
         assert r["per_op_graph_s"] > 0  # the batched per-op layer, every kind
     wider = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 3}
     narrow = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 1}

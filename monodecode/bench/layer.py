@@ -44,7 +44,7 @@ from ..mono.runner import LaunchShape
 from ..mono.timeline import format_times, stage_times
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedLayer
-from .timing import copy_bandwidth, graphed, timed
+from .timing import copy_bandwidth, graphed, kernels_launched, timed
 
 KINDS = {0: "window", 4: "CSA", 128: "HCA"}
 MAX_REQUESTS = 8
@@ -114,6 +114,10 @@ class LayerBench:
 
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
         batched = self.batched.setdefault(layer, BatchedLayer(block))
+        launches = {"per_op_eager": kernels_launched(lambda: block(streams, s.tokens, s.positions, groups, lc),
+                                                     self.device),
+                    "per_op_graph": kernels_launched(lambda: batched(streams, s.tokens, s.positions, s.slots, lc),
+                                                     self.device)}
         step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc), self.device)
         per_op_graph, per_op_compiled = timed(step, self.device, self.reps), None
         if self.compile_mode:
@@ -128,7 +132,9 @@ class LayerBench:
                                                     self.reps)
             runner.check()
             experts = int(s.ids.unique().ge(0).sum())
-            rows.append({"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
+            launches["mono"] = kernels_launched(lambda: kernels(True), self.device)
+            rows.append({"shape": shape.spec(), "kernels_launched": dict(launches),
+                         "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
                          "per_op_compiled_s": per_op_compiled, "mono_s": mono,
                          "mono_kernels_s": mono_kernels, "distinct_experts": experts,
                          "floor_bytes": self.floor_bytes(layer, width, experts, groups),
@@ -256,7 +262,8 @@ def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
     cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
-            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}  shape")
+            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}"
+            f"{'launches':>14}  shape")
     lines = [head, cols]
     for r in report["layers"]:
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
@@ -264,13 +271,19 @@ def table(report: dict) -> str:
                      f"{_us(r['per_op_compiled_s']):>12}"
                      f"{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
                      f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x"
-                     f"  {r['shape']}")
+                     f"{_launches(r['kernels_launched']):>14}  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
                  "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; shape: the kernels' "
-                 "launch shape (mono/runner.py LaunchShape)")
+                 "launch shape (mono/runner.py LaunchShape); launches: GPU kernels one eager step launches (torch "
+                 "profiler), per-op eager / per-op graph / mono")
     return "\n".join(lines)
+
+
+def _launches(counts: dict) -> str:
+    """GPU kernels a step launches: per-op eager / per-op graph / mono ("-" on a CPU)."""
+    return "/".join("-" if counts[k] is None else str(counts[k]) for k in ("per_op_eager", "per_op_graph", "mono"))
 
 
 def _us(seconds: float | None) -> str:

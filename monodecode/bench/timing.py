@@ -1,5 +1,5 @@
-"""Timing shared by the benchmarks: the copy bandwidth that sets the floor, a median timer, and
-CUDA-graph capture of a step."""
+"""Timing shared by the benchmarks: the copy bandwidth that sets the floor, a median timer,
+CUDA-graph capture of a step, and the count of GPU kernels a step launches."""
 
 from __future__ import annotations
 
@@ -47,3 +47,17 @@ def graphed(fn, device):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def kernels_launched(fn, device) -> int | None:
+    """GPU kernels one eager fn() launches (the profiler's device kernel events; copies and
+    memsets not counted); None on a CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
