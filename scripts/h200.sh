@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of the mono path, one part per device call (each fits the 10-minute
+# limit of a call): `bash scripts/h200.sh PART` with $OUT set (the device tool sets it).
+#   tests         the GPU-only and GPU-run tests of the mono path (pytest with MONODECODE_TEST_DEVICE=cuda)
+#   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), default shape
+#   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
+#   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
+#   bench-decode  monodecode bench decode on 4 layers
+# Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
+set -u
+part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|bench-decode}
+out=${OUT:?set OUT to the output folder}
+export PYTHONPATH=$PWD
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} > "$out/$part.txt" 2>&1
+case $part in
+  tests)
+    MONODECODE_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_mono_runner.py \
+      tests/test_mono_sync.py tests/test_mono_gemv.py tests/test_bench_layer.py >> "$out/$part.txt" 2>&1 ;;
+  check)
+    timeout 560 python3 -m monodecode.mono.check --layers 4 --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
+  check-shape)
+    timeout 560 python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
+      --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
+  bench-layer)
+    timeout 560 python3 -m monodecode.cli bench layer --widths 1,6,16,48 --timeline \
+      --shapes "${SHAPES:-default;k2_warps=8,expert_block_n=128}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+  bench-decode)
+    timeout 560 python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
+status=$?
+echo "exit $status" >> "$out/$part.txt"
+grep -v "it/s\]\|tensor/s\]" "$out/$part.txt" | tail -c 6000
+exit $status
