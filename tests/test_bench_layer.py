@@ -60,6 +60,8 @@ def test_launch_shapes_parse_and_name_bad_fields():
     assert LaunchShape.parse(shape.spec()) == shape and LaunchShape.parse("default") == LaunchShape()
     with pytest.raises(ValueError, match="warps=8"):
         LaunchShape.parse("warps=8")
+    with pytest.raises(ValueError, match="k2_warps must be a whole number"):
+        LaunchShape.parse("k2_warps=eight")
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 16])

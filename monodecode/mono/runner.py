@@ -79,7 +79,10 @@ class LaunchShape:
             if name not in cls.__dataclass_fields__ or not value:
                 raise ValueError(f"launch shape {text!r}: {item!r} is not field=value with a field of "
                                  f"{', '.join(cls.__dataclass_fields__)}")
-            fields[name] = None if value.strip().lower() == "none" else int(value)
+            value = value.strip().lower()
+            if value != "none" and not value.isdigit():
+                raise ValueError(f"launch shape {text!r}: {name} must be a whole number or none, got {value!r}")
+            fields[name] = None if value == "none" else int(value)
         return cls(**fields)
 
 
