@@ -8,7 +8,6 @@ and HCA (`ffn`, bias-routed); bf16, as the kernels run.
 
 import logging
 import os
-from contextlib import contextmanager
 
 if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels

@@ -8,8 +8,9 @@ Four checks, results printed and written as JSON (`--skip` leaves some out):
 1. agreement: per layer (the mean of the hc streams after it, live rows) and on the logits, mono
    against per-op on copies of the same prefilled caches, at widths 1, 6, 16 and 48 (with pad
    rows at 48); cosine and relative L2; the ring rows each path wrote, compared;
-2. graph: the K1 + K2 launches of the `whole` layers for widths 1, 6, 16, 48, 6, 1 captured in one
-   CUDA graph, replayed 300 times; every replay's outputs bit-for-bit equal to the first's;
+2. graph: whole steps (every layer: K1 + K2, or the fixed-shape attention and K2's `ffn` launch;
+   the head) for widths 1, 6, 16, 48, 6, 1 captured in one CUDA graph, replayed 300 times; every
+   replay's outputs (logits, y, streams) bit-for-bit equal to the first's;
 3. timeline: per-stage times of the last layer's K1 / K2 / ffn launches, one eager step a width
    (where the time goes; not a benchmark);
 4. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
@@ -32,7 +33,6 @@ from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
 from ..model import Model
 from . import k1, k2
-from .plan import WHOLE
 from .runner import LaunchShape
 from .sync import EPOCH, MonoSyncError
 from .timeline import format_times, stage_times
@@ -101,29 +101,22 @@ def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
     runner, cache = model.mono, copy.deepcopy(base_cache)
     g = torch.Generator().manual_seed(3)
     order = [1, 6, 16, 48, 6, 1]
-    whole = [i for i, kind in enumerate(runner.plan) if kind == WHOLE]
 
-    def launches(width):
-        s = runner._scratch(width)
-        s.streams[0].copy_(model.embed(s.tokens))  # layer 1's fold overwrites it
-        cur, owed = 0, False
-        for i in whole:
-            cur = k1.launch(runner, s, runner.layers[i], cache.layers[i], cur, owed)
-            cur = k2.launch(runner, s, runner.layers[i], cache.layers[i], cur, attention=True)
-            owed = True
+    def step(width):  # embed, every layer (K1 + K2, or the fixed-shape attention + K2's ffn launch), head
+        return runner._run(runner._scratch(width), cache, return_hidden=False)
 
-    for width in WIDTHS:  # inputs and embeddings of each width, fixed for the graph's life
+    for width in WIDTHS:  # inputs of each width, fixed for the graph's life
         s = runner._scratch(width)
         for buffer, values in zip((s.tokens, s.positions, s.slots), step_rows(width, g, model.config.vocab_size)):
             buffer.copy_(torch.tensor(values))
-        launches(width)  # compile, warm up
+        step(width)  # compile, warm up
     torch.cuda.synchronize()
     runner.check()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for width in order:
-            launches(width)
-    outputs = lambda: [t.clone() for w in WIDTHS for t in (runner.scratch[w].y, *runner.scratch[w].streams)]  # noqa: E731
+        logits = [step(width) for width in order]
+    outputs = lambda: [t.clone() for t in logits] + [  # noqa: E731
+        t.clone() for w in WIDTHS for t in (runner.scratch[w].y, *runner.scratch[w].streams)]
     graph.replay()
     torch.cuda.synchronize()
     first = outputs()
@@ -136,6 +129,7 @@ def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
     seconds = time.perf_counter() - start
     runner.check()
     return {"replays": replays, "widths_per_replay": order, "mismatched_outputs": mismatches,
+            "outputs_compared_per_replay": len(first),
             "finite": all(bool(torch.isfinite(t).all()) for t in first), "seconds": seconds,
             "epochs": {name: state.epoch for name, state in runner.sync.items()}}
 
