@@ -15,9 +15,11 @@ Contract
 - Stages: `up_task` (a w1 or a w3 tile) writes gate/up [R * k, 2, I] fp32; `swiglu_task`
   (clamp, SwiGLU, routing weight, bf16 rounding) writes h [R * k, I]; `down_task` (w2 tiles)
   writes per-pick outputs [R * k, d] fp32; the sum over a row's picks runs in top-k order, so
-  the result does not depend on task order. The tasks are device functions, for K2 to call
-  from its own task loop; `_up`, `_swiglu` and `_down` are the standalone launches (one
-  program a task) that `routed_experts` and the benchmark use.
+  the result does not depend on task order. The tasks are device functions; `up_stage` and
+  `down_stage` are the task loops K2 runs (program p of a persistent grid takes tasks p,
+  p + grid, ...). Standalone (`routed_experts`, the benchmark): one program a task (`_up`,
+  `_swiglu`, `_down`), or with `LaunchConfig.programs` that many persistent programs running
+  K2's loops (`_up_persistent`, `_down_persistent`), the stage as it runs inside K2.
 
 Decode (constexpr FAST):
 - FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement
@@ -236,6 +238,44 @@ def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_code
 
 
 @triton.jit
+def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+             w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+             NS: tl.constexpr = None):
+    """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
+    `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
+    block (t // 2) % blocks, gate or up t % 2."""
+    blocks = I // BN
+    for t in range(pid, P * blocks * 2, grid):
+        up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS)
+
+
+@triton.jit
+def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None):
+    """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
+    t // blocks, hidden block t % blocks."""
+    blocks = D // BN
+    for t in range(pid, P * blocks, grid):
+        down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales,
+                  D, I, BN, BK, ROWS_, FAST, NS)
+
+
+@triton.jit
+def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
+                   K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST)
+
+
+@triton.jit
+def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+                     BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+    down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST)
+
+
+@triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
@@ -278,6 +318,7 @@ class LaunchConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 1  # Triton's pipelining stages the codes through shared memory: slower here
+    programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -321,13 +362,21 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
     meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps, num_stages=config.num_stages)
-    _up[(picks, inter // block_up, 2)](x, buffers.gate_up, counts, order, experts, *weights.w1, *weights.w3,
-                                       d, inter, picks // x.shape[0], BN=block_up, BK=min(config.block_k, d), **meta)
+    up_args = (x, buffers.gate_up, counts, order, experts, *weights.w1, *weights.w3, d, inter, picks // x.shape[0])
+    down_args = (buffers.h, buffers.per_pick, counts, order, experts, *weights.w2, d, inter)
+    up_meta = dict(BN=block_up, BK=min(config.block_k, d), **meta)
+    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), **meta)
+    if config.programs:
+        _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+    else:
+        _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
     swiglu_block = min(1024, inter)
     _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
                                             BLOCK=swiglu_block, FAST=config.fast)
-    _down[(picks, d // block_down)](buffers.h, buffers.per_pick, counts, order, experts, *weights.w2, d, inter,
-                                    BN=block_down, BK=min(config.block_k, inter), **meta)
+    if config.programs:
+        _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
+    else:
+        _down[(picks, d // block_down)](*down_args, **down_meta)
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,

@@ -1,6 +1,7 @@
 """Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
 
-`python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick] [--out DIR]`
+`python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
+[--programs-per-sm 0,1,2] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -78,12 +79,16 @@ def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
     return sorted(times)[2], sum(p[-1] for p in plans) / steps
 
 
-def variants(quick: bool):
+def variants(quick: bool, programs_per_sm: list[int]):
+    """(name, LaunchConfig): the portable decode, then a grid of fast ones, each with a program a
+    task (pps 0) or pps persistent programs a SM running K2's task loops."""
     yield "portable", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
     grid = itertools.product((64, 128), (128, 256), (4,), (1, 3)) if quick else \
         itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3))
-    for bn, bk, nw, ns in grid:
-        yield f"fast bn{bn} bk{bk} w{nw} s{ns}", X.LaunchConfig(True, bn, bk, nw, ns)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (bn, bk, nw, ns), pps in itertools.product(grid, programs_per_sm):
+        name = f"fast bn{bn} bk{bk} w{nw} s{ns}" + (f" pps{pps}" if pps else "")
+        yield name, X.LaunchConfig(True, bn, bk, nw, ns, programs=pps * sms)
 
 
 def main(argv=None) -> int:
@@ -91,6 +96,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,6,16,48")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a small grid of launch configs")
+    parser.add_argument("--programs-per-sm", default="0",
+                        help="comma-separated: 0 = a program a task; n = n persistent programs a SM running K2's "
+                             "task loops (the stage as it runs inside K2)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
-    for name, config in variants(args.quick):
+    for name, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")]):
         try:
             err = check(bank, config, g)
         except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
@@ -114,7 +122,7 @@ def main(argv=None) -> int:
             entry["rows"][rows] = {"us": us, "distinct_experts": distinct, "TBps": tbps, "of_copy": tbps * 1e12 / copy}
         result["variants"][name] = entry
         cells = "  ".join(f"{r}:{v['TBps']:.2f}" for r, v in entry["rows"].items())
-        print(f"{name:<26} err {err:.1e}  TB/s by rows {cells}", flush=True)
+        print(f"{name:<32} err {err:.1e}  TB/s by rows {cells}", flush=True)
     best = {}
     for rows in rows_list:
         name, entry = max(((n, e) for n, e in result["variants"].items() if n != "portable"),
@@ -124,10 +132,10 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "experts_bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\ncopy {copy / 1e12:.3f} TB/s; expert stage, kernels only, {args.steps} fresh routings a row count")
-    print(f"{'rows':>5} {'experts':>8} {'best variant':<26} {'us':>8} {'TB/s':>6} {'of copy':>8} {'portable TB/s':>14}")
+    print(f"{'rows':>5} {'experts':>8} {'best variant':<32} {'us':>8} {'TB/s':>6} {'of copy':>8} {'portable TB/s':>14}")
     for rows, (name, v) in best.items():
         portable = result["variants"].get("portable", {}).get("rows", {}).get(rows, {}).get("TBps", float("nan"))
-        print(f"{rows:>5} {v['distinct_experts']:>8.1f} {name:<26} {v['us']:>8.1f} {v['TBps']:>6.2f} "
+        print(f"{rows:>5} {v['distinct_experts']:>8.1f} {name:<32} {v['us']:>8.1f} {v['TBps']:>6.2f} "
               f"{v['of_copy']:>8.0%} {portable:>14.2f}")
     return 0
 

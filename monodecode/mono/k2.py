@@ -115,11 +115,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK
-    up_blocks = I // BNE
-    for t in range(pid, P * up_blocks * 2, grid):
-        j = t // (2 * up_blocks)
-        X.up_task(j, (t // 2) % up_blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                  w1_codes, w1_scales, w3_codes, w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS)
+    X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS)
     grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
@@ -127,10 +124,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         X.swiglu_task(t // sw_blocks, t % sw_blocks, gu_ptr, rw_ptr, h_ptr, I, limit, SWB_, FAST_EXPERTS)
     grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
 
-    down_blocks = d // BNE
-    for t in range(pid, P * down_blocks, grid):
-        X.down_task(t // down_blocks, t % down_blocks, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr,
-                    w2_codes, w2_scales, d, I, BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS)
+    X.down_stage(pid, grid, P, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, d, I,
+                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS)
     grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
 
     c_blocks = tl.cdiv(d, CBL_)
