@@ -6,9 +6,10 @@
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
 #   bench-decode  monodecode bench decode on 4 layers
+#   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2)
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|bench-decode}
+part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|bench-decode|experts}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -29,6 +30,9 @@ case $part in
       --shapes "${SHAPES:-default;k2_warps=8,expert_block_n=128}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
     timeout 560 python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
+  experts)
+    timeout 560 python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" \
+      --out "$out" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 status=$?
