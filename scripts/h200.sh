@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of the mono path, one part per device call (each fits the 10-minute
 # limit of a call): `bash scripts/h200.sh PART` with $OUT set (the device tool sets it).
-#   tests         the GPU-only and GPU-run tests of the mono path (pytest with MONODECODE_TEST_DEVICE=cuda)
+#   tests         the mono path's tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
 #   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), default shape
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
@@ -18,8 +18,9 @@ export PYTHONPATH=$PWD
 } > "$out/$part.txt" 2>&1
 case $part in
   tests)
-    MONODECODE_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q -p no:cacheprovider tests/test_mono_runner.py \
-      tests/test_mono_sync.py tests/test_mono_gemv.py tests/test_bench_layer.py >> "$out/$part.txt" 2>&1 ;;
+    MONODECODE_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_mono_runner.py \
+      tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py tests/test_mono_attention.py \
+      tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout 560 python3 -m monodecode.mono.check --layers 4 --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
   check-shape)
