@@ -15,8 +15,8 @@ most the cache's `max_step_rows` of them; pad rows (slot -1) anywhere. The math 
 - CSA: each row's indexer scores every index key slot of its request (a [rows, max_context / 4,
   index_head_dim] gather: the price of fixed shapes at long contexts), masked to the visible ones,
   and the row attends over its top-k entries (`Indexer.top`), gathered; HCA: over every entry
-  slot, masked to the visible ones. Masked keys add exact zeros to the softmax: the result is `Attention`'s up
-  to fp32 summation order (bit-equal on the CPU in the tests);
+  slot, masked to the visible ones. Masked keys add exact zeros to the softmax: the result is
+  `Attention`'s up to fp32 summation order (bit-equal on the CPU in the tests);
 - pad rows write nothing (they write back, unchanged, a row no live row of the step writes) and
   their output is zero.
 """
