@@ -150,3 +150,27 @@ def test_the_per_op_graph_step_is_the_per_op_step(device):
     for out, ref in ((logits, ref_logits), (hidden, ref_hidden)):
         a, b = out.double().flatten().cpu(), ref.double().flatten().cpu()
         assert float((a - b).norm() / b.norm()) <= 5e-3  # seen: bit-equal on the CPU
+
+
+def test_bench_layer_records_a_refused_shape_and_goes_on(device, tmp_path, monkeypatch, capsys):
+    """A launch shape the GPU cannot hold (simulated: the CPU's one program always fits) is a row
+    with the reason, and the next shape is timed."""
+    from monodecode.mono import MonoRefused
+    from monodecode.mono import runner as runner_module
+
+    configure = runner_module.MonoRunner.configure
+
+    def refusing(self, shape, check=True):
+        if shape.programs_per_sm == 9:
+            raise MonoRefused(["K2: 9 programs a SM cannot all be resident at once"])
+        return configure(self, shape, check)
+
+    monkeypatch.setattr(runner_module.MonoRunner, "configure", refusing)
+    assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--kinds", "window",
+                 "--shapes", "programs_per_sm=9;default", "--context", "20", "--reps", "1",
+                 "--out", str(tmp_path)]) == 0
+    refused, timed = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
+    assert "cannot all be resident" in refused["refused"] and refused["mono_s"] is None
+    assert refused["speedup"] is None and refused["distinct_experts"] == timed["distinct_experts"] >= 1
+    assert timed["refused"] is None and timed["mono_s"] > 0
+    assert "refused" in capsys.readouterr().out

@@ -39,7 +39,7 @@ from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
 from ..model import Model
 from ..model.attention import RequestRows
-from ..mono.plan import WHOLE
+from ..mono.plan import WHOLE, MonoRefused
 from ..mono.runner import LaunchShape
 from ..mono.timeline import format_times, stage_times
 from ..schema import step_bytes, tensor_specs
@@ -113,6 +113,7 @@ class LayerBench:
             k2.launch(runner, s, lw, lc, cur, attention=whole)
 
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
+        experts = distinct_experts(block, lambda: block(streams, s.tokens, s.positions, groups, lc))
         batched = self.batched.setdefault(layer, BatchedLayer(block))
         launches = {"per_op_eager": kernels_launched(lambda: block(streams, s.tokens, s.positions, groups, lc),
                                                      self.device),
@@ -126,19 +127,24 @@ class LayerBench:
             per_op_compiled = timed(step, self.device, self.reps)
         rows = []
         for shape in shapes:
-            runner.configure(shape)
-            mono_kernels = timed(graphed(lambda: kernels(False), self.device), self.device, self.reps)
-            mono = mono_kernels if whole else timed(graphed(lambda: kernels(True), self.device), self.device,
-                                                    self.reps)
+            row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
+                   "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
+                   "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
+                   "mono_s": None, "mono_kernels_s": None, "stages": None}
+            try:
+                runner.configure(shape)
+            except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
+                rows.append({**row, "refused": "; ".join(refused.reasons), "kernels_launched": dict(launches)})
+                continue
+            row["mono_kernels_s"] = timed(graphed(lambda: kernels(False), self.device), self.device, self.reps)
+            row["mono_s"] = row["mono_kernels_s"] if whole else timed(graphed(lambda: kernels(True), self.device),
+                                                                      self.device, self.reps)
             runner.check()
-            experts = int(s.ids.unique().ge(0).sum())
             launches["mono"] = kernels_launched(lambda: kernels(True), self.device)
-            rows.append({"shape": shape.spec(), "kernels_launched": dict(launches),
-                         "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
-                         "per_op_compiled_s": per_op_compiled, "mono_s": mono,
-                         "mono_kernels_s": mono_kernels, "distinct_experts": experts,
-                         "floor_bytes": self.floor_bytes(layer, width, experts, groups),
-                         "stages": self.stage_times(lambda: kernels(False), whole) if timeline else None})
+            row["kernels_launched"] = dict(launches)
+            if timeline:
+                row["stages"] = self.stage_times(lambda: kernels(False), whole)
+            rows.append(row)
         return rows
 
     def stage_times(self, kernels, whole: bool) -> dict:
@@ -177,6 +183,23 @@ class LayerBench:
         return 2 * rows
 
 
+def distinct_experts(block, run) -> int:
+    """Distinct routed experts the per-op path picks in run() (the floor's expert bytes)."""
+    picked, route = [], block.moe.route
+
+    def recording(x, tokens):
+        ids, weights = route(x, tokens)
+        picked.append(ids)
+        return ids, weights
+
+    block.moe.route = recording
+    try:
+        run()
+    finally:
+        del block.moe.route  # the instance attribute: back to the class's method
+    return int(torch.cat(picked).unique().numel())
+
+
 def run(args) -> int:
     device = torch.device(args.device)
     widths = [int(w) for w in args.widths.split(",")]
@@ -201,9 +224,13 @@ def run(args) -> int:
                 floor_s = m["floor_bytes"] / bandwidth
                 best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
                                   if t is not None)
+                mono = m["mono_s"]
                 rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
                              "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
-                             "mono_of_floor": floor_s / m["mono_s"], "speedup": best_per_op / m["mono_s"]})
+                             "mono_of_floor": floor_s / mono if mono else None,
+                             "speedup": best_per_op / mono if mono else None})
+                if m["refused"]:
+                    print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
                 if m["stages"]:
                     for kind, times in m["stages"].items():
                         print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
@@ -266,11 +293,11 @@ def table(report: dict) -> str:
             f"{'launches':>14}  shape")
     lines = [head, cols]
     for r in report["layers"]:
+        versus = f"{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x" if r["mono_s"] else f"{'refused':>18}"
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
                      f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
                      f"{_us(r['per_op_compiled_s']):>12}"
-                     f"{r['per_op_of_floor']:>9.1%}{r['mono_s'] * 1e6:>12.1f}"
-                     f"{r['mono_kernels_s'] * 1e6:>12.1f}{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x"
+                     f"{r['per_op_of_floor']:>9.1%}{_us(r['mono_s']):>12}{_us(r['mono_kernels_s']):>12}{versus}"
                      f"{_launches(r['kernels_launched']):>14}  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
@@ -283,7 +310,7 @@ def table(report: dict) -> str:
 
 def _launches(counts: dict) -> str:
     """GPU kernels a step launches: per-op eager / per-op graph / mono ("-" on a CPU)."""
-    return "/".join("-" if counts[k] is None else str(counts[k]) for k in ("per_op_eager", "per_op_graph", "mono"))
+    return "/".join("-" if counts.get(k) is None else str(counts[k]) for k in ("per_op_eager", "per_op_graph", "mono"))
 
 
 def _us(seconds: float | None) -> str:
