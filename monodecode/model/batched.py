@@ -23,6 +23,8 @@ most the cache's `max_step_rows` of them; pad rows (slot -1) anywhere. The math 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .attention import Attention
@@ -39,17 +41,17 @@ class BatchedAttention:
 
     def __call__(self, x, positions, slots, cache: LayerCache) -> torch.Tensor:
         att, window = self.att, self.c.sliding_window
-        live = slots >= 0
-        slots = slots.clamp(min=0)  # pad rows: slot 0, their writes made no-ops below
+        step = StepRows.of(positions, slots, cache.window.pos.shape[0])
+        slots = step.slots
         qr, q, kv = att.project(x, positions)
-        write(cache.window, slots, positions, live, {"kv": kv})
+        write(cache.window, step, {"kv": kv})
         key_pos = positions[:, None] - window + 1 + torch.arange(window, device=x.device)  # [R, W]
         keys, valid = read(cache.window, slots, key_pos)
         keys = keys["kv"]
         if att.ratio:
-            visible = emit(att.compressor, cache.source, cache.entries, x, positions, slots, live)
+            visible = emit(att.compressor, cache.source, cache.entries, x, step)
             if att.indexer:
-                emit(att.indexer.compressor, cache.index_source, cache.index_entries, x, positions, slots, live)
+                emit(att.indexer.compressor, cache.index_source, cache.index_entries, x, step)
                 index_q, index_w = att.indexer.queries(x, qr, positions)
                 top, visible = att.indexer.top(index_q, index_w, cache.index_entries[slots], positions)
                 entries = cache.entries[slots[:, None], top]  # [R, k, d]: the chosen entries only
@@ -57,47 +59,61 @@ class BatchedAttention:
                 entries = cache.entries[slots]  # [R, E, d]: every entry slot, `visible` masks
             keys, valid = torch.cat([keys, entries], dim=1), torch.cat([valid, visible], dim=1)
         y = att.output(att.attend(q, keys, valid), positions)
-        return torch.where(live[:, None], y, torch.zeros_like(y))
+        return torch.where(step.live[:, None], y, torch.zeros_like(y))
 
 
-def emit(compressor, ring: PositionRing, entries: torch.Tensor, x, positions, slots, live):
+@dataclass
+class StepRows:
+    """A step's rows as the writes need them: positions, slots (a pad row's clamped to 0: its
+    writes are made no-ops), live (not a pad row) and, per row, the last live position of its
+    slot in the step (-1 if it has none)."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    live: torch.Tensor
+    last: torch.Tensor
+
+    @classmethod
+    def of(cls, positions, slots, num_slots: int) -> StepRows:
+        live, slots = slots >= 0, slots.clamp(min=0)
+        last = torch.full((num_slots,), -1, dtype=positions.dtype, device=positions.device)
+        last = last.scatter_reduce(0, slots, torch.where(live, positions, -1), "amax")[slots]
+        return cls(positions, slots, live, last)
+
+
+def emit(compressor, ring: PositionRing, entries: torch.Tensor, x, step: StepRows):
     """Write the step's source rows and the entries its rows complete; return which entry slots
     each row sees [R, E]."""
-    m, count = compressor.ratio, entries.shape[1]
-    write(ring, slots, positions, live, compressor.project(x))
+    m, count, positions = compressor.ratio, entries.shape[1], step.positions
+    write(ring, step, compressor.project(x))
     visible = torch.arange(count, device=x.device)[None] < ((positions + 1) // m)[:, None]
     if count == 0:  # a context shorter than one window: nothing to emit or see
         return visible
     window = (positions + 1) // m - 1  # the last window a row's position closes or passed
-    completes = ((positions + 1) % m == 0) & (window >= 0) & live
+    completes = ((positions + 1) % m == 0) & (window >= 0) & step.live
 
     def lookup(pos):  # pos [R, m] of row r's window
-        rows, present = read(ring, slots, pos)
+        rows, present = read(ring, step.slots, pos)
         return rows["kv"], rows["gate"], present
 
     new = compressor.compress(lookup, window.clamp(min=0)).to(entries.dtype)
-    untouched = ((last_position(slots, positions, live, entries.shape[0]) + 1) // m).clamp(max=count - 1)
+    untouched = ((step.last + 1) // m).clamp(max=count - 1)
     target = torch.where(completes, window, untouched)
+    slots = step.slots
     entries[slots, target] = torch.where(completes[:, None], new, entries[slots, target])
     return visible
 
 
-def last_position(slots, positions, live, num_slots: int) -> torch.Tensor:
-    """Per row, the last live position of its slot in the step (-1 if it has none)."""
-    last = torch.full((num_slots,), -1, dtype=positions.dtype, device=positions.device)
-    return last.scatter_reduce(0, slots, torch.where(live, positions, -1), "amax")[slots]
-
-
-def write(ring: PositionRing, slots, positions, live, values: dict[str, torch.Tensor]) -> None:
+def write(ring: PositionRing, step: StepRows, values: dict[str, torch.Tensor]) -> None:
     """The step's live rows into a position ring. A pad row writes back, unchanged, the row after
     its slot's last live one, which no live row of the step writes (a request's rows in a step
     are fewer than the ring's size)."""
-    after = last_position(slots, positions, live, ring.pos.shape[0]) + 1
-    index = torch.where(live, positions, after) % ring.size
+    live, slots = step.live, step.slots
+    index = torch.where(live, step.positions, step.last + 1) % ring.size
     for name, value in values.items():
         data = ring.data[name]
         data[slots, index] = torch.where(live[:, None], value.to(data.dtype), data[slots, index])
-    ring.pos[slots, index] = torch.where(live, positions, ring.pos[slots, index])
+    ring.pos[slots, index] = torch.where(live, step.positions, ring.pos[slots, index])
 
 
 def read(ring: PositionRing, slots, positions):
