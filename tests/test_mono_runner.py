@@ -85,15 +85,21 @@ class Choices:
     biased scores; mono steps from the kernels' scratch: the picks of the step's last K2 launch,
     which is the last layer's) and the CSA indexer's kept entries per row, with their gap (the
     per-op path through `Attention._compressed_keys`, the mono path's fixed-shape attention
-    through `Indexer.top`)."""
+    through `Indexer.top`). The mono steps run eagerly while recording (the runner's graphs
+    are off): Python hooks see nothing inside a replayed graph, and a capture cannot copy to the
+    host; that replays equal eager runs is tested on its own
+    (test_cuda_graphs_of_alternating_widths_replay_the_eager_results).
+    """
 
     def __init__(self, model):
         self.model, self.moe, self.attention = model, model.blocks[LAST].moe, model.blocks[CSA].attention
         assert LAST == len(model.blocks) - 1 and self.moe.bias is not None and self.attention.indexer is not None
         assert all(b.moe.tid2eid is not None for b in model.blocks[:LAST])  # earlier layers: the token picks
         self.routed, self.index = None, {}
+        self.graphs_were_enabled = model.mono.graphs_enabled
 
     def __enter__(self):
+        self.model.mono.graphs_enabled = False
         moe, attention = self.moe, self.attention
         route, compressed_keys = moe.route, attention._compressed_keys
 
@@ -137,6 +143,7 @@ class Choices:
         return self
 
     def __exit__(self, *exc):
+        self.model.mono.graphs_enabled = self.graphs_were_enabled
         self.moe.__dict__.pop("route", None)
         self.attention.__dict__.pop("_compressed_keys", None)
         self.attention.indexer.__dict__.pop("top", None)
@@ -154,7 +161,7 @@ class Choices:
 
 def flips(out: dict, ref: dict, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(index flips, routing flips): live rows whose indexer entries / last-layer picks differ from
-    the reference's. Each must have been a near-tie there; at most a quarter of the rows flip."""
+    the reference's. Each must have been a near-tie there (`assert_few_flips` bounds their count)."""
     rows = range(len(live))
     kept = lambda choices, r: choices["index"].get(r, ((),))[0]  # noqa: E731  (no entry visible yet: none)
     index = torch.tensor([kept(out, r) != kept(ref, r) for r in rows]) & live
@@ -163,9 +170,13 @@ def flips(out: dict, ref: dict, live: torch.Tensor) -> tuple[torch.Tensor, torch
     assert (index_gaps[index] < INDEX_NEAR_TIE).all(), ("an index flip at a wide gap", index_gaps[index])
     assert (ref["route_gaps"][routing] < ROUTING_NEAR_TIE).all(), ("a routing flip at a wide gap",
                                                                    ref["route_gaps"][routing])
-    flipped = index | routing
-    assert flipped.sum() <= 0.25 * live.sum(), ("too many flips", int(flipped.sum()), int(live.sum()))
     return index, routing
+
+
+def assert_few_flips(flipped: torch.Tensor, live: torch.Tensor):
+    """At most a quarter of the live rows flip, over a step or over a whole decode (a two-row step
+    with one near-tie flip is half its rows, and still bf16 noise)."""
+    assert flipped.sum() <= 0.25 * live.sum(), ("too many flips", int(flipped.sum()), int(live.sum()))
 
 
 def assert_rows_agree(out, ref, rows: torch.Tensor, what):
@@ -199,6 +210,7 @@ def test_a_step_matches_the_per_op_path(model, width):
     assert model.mono.last_path == "mono"
     live = torch.tensor(slots) >= 0
     index_flips, routing_flips = flips(out_choices, ref_choices, live)
+    assert_few_flips(index_flips | routing_flips, live)
     d = model.config.hidden_size
     for layer in range(3):  # each layer's residual (mean over the hc streams): whole, ffn (CSA), ffn (HCA)
         cols = slice(layer * d, (layer + 1) * d)
@@ -235,7 +247,8 @@ def test_greedy_decoding_matches_for_32_steps(model):
     their greedy picks agree at every step whose top-2 margin the logit differences cannot bridge.
     (Free-running, the seed below agrees for 26 steps, then a margin of 3e-4 flips: bf16 noise,
     since the per-op path in bf16 and in fp32 differ by as much as mono and per-op do, ~0.6 %
-    relative L2.)"""
+    relative L2. On the H200, step 27's CSA indexer keeps another entry for row 1 on each path, a
+    gap of 0.4-0.6 % of its score range: a near-tie flip, set aside by `flips`.)"""
     g = torch.Generator().manual_seed(32)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 11)]
     ref = greedy(model, model.step_per_op, model.make_cache(2, CONTEXT, STEP_ROWS), prompts, 32)
@@ -250,6 +263,7 @@ def assert_follows(out, ref):
     (tokens, logits, choices), (ref_tokens, ref_logits, ref_choices) = out, ref
     live = torch.ones(len(tokens[0]), dtype=torch.bool)
     flipped = torch.stack([torch.stack(flips(a, b, live)).any(dim=0) for a, b in zip(choices, ref_choices)])
+    assert_few_flips(flipped, live.expand_as(flipped))
     ref, out = torch.stack(ref_logits), torch.stack(logits)
     top2 = ref.topk(2, dim=-1).values
     decided = ((top2[..., 0] - top2[..., 1]) > 2 * (out - ref).abs().amax(dim=-1)) & ~flipped

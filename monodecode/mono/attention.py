@@ -39,8 +39,8 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
 - Rounding points are the reference's (`model/attention.py`, `model/norm.py`, `model/rope.py`):
   rms_norm in fp32 (x * rsqrt(mean(x^2) + eps), then * weight), rounded to bf16; the rotation in
   fp32 from those bf16 values, rounded to bf16; attention in fp32, rounded to bf16 before the
-  inverse rotation, rounded again after it. FAST (NVIDIA) rounds with the native cast; otherwise
-  (the CPU interpreter, whose cast truncates; AMD) with `rounding.round_to_bf16`.
+  inverse rotation, rounded again after it; each by `rounding.bf16` (integer rounding on every
+  target: why, there).
 
 Dots (constexpr FAST): attend's q . k ([HB, BD] x [BD, KW]) and probs @ keys ([HB, KW] x
 [KW, BD]) are `tl.dot`s, so HB, KW and BD >= 16 (powers of two). FAST: bf16 operands with fp32
@@ -87,17 +87,17 @@ def _pair_offsets(BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm(x, n, eps, w, FAST: tl.constexpr):
+def _rms_norm(x, n, eps, w):
     """rms_norm of one row held in x (fp32, any shape, zeros past the n channels), weight w (fp32,
     x's shape) or None; rounded to bf16 as fp32."""
     y = x * tl.rsqrt(tl.sum(x * x) / n + eps)
     if w is not None:
         y = w * y
-    return bf16(y, FAST)
+    return bf16(y)
 
 
 @triton.jit
-def _rope(x, pair, position, freqs_ptr, first_pair, n_pairs, INVERSE: tl.constexpr, FAST: tl.constexpr):
+def _rope(x, pair, position, freqs_ptr, first_pair, n_pairs, INVERSE: tl.constexpr):
     """x [..., P, 2] fp32 (bf16 values), channel pairs (2k, 2k + 1) with pair index `pair` (shape of
     x without its last axis): pairs first_pair .. first_pair + n_pairs - 1 are rotated in fp32 by
     position * freqs[k - first_pair] (negated if INVERSE), the rest kept; rounded to bf16 as fp32."""
@@ -111,14 +111,14 @@ def _rope(x, pair, position, freqs_ptr, first_pair, n_pairs, INVERSE: tl.constex
     even, odd = tl.split(x)
     rot_even = tl.where(is_rope, even * cos - odd * sin, even)
     rot_odd = tl.where(is_rope, even * sin + odd * cos, odd)
-    return bf16(tl.join(rot_even, rot_odd), FAST)
+    return bf16(tl.join(rot_even, rot_odd))
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------
 @triton.jit
 def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_ptr, kv_raw_stride, kv_norm_ptr,
                       positions_ptr, slots_ptr, freqs_ptr, ring_kv_ptr, ring_pos_ptr, ring_size,
-                      Q_LORA, D, RD, eps, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr):
+                      Q_LORA, D, RD, eps, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
     """Task (row t // 2, which t % 2): which 0 writes qr[row]; which 1 writes the row's kv and
     position into its slot's ring (nothing for a pad row)."""
     row = t // 2
@@ -127,7 +127,7 @@ def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_p
         mask = c < Q_LORA
         x = tl.load(qr_raw_ptr + row * qr_raw_stride + c, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(q_norm_ptr + c, mask=mask, other=0.0)
-        tl.store(qr_ptr + row * Q_LORA + c, _rms_norm(x, Q_LORA, eps, w, FAST).to(tl.bfloat16), mask=mask)
+        tl.store(qr_ptr + row * Q_LORA + c, _rms_norm(x, Q_LORA, eps, w).to(tl.bfloat16), mask=mask)
     else:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:
@@ -136,8 +136,8 @@ def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_p
             mask = c < D
             x = tl.load(kv_raw_ptr + row * kv_raw_stride + c, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(kv_norm_ptr + c, mask=mask, other=0.0)
-            kv = _rope(_rms_norm(x, D, eps, w, FAST), pair, position, freqs_ptr, (D - RD) // 2, RD // 2,
-                       False, FAST)
+            kv = _rope(_rms_norm(x, D, eps, w), pair, position, freqs_ptr, (D - RD) // 2, RD // 2,
+                       False)
             entry = slot * ring_size + position % ring_size
             tl.store(ring_kv_ptr + entry * D + c, kv.to(tl.bfloat16), mask=mask)
             tl.store(ring_pos_ptr + entry, position)
@@ -146,15 +146,15 @@ def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_p
 # --- stage 2: per-head norm + rope of q -------------------------------------------------------------
 @triton.jit
 def q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps,
-                 BLOCK_D: tl.constexpr, FAST: tl.constexpr):
+                 BLOCK_D: tl.constexpr):
     """Task (row t // H, head t % H): q[row, head] = rope(rms_norm(q_raw[row, head]))."""
     row = t // H
     head = t % H
     c, pair = _pair_offsets(BLOCK_D)
     mask = c < D
     x = tl.load(q_raw_ptr + row * q_raw_stride + head * D + c, mask=mask, other=0.0).to(tl.float32)
-    q = _rope(_rms_norm(x, D, eps, None, FAST), pair, tl.load(positions_ptr + row), freqs_ptr, (D - RD) // 2,
-              RD // 2, False, FAST)
+    q = _rope(_rms_norm(x, D, eps, None), pair, tl.load(positions_ptr + row), freqs_ptr, (D - RD) // 2,
+              RD // 2, False)
     tl.store(q_ptr + t * D + c, q.to(tl.bfloat16), mask=mask)
 
 
@@ -220,9 +220,9 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                 out = tl.dot(lo, keys, tl.dot(hi, keys))
             else:
                 out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
-            out = tl.reshape(bf16(out / mass[:, None], FAST), (HB, BD // 2, 2))
+            out = tl.reshape(bf16(out / mass[:, None]), (HB, BD // 2, 2))
             pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
-            o = tl.reshape(_rope(out, pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True, FAST), (HB, BD))
+            o = tl.reshape(_rope(out, pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True), (HB, BD))
             tl.store(o_ptr + rows + d[None, :], o.to(tl.bfloat16), mask=hmask[:, None])
 
 
@@ -230,18 +230,18 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
 @triton.jit
 def _norm_rope_kv(n_tasks, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_ptr, kv_raw_stride, kv_norm_ptr,
                   positions_ptr, slots_ptr, freqs_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, Q_LORA, D, RD, eps,
-                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr):
+                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_ptr, kv_raw_stride, kv_norm_ptr,
                           positions_ptr, slots_ptr, freqs_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, Q_LORA, D, RD,
-                          eps, BLOCK_Q, BLOCK_D, FAST)
+                          eps, BLOCK_Q, BLOCK_D)
 
 
 @triton.jit
 def _q_heads(n_tasks, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps,
-             BLOCK_D: tl.constexpr, FAST: tl.constexpr):
+             BLOCK_D: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps, BLOCK_D, FAST)
+        q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps, BLOCK_D)
 
 
 @triton.jit
@@ -299,7 +299,7 @@ def norm_rope_kv(qr_raw: torch.Tensor, kv_raw: torch.Tensor, q_norm: torch.Tenso
                                   kv_raw.stride(0), kv_norm.float().contiguous(), positions.contiguous(),
                                   slots.contiguous(), freqs, ring_kv, ring_pos, ring.size, q_lora, D,
                                   _check_rope(D, freqs), float(eps), BLOCK_Q=triton.next_power_of_2(q_lora),
-                                  BLOCK_D=triton.next_power_of_2(D), FAST=_fast(qr_raw))
+                                  BLOCK_D=triton.next_power_of_2(D))
     return qr
 
 
@@ -314,8 +314,7 @@ def q_heads(q_raw: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, n
     q = _empty((R, num_heads, D), q_raw, poison)
     n_tasks = q_heads_tasks(R, num_heads)
     _q_heads[_grid(n_tasks)](n_tasks, q_raw, q_raw.stride(0), q, positions.contiguous(), freqs, num_heads, D,
-                             _check_rope(D, freqs), float(eps), BLOCK_D=triton.next_power_of_2(D),
-                             FAST=_fast(q_raw))
+                             _check_rope(D, freqs), float(eps), BLOCK_D=triton.next_power_of_2(D))
     return q
 
 

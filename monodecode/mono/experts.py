@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .. import formats
-from .rounding import round_to_bf16
+from .rounding import bf16
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
 FAST_SCALE_CODES = (2, 128)
@@ -220,7 +220,7 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
     up = tl.minimum(tl.maximum(tl.load(gu_ptr + p * (2 * I) + I + i), -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p)
     if not FAST:
-        h = round_to_bf16(h)
+        h = bf16(h)
     tl.store(h_ptr + p * I + i, h.to(tl.bfloat16))
 
 

@@ -37,7 +37,7 @@ Decode (constexpr FAST)
   R is small; fp32 accumulation.
 - Portable (interpreter, AMD): e4m3 decoded from its bits to fp32 (all 256 codes, subnormals
   too; 0x7F / 0xFF are NaN), fp32 `tl.dot` in IEEE precision, and the bf16 output rounded by
-  `round_to_bf16` (the interpreter's cast truncates). The interpreter computes bf16 dots
+  `bf16` (the interpreter's cast truncates). The interpreter computes bf16 dots
   wrongly and has no fp8: DESIGN.md section 7.
 """
 
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16
+from .rounding import bf16
 
 
 WFMT_FP8 = 0
@@ -127,7 +127,7 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
     y_mask = n_mask[:, None] & r_mask[None, :]
     if OUT_BF16:
         if not FAST:
-            acc = round_to_bf16(acc)
+            acc = bf16(acc)
         tl.store(y_tile, acc.to(tl.bfloat16), mask=y_mask)
     else:
         tl.store(y_tile, acc, mask=y_mask)

@@ -32,8 +32,8 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
 - Stages: settle reads the streams fold wrote (or the residual, without HAS_OWED) and all of a row's
   partials, so a grid barrier separates them.
 - Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
-  the norm). FAST (NVIDIA) rounds with the native cast; otherwise (the CPU interpreter, whose cast
-  truncates; AMD) with `rounding.round_to_bf16`. Exact to the reference up to fp32 summation order.
+  the norm), each by `rounding.bf16` (integer rounding on every target: why, there). Exact to the
+  reference up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -67,22 +67,22 @@ def mix_pad(hc: int) -> int:
 
 
 @triton.jit
-def _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC: tl.constexpr, FAST: tl.constexpr):
+def _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC: tl.constexpr):
     """Stream k of hc_post on the task's tile: res3 [RB, HC, CHUNK] fp32 (the residual),
     out [RB, CHUNK] fp32 -> the new stream [RB, CHUNK], bf16 values as fp32."""
-    post = bf16(tl.load(post_ptr + rows * HC + k, mask=rmask, other=0.0), FAST)
-    spread = bf16(post[:, None] * out, FAST)
+    post = bf16(tl.load(post_ptr + rows * HC + k, mask=rmask, other=0.0))
+    spread = bf16(post[:, None] * out)
     j = tl.arange(0, HC)
     comb = bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j[None, :] * HC + k, mask=rmask[:, None],
-                         other=0.0), FAST)  # comb[r, j, k]: stream k receives sum over j
-    mixed = bf16(tl.sum(comb[:, :, None] * res3, axis=1), FAST)
-    return bf16(spread + mixed, FAST)
+                         other=0.0))  # comb[r, j, k]: stream k receives sum over j
+    mixed = bf16(tl.sum(comb[:, :, None] * res3, axis=1))
+    return bf16(spread + mixed)
 
 
 @triton.jit
 def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
               HC: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr,
-              HAS_OWED: tl.constexpr, FAST: tl.constexpr):
+              HAS_OWED: tl.constexpr):
     """Fold task t (row block, column chunk): the new streams (HAS_OWED) and the mix partials."""
     MIX: tl.constexpr = (2 + HC) * HC
     n_chunks = tl.cdiv(d, CHUNK)
@@ -102,7 +102,7 @@ def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams
     for k in tl.static_range(HC):
         at = rows[:, None] * (HC * d) + k * d + cols[None, :]
         if HAS_OWED:
-            s = _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC, FAST)
+            s = _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC)
             tl.store(streams_ptr + at, s.to(tl.bfloat16), mask=tile_mask)
         else:
             s = tl.load(res_ptr + at, mask=tile_mask, other=0.0).to(tl.float32)
@@ -152,7 +152,7 @@ def _sinkhorn(z, hc_eps, sinkhorn_iters):
 @triton.jit
 def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
                 hc_eps, norm_eps, sinkhorn_iters,
-                HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+                HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     """Settle row t: post, comb and the normalised collapsed row x_norm."""
     MIX: tl.constexpr = (2 + HC) * HC
     n_chunks = tl.cdiv(d, CHUNK)
@@ -173,7 +173,7 @@ def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, po
         c = c0 + tl.arange(0, BD)
         cm = c < d
         s = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + c[None, :], mask=cm[None, :], other=0.0)
-        x = bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0), FAST)
+        x = bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0))
         tl.store(row + c, x.to(tl.bfloat16), mask=cm)
         sq += x * x
     inv_x = tl.rsqrt(tl.sum(sq, axis=0) / d + norm_eps)
@@ -183,7 +183,7 @@ def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, po
         c = c0 + tl.arange(0, BD)
         cm = c < d
         x = tl.load(row + c, mask=cm, other=0.0).to(tl.float32)
-        y = bf16(tl.load(norm_w_ptr + c, mask=cm, other=0.0) * (x * inv_x), FAST)
+        y = bf16(tl.load(norm_w_ptr + c, mask=cm, other=0.0) * (x * inv_x))
         tl.store(row + c, y.to(tl.bfloat16), mask=cm)
 
 
@@ -191,23 +191,19 @@ def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, po
 @triton.jit
 def _fold(n_tasks, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
           HC: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr,
-          HAS_OWED: tl.constexpr, FAST: tl.constexpr):
+          HAS_OWED: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
-                  HC, MIXP, RB, CHUNK, HAS_OWED, FAST)
+                  HC, MIXP, RB, CHUNK, HAS_OWED)
 
 
 @triton.jit
 def _settle(n_tasks, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
             hc_eps, norm_eps, sinkhorn_iters,
-            HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+            HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
-                    hc_eps, norm_eps, sinkhorn_iters, HC, CHUNK, CB, BD, FAST)
-
-
-def _fast(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.version.cuda is not None
+                    hc_eps, norm_eps, sinkhorn_iters, HC, CHUNK, CB, BD)
 
 
 # The launches use num_stages=1: a program of the standalone grid has one task, so there is nothing
@@ -245,8 +241,7 @@ def fold(residual: torch.Tensor, fn: torch.Tensor, owed=None, *, chunk: int = CH
         streams = _empty(residual.shape, torch.bfloat16, residual, poison)
     n_tasks = fold_tasks(R, d, chunk, rows)
     _fold[_grid(n_tasks)](n_tasks, R, d, residual, out, out.stride(0), post, comb, streams, fn.contiguous(),
-                          partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None,
-                          FAST=_fast(residual), num_stages=1)
+                          partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None, num_stages=1)
     return streams, partials
 
 
@@ -265,6 +260,5 @@ def settle(streams: torch.Tensor, partials: torch.Tensor, base: torch.Tensor, sc
     n_tasks = settle_tasks(R)
     _settle[_grid(n_tasks)](n_tasks, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
                             norm_weight.float().contiguous(), post, comb, x_norm, float(hc_eps), float(norm_eps),
-                            int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB, BD=min(block, triton.next_power_of_2(d)),
-                            FAST=_fast(streams), num_stages=1)
+                            int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB, BD=min(block, triton.next_power_of_2(d)), num_stages=1)
     return x_norm, post, comb

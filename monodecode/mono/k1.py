@@ -56,12 +56,12 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
 
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, owed_ptr, d, owed_post_ptr, owed_comb_ptr, streams_ptr, fn_ptr, part_ptr,
-                     HC_, MIXP, RB, CHUNK, HAS_OWED, FAST)
+                     HC_, MIXP, RB, CHUNK, HAS_OWED)
     grid_barrier(sync_ptr, epoch, 0, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R, grid):
         HC.settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, attn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-                       hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD, FAST)
+                       hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD)
     grid_barrier(sync_ptr, epoch, 1, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     q_tasks = tl.cdiv(q_lora, BN_QA)
@@ -77,7 +77,7 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
     for t in range(pid, 2 * R, grid):
         A.norm_rope_kv_task(t, qr_raw_ptr, q_lora, q_norm_ptr, qr_ptr, kv_raw_ptr, D, kv_norm_ptr,
                             positions_ptr, slots_ptr, freqs_ptr, ring_kv_ptr, ring_pos_ptr, ring_size,
-                            q_lora, D, RD, norm_eps, BQ, D, FAST)
+                            q_lora, D, RD, norm_eps, BQ, D)
     grid_barrier(sync_ptr, epoch, 3, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, tl.cdiv(heads * D, BN_QB), grid):
@@ -86,7 +86,7 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
     grid_barrier(sync_ptr, epoch, 4, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R * heads, grid):
-        A.q_heads_task(t, q_raw_ptr, heads * D, q_ptr, positions_ptr, freqs_ptr, heads, D, RD, norm_eps, D, FAST)
+        A.q_heads_task(t, q_raw_ptr, heads * D, q_ptr, positions_ptr, freqs_ptr, heads, D, RD, norm_eps, D)
     stamp(timeline_ptr, 2 * BARRIERS + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 

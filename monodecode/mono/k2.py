@@ -70,12 +70,12 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
-                     HC_, MIXP, RB, CHUNK, FOLD, FAST)
+                     HC_, MIXP, RB, CHUNK, FOLD)
     grid_barrier(sync_ptr, epoch, b0, NB, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R, grid):
         HC.settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-                       hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD, FAST)
+                       hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD)
     grid_barrier(sync_ptr, epoch, b0 + 1, NB, max_polls, timeline_ptr, TIMELINE)
 
     e_tasks = tl.cdiv(E, BN_G)

@@ -35,9 +35,10 @@ Stages
   expert order, this in top-k order: the same up to fp32 summation order.)
 
 Rounding points: route is fp32 throughout; shared swiglu rounds once, at the store; combine rounds
-each pick's output and the sum. Constexpr FAST (NVIDIA, compiled): the compiler's bf16 cast (round to nearest even) and
-libdevice's log1p / exp; portable (interpreter, AMD): `rounding.round_to_bf16` (the interpreter's
-cast truncates) and log1p from tl.log with Goldberg's correction.
+each pick's output (`rounding.bf16`) and the sum. Constexpr FAST (NVIDIA, compiled): a store's
+bf16 cast rounds (to nearest even) and libdevice's log1p / exp; portable (interpreter, AMD): the
+store's value rounded by `rounding.bf16` first (the interpreter's cast truncates) and log1p from
+tl.log with Goldberg's correction.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .experts import ROWS
-from .rounding import bf16, round_to_bf16
+from .rounding import bf16
 
 _PAD: tl.constexpr = tl.constexpr(1 << 16)  # the sort class of pad picks: after every expert id
 MAX_PICKS_BLOCK = 1 << 14  # keys class * BP + pick must stay below 2^31
@@ -170,7 +171,7 @@ def shared_swiglu_task(t, gate_ptr, up_ptr, in_stride, h_ptr, I, limit, BLOCK: t
     up = tl.load(up_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32)
     h = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
     if not FAST:
-        h = round_to_bf16(h)
+        h = bf16(h)
     tl.store(h_ptr + row * I + i, h.to(tl.bfloat16), mask=i < I)
 
 
@@ -192,11 +193,11 @@ def combine_task(t, per_pick_ptr, ids_ptr, shared_ptr, y_ptr, D, K,
         p = row * K + s
         # a pad pick's row was never written (NaN is possible): not read at all, not scaled by 0
         width = tl.where(tl.load(ids_ptr + p) >= 0, D, 0)
-        acc += bf16(tl.load(per_pick_ptr + p * D + c, mask=c < width, other=0.0), FAST)
+        acc += bf16(tl.load(per_pick_ptr + p * D + c, mask=c < width, other=0.0))
     if HAS_SHARED:
         acc += tl.load(shared_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
     if not FAST:
-        acc = round_to_bf16(acc)
+        acc = bf16(acc)
     tl.store(y_ptr + row * D + c, acc.to(tl.bfloat16), mask=c < D)
 
 
