@@ -14,7 +14,6 @@ if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
@@ -105,9 +104,7 @@ class Choices:
 
         def recording_route(x, tokens):
             ids, weights = route(x, tokens)
-            biased = F.softplus(F.linear(x.float(), moe.gate.float())).sqrt() + moe.bias
-            top = biased.topk(moe.topk + 1, dim=-1).values
-            self.routed = (ids.sort(dim=-1).values.cpu(), (top[:, -2] - top[:, -1]).cpu())
+            self.routed = (ids.sort(dim=-1).values.cpu(), moe.margin(x).cpu())
             return ids, weights
 
         indexer, top = attention.indexer, attention.indexer.top
@@ -408,3 +405,25 @@ def test_stage_times_from_stamps():
     assert [t["us"] for t in times] == [8.0, 2.0, 8.0]  # last arrival - first start, per stage
     assert [t["barrier_us"] for t in times] == [1.5, 1.5, 0.0]  # last release - last arrival
     assert "total" in format_times(times)
+
+
+def test_the_gpu_check_reports_agreement_and_routing_flips(model):
+    """monodecode.mono.check's agreement (run on the H200 at v4-flash sizes) on the tiny model: its
+    numbers hold here too, and a row whose last-layer picks differ is found, with its margin."""
+    from monodecode.mono import check
+
+    report = check.check_agreement(model, check.prefilled_cache(model), widths=(6,))[6]
+    assert all(layer["cos"] >= 0.9999 for layer in report["layers"]) and report["ring_positions_equal"]
+    assert report["greedy_equal"] == 1.0 and max(report["worst_row_rel_l2"]) <= 3e-2
+    assert report["last_layer_routing_flips"]["rows"] == 0
+
+    picks = model.mono.scratch[6].ids.sort(dim=-1).values.long()
+    margins = torch.rand(6)
+    reference = picks.clone()
+    reference[4, 0] = next(e for e in range(model.config.n_routed_experts) if e not in picks[4])  # row 4: another
+    live = torch.tensor([True] * 5 + [False])
+    flipped, flips = check.routing_flips(model, 6, (reference, margins), live)
+    assert flipped.tolist() == [False] * 4 + [True, False]
+    assert flips["rows"] == 1 and flips["margins"] == [float(margins[4])]
+    reference[5, 0] = reference[4, 0]  # a pad row's picks are not compared
+    assert check.routing_flips(model, 6, (reference, margins), live)[1]["rows"] == 1

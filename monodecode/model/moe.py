@@ -27,9 +27,19 @@ class MoE:
         self.experts, self.topk = experts, topk
         self.limit, self.route_scale = config.swiglu_limit, config.routed_scaling_factor
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's scores [N, E] fp32 (unbiased: they weight the picks)."""
+        return F.softplus(F.linear(x.float(), self.gate.float())).sqrt()
+
+    def margin(self, x: torch.Tensor) -> torch.Tensor:
+        """[N] fp32: the k-th minus the (k+1)-th biased score of a bias-routed layer, how near a
+        row's picks are to a flip (bf16 noise of that size can swap an expert)."""
+        top = (self.scores(x) + self.bias).topk(self.topk + 1, dim=-1).values
+        return top[:, -2] - top[:, -1]
+
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], weights [N, k] fp32)."""
-        scores = F.softplus(F.linear(x.float(), self.gate.float())).sqrt()
+        scores = self.scores(x)
         if self.tid2eid is not None:
             ids = self.tid2eid[tokens]
         else:
