@@ -141,14 +141,19 @@ def _e2m1_value(nibble):
 
 
 @triton.jit
-def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
-    """Rows [BN] of an expert matrix, columns k0 .. k0 + BK, decoded with their scales:
-    bf16 (FAST) or fp32 [BN, BK]."""
+def _load_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr):
+    """Rows [BN] of an expert matrix, columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8,
+    scale codes [BN, BK / 32] int32)."""
     # Rows are K / 2 bytes apart, a multiple of 16 (K % 32 == 0): say so, for 16-byte loads.
     rk = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), 16), BK // 2)
     codes = tl.load(codes_ptr + tl.multiple_of(rows * (K // 2), 16)[:, None] + rk[None, :])
     rg = k0 // 32 + tl.arange(0, BK // 32)
-    scale_codes = tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
+    return codes, tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
+    """A tile from `_load_tile` decoded with its scales: bf16 (FAST) or fp32 [BN, BK]."""
     BN: tl.constexpr = codes.shape[0]
     if FAST:
         low, high = _decode_fast(codes)
@@ -164,19 +169,39 @@ def _weight_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr, FAST: tl.
 
 
 @triton.jit
+def _accumulate(acc, w, x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
+    """acc += w [BN, BK] @ x[x_rows, k0 .. k0 + BK]^T."""
+    rk = k0 + tl.arange(0, BK)
+    x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
+    if FAST:
+        acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
+    else:
+        acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _matvec(codes_ptr, scales_ptr, n_rows, x_ptr, x_rows, x_mask, K,
-            BK: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr):
-    """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K (NS: the loop's
-    software-pipelining depth, `tl.range` num_stages; None: the launch's)."""
+            BK: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr, PREFETCH: tl.constexpr):
+    """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K. NS: the loop's
+    software-pipelining depth (`tl.range` num_stages; None: the launch's). PREFETCH: instead,
+    each step issues the loads of the next K step before decoding its own, in registers (no
+    shared memory): a persistent program, alone on its SM, then keeps a tile's loads in flight
+    while it decodes and multiplies (the last step re-reads its own tile rather than branch)."""
     acc = tl.zeros((n_rows.shape[0], x_rows.shape[0]), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=NS):
-        w = _weight_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK, FAST)
-        rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
-        if FAST:
-            acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
-        else:
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    if PREFETCH:
+        codes, scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, 0, K, BK)
+        for k0 in tl.range(0, K, BK, num_stages=1):  # the prefetch is the pipeline
+            next_codes, next_scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, tl.minimum(k0 + BK, K - BK),
+                                                      K, BK)
+            acc = _accumulate(acc, _decode_tile(codes, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK,
+                              FAST)
+            codes, scale_codes = next_codes, next_scale_codes
+    else:
+        for k0 in tl.range(0, K, BK, num_stages=NS):
+            codes, scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK)
+            acc = _accumulate(acc, _decode_tile(codes, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK,
+                              FAST)
     return acc
 
 
@@ -195,7 +220,7 @@ def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
 def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-            NS: tl.constexpr = None):
+            NS: tl.constexpr = None, PREFETCH: tl.constexpr = False):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
@@ -206,9 +231,11 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
         w_off = tl.multiple_of(expert * I * (K // 2), 16)
         s_off = expert * I * (K // 32)
         if which == 0:
-            acc = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS)
+            acc = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS,
+                          PREFETCH)
         else:
-            acc = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS)
+            acc = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS,
+                          PREFETCH)
         tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
 
 
@@ -227,59 +254,63 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 @triton.jit
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-              NS: tl.constexpr = None):
+              NS: tl.constexpr = None, PREFETCH: tl.constexpr = False):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         n = nb * BN + tl.arange(0, BN)
         y = _matvec(w2_codes + tl.multiple_of(expert * D * (I // 2), 16), w2_scales + expert * D * (I // 32), n,
-                    h_ptr, picks, mask, I, BK, FAST, NS)
+                    h_ptr, picks, mask, I, BK, FAST, NS, PREFETCH)
         tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
 
 
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None):
+             NS: tl.constexpr = None, PREFETCH: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
     block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, PREFETCH)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None):
+               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
+               PREFETCH: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales,
-                  D, I, BN, BK, ROWS_, FAST, NS)
+                  D, I, BN, BK, ROWS_, FAST, NS, PREFETCH)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
-                   K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+                   K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, PREFETCH)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-                     BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, PREFETCH)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
-        K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+        K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+        PREFETCH: tl.constexpr):
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, PREFETCH)
 
 
 @triton.jit
@@ -289,9 +320,9 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, PREFETCH: tl.constexpr):
     down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST)
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, PREFETCH)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -319,6 +350,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 1  # Triton's pipelining stages the codes through shared memory: slower here
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
+    prefetch: bool = False  # the next K step's loads issued in registers before this one's decode (_matvec)
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -364,8 +396,8 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps, num_stages=config.num_stages)
     up_args = (x, buffers.gate_up, counts, order, experts, *weights.w1, *weights.w3, d, inter, picks // x.shape[0])
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *weights.w2, d, inter)
-    up_meta = dict(BN=block_up, BK=min(config.block_k, d), **meta)
-    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), **meta)
+    up_meta = dict(BN=block_up, BK=min(config.block_k, d), PREFETCH=config.prefetch, **meta)
+    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), PREFETCH=config.prefetch, **meta)
     if config.programs:
         _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
     else:

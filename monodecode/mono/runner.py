@@ -48,7 +48,8 @@ class LaunchShape:
     few outputs) over K steps of `block_k` (a multiple of the 128 scale block scales each weight
     in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
-    default for the launch). The defaults are the shape verified on the H200 (issue 5's check);
+    default for the launch); `expert_prefetch` 1: the expert K loop loads its next step in
+    registers instead (`experts._matvec`). The defaults are the shape verified on the H200 (issue 5's check);
     docs/PERFORMANCE.md has the measured alternatives."""
 
     programs_per_sm: int = 1
@@ -60,6 +61,7 @@ class LaunchShape:
     expert_block_n: int = 64
     expert_block_k: int = 256
     expert_stages: int | None = None
+    expert_prefetch: int = 0
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
