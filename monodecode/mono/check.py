@@ -47,8 +47,10 @@ WIDTHS = {1: ([(0, 1)], 0), 6: ([(s, 1) for s in range(6)], 0), 16: ([(s, 2) for
 
 
 def build(layers: int, seed: int = 0) -> Model:
+    # no DSpark draft: nothing here runs it, and its three layers of experts would nearly double the build
     config = preset("v4-flash", num_hidden_layers=layers, compress_ratios=RATIOS[:layers],
-                    num_hash_layers=min(layers, 3), dspark_target_layer_ids=tuple(range(layers)))
+                    num_hash_layers=min(layers, 3), dspark_target_layer_ids=tuple(range(layers)),
+                    num_nextn_predict_layers=0)
     model = Model.from_checkpoint(SyntheticCheckpoint(config, seed), "cuda", torch.bfloat16)
     model.use_mono("on")
     return model
