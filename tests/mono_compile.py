@@ -1,15 +1,29 @@
 """Compile the mono kernels for an H100/H200 (sm_90) on a machine without a GPU.
 
+`python tests/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC]`, in a process where
+TRITON_INTERPRET is unset (tests/test_mono_compiles.py runs it so).
+
 Triton's CPU interpreter accepts code that compiled Triton refuses (a non-constexpr global in a
 kernel, for one), so the CPU tests alone can pass kernels that do not build. This runs one mono
-step of a tiny three-layer model (a `whole`, a hash-routed `ffn` and a bias-routed `ffn` layer)
-at widths 1 and 48 with the launches recorded instead of run, then compiles each distinct
+step at widths 1 and 48 with the launches recorded instead of run, then compiles each distinct
 recorded launch with `triton.compile` for sm_90 (and the first K1 and K2 with the timeline's
-stamps), and prints one line a kernel. Run it in a
-process where TRITON_INTERPRET is unset (tests/test_mono_compiles.py does).
+stamps), and prints one line a kernel: shared memory, and registers and spills from ptxas -v.
+- `--dims tiny` (default): a three-layer tiny model (a `whole`, a hash-routed `ffn` and a
+  bias-routed `ffn` layer), seconds.
+- `--dims v4-flash`: two layers at v4-flash sizes (a hash-routed `whole`, a bias-routed `ffn`;
+  a 1024-token vocabulary; ~8 GB of memory, ~2 min): the tiles a launch shape gives at real
+  sizes, so that a shape's registers and spills are known before a GPU times it (registers are
+  per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
+  This machine's Triton may allocate a little differently from the GPU's.
+- `--shape`: a `LaunchShape` spec (`runner.LaunchShape.parse`), default the default shape.
 """
 
+import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -51,13 +65,41 @@ def signature(kernel, args, kwargs):
     return types, constants
 
 
-def main() -> int:
+def model_config(dims: str):
+    if dims == "tiny":
+        return preset("tiny", num_hidden_layers=3, compress_ratios=(0, 4, 16), dspark_target_layer_ids=(0, 1, 2))
+    return preset("v4-flash", num_hidden_layers=2, compress_ratios=(0, 4), num_hash_layers=1,
+                  dspark_target_layer_ids=(0, 1), num_nextn_predict_layers=0, vocab_size=1024,
+                  dspark_noise_token_id=1000)
+
+
+def registers(ptx: str) -> str:
+    """ptxas -v's registers and spills of a kernel, for sm_90a, from the first of Triton's bundled
+    ptxas builds that reads the PTX version it emits."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        for name in sorted(n for n in os.listdir(bin_dir) if n.startswith("ptxas")):
+            done = subprocess.run([os.path.join(bin_dir, name), "-v", "--gpu-name", "sm_90a", f.name, "-o",
+                                   os.devnull], capture_output=True, text=True)
+            if done.returncode == 0:
+                used, spilled = re.search(r"Used (\d+) registers", done.stderr), re.search(
+                    r"(\d+) bytes spill stores", done.stderr)
+                return f"{used and used[1]} registers, {spilled and spilled[1]} bytes of spill stores"
+    return "no bundled ptxas read the PTX"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="compile the mono kernels for sm_90 on a machine without a GPU")
+    parser.add_argument("--dims", choices=("tiny", "v4-flash"), default="tiny")
+    parser.add_argument("--shape", default="default", help="a LaunchShape spec")
+    args = parser.parse_args(argv)
     launches = []
     k1._k1, k2._k2 = Recorder(k1._k1, launches), Recorder(k2._k2, launches)
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
-    config = preset("tiny", num_hidden_layers=3, compress_ratios=(0, 4, 16), dspark_target_layer_ids=(0, 1, 2))
-    model = Model.from_checkpoint(SyntheticCheckpoint(config, seed=1), "cpu", torch.bfloat16)
-    runner = runner_module.MonoRunner(model)
+    model = Model.from_checkpoint(SyntheticCheckpoint(model_config(args.dims), seed=1), "cpu", torch.bfloat16)
+    runner = runner_module.MonoRunner(model, shape=runner_module.LaunchShape.parse(args.shape))
     runner.fast = True  # the NVIDIA code paths
     runner.check = lambda: None  # nothing ran
     for rows in (1, 48):
@@ -81,7 +123,8 @@ def main() -> int:
         compiled = triton.compile(ASTSource(kernel, types, constexprs=constants), target=GPUTarget("cuda", 90, 32),
                                   options=options)
         timed_note = " (timeline)" if kwargs["TIMELINE"] else ""
-        print(f"{kernel.__name__}{timed_note}: built for sm_90, {compiled.metadata.shared} bytes of shared memory")
+        print(f"{kernel.__name__}{timed_note}: built for sm_90, {compiled.metadata.shared} bytes of shared memory; "
+              f"{registers(compiled.asm['ptx'])}", flush=True)
     print(f"{len(built)} kernels built")
     return 0
 

@@ -143,6 +143,7 @@ class LayerBench:
             runner.check()
             launches["mono"] = kernels_launched(lambda: kernels(True), self.device)
             row["kernels_launched"] = dict(launches)
+            row["kernel_resources"] = runner.kernel_resources()  # registers, spills: why a shape is slow
             if timeline:
                 row["stages"] = self.stage_times(lambda: kernels(False), whole)
             rows.append(row)
@@ -306,6 +307,12 @@ def table(report: dict) -> str:
                  "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; shape: the kernels' "
                  "launch shape (mono/runner.py LaunchShape); launches: GPU kernels one eager step launches (torch "
                  "profiler), per-op eager / per-op graph / mono")
+    resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]
+                 for k in r.get("kernel_resources") or () if k["row_block"] == max(
+                     j["row_block"] for j in r["kernel_resources"])}
+    if resources:
+        lines.append("registers a thread (spilled) at the widest row block: " + "; ".join(
+            f"{shape} {kernel} {regs} ({spills})" for shape, kernel, regs, spills in sorted(resources)))
     return "\n".join(lines)
 
 

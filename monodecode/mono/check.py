@@ -247,10 +247,12 @@ def main(argv=None) -> int:
     }
     checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
               ("error_path", check_error_path))
+    print(f"kernels: {json.dumps(model.mono.kernel_resources())}", flush=True)  # the residency check's builds
     for name, check in checks:  # each result is printed and saved as it comes (a run may be cut short)
         if name not in args.skip.split(","):
             report[name] = check(model, base)
             report["seconds"] = time.perf_counter() - started
+            report["kernels"] = model.mono.kernel_resources()  # registers and spills of what ran
             print(f"{name}: {json.dumps(report[name])}", flush=True)
             if args.out:
                 with open(args.out, "w") as f:

@@ -383,9 +383,10 @@ class StageBuffers:
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
-                  config: LaunchConfig, buffers: StageBuffers) -> None:
+                  config: LaunchConfig, buffers: StageBuffers) -> dict:
     """The stage's kernels alone (gate/up, SwiGLU, down): x [R, d] bf16, `groups` from
-    `group_picks`, flat routing weights [R * k]; fills `buffers`."""
+    `group_picks`, flat routing weights [R * k]; fills `buffers`. Returns the compiled gate/up and
+    down kernels ({"up": ..., "down": ...}; None under the interpreter), for their resources."""
     if config.fast and not weights.supports_fast_decode():
         raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
                          "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
@@ -399,16 +400,17 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), PREFETCH=config.prefetch, **meta)
     down_meta = dict(BN=block_down, BK=min(config.block_k, inter), PREFETCH=config.prefetch, **meta)
     if config.programs:
-        _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+        up = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
     else:
-        _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
+        up = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
     swiglu_block = min(1024, inter)
     _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
                                             BLOCK=swiglu_block, FAST=config.fast)
     if config.programs:
-        _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
+        down = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
     else:
-        _down[(picks, d // block_down)](*down_args, **down_meta)
+        down = _down[(picks, d // block_down)](*down_args, **down_meta)
+    return {"up": up, "down": down}
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,

@@ -8,7 +8,9 @@ row) are captured in one CUDA graph, so that consecutive steps mostly read other
 weights come from HBM; the graph is replayed 5 times and the median per step kept. Bytes: the
 distinct experts each step touches times one expert's MXFP4 bytes (codes + scales of w1, w2, w3).
 The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) is measured in
-the same run. Every variant is first checked against the float64 reference at 6 rows.
+the same run. Every variant is first checked against the float64 reference at 6 rows; its line
+ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
+`async` where Triton staged the codes through shared memory (its software pipelining).
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def check(bank, config, g) -> float:
     y = X.routed_experts(x, ids, w, bank, 10.0, config, poison=True).double()
     ref = X.reference(x, ids, w, bank, 10.0)
     return ((y - ref).norm() / ref.norm()).item()
+
+
+def resources(bank, config, g) -> dict:
+    """Registers a thread, spilled registers, and whether Triton staged the codes through shared
+    memory (cp.async in the PTX: its software pipelining) of the gate/up and down kernels."""
+    ids = routings(6, 1, g)[0]
+    x = torch.randn(6, D, device="cuda", generator=g).to(torch.bfloat16)
+    kernels = X.launch_stages(x, X.group_picks(ids), torch.rand(6 * TOPK, device="cuda", generator=g), bank, 10.0,
+                              config, X.StageBuffers(6 * TOPK, bank, "cuda"))
+    return {name: {"registers": k.n_regs, "spills": k.n_spills, "cp_async": k.asm["ptx"].count("cp.async.")}
+            for name, k in kernels.items()}
 
 
 def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
@@ -118,14 +131,16 @@ def main(argv=None) -> int:
         except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
             print(f"{name}: failed: {str(e).splitlines()[0][:120]}", flush=True)
             continue
-        entry = {"config": config.__dict__, "rel_err": err, "rows": {}}
+        entry = {"config": config.__dict__, "rel_err": err, "kernels": resources(bank, config, g), "rows": {}}
         for rows in rows_list:
             us, distinct = time_steps(bank, config, rows, args.steps, g)
             tbps = distinct * expert_bytes() / (us * 1e-6) / 1e12
             entry["rows"][rows] = {"us": us, "distinct_experts": distinct, "TBps": tbps, "of_copy": tbps * 1e12 / copy}
         result["variants"][name] = entry
         cells = "  ".join(f"{r}:{v['TBps']:.2f}" for r, v in entry["rows"].items())
-        print(f"{name:<32} err {err:.1e}  TB/s by rows {cells}", flush=True)
+        regs = " ".join(f"{k}:{v['registers']}r/{v['spills']}s{'/async' if v['cp_async'] else ''}"
+                        for k, v in entry["kernels"].items())
+        print(f"{name:<32} err {err:.1e}  TB/s by rows {cells}  ({regs})", flush=True)
     best = {}
     for rows in rows_list:
         name, entry = max(((n, e) for n, e in result["variants"].items() if n != "portable"),

@@ -211,7 +211,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
     ex = lw.experts
     kind = "k2" if attention else "ffn"
-    runner.launch(_k2, "K2",
+    runner.launch(_k2, "K2" if attention else "K2 (ffn)",
         runner.sync[kind].words, runner.max_polls, runner.timeline_buffer(kind), s.rows, s.tokens, s.positions, s.slots,
         *attn,
         res, s.attn_out, s.post_attn, s.comb_attn, streams, s.partials,

@@ -152,6 +152,7 @@ class MonoRunner:
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.graphs.clear()
         self.timelines.clear()
+        self.compiled = {}  # (kernel name, row block): the compiled kernel last launched (GPU)
         if check and not interpreted():
             try:
                 self.check_residency()
@@ -231,12 +232,21 @@ class MonoRunner:
             kernel[(self.grid,)](*args, **meta, num_warps=warps)
             return
         try:
-            kernel[(self.grid,)](*args, **meta, num_warps=warps, launch_cooperative_grid=True)
+            compiled = kernel[(self.grid,)](*args, **meta, num_warps=warps, launch_cooperative_grid=True)
+            self.compiled[(name, meta["BR"])] = compiled
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
             raise MonoRefused([f"{name}: {self.grid} programs ({self.shape.programs_per_sm} per SM, {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
+
+    def kernel_resources(self) -> list[dict]:
+        """What each compiled persistent kernel holds per program (GPU only; the kernels launched so
+        far, one entry per kernel and row block BR): registers a thread (255 at most), spilled
+        registers, shared memory. Registers decide how many programs a SM can hold."""
+        return [{"kernel": name, "row_block": row_block, "warps": kernel.metadata.num_warps,
+                 "registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": kernel.metadata.shared}
+                for (name, row_block), kernel in sorted(self.compiled.items())]
 
     def check(self) -> None:
         """Raise MonoSyncError if a kernel's wait expired since the last check (one host sync a
