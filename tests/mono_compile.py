@@ -51,18 +51,25 @@ class Recorder:
 
 
 def signature(kernel, args, kwargs):
+    """(types, constexprs, attrs) of a recorded launch; attrs mark what the JIT would specialize
+    on a GPU: pointers aligned to 16 bytes and integers divisible by 16 (which lets it vectorize
+    loads)."""
     values = list(args) + [kwargs[name] for name in kernel.arg_names[len(args):]]
-    types, constants = {}, {}
+    types, constants, attrs = {}, {}, {}
     for i, (name, value) in enumerate(zip(kernel.arg_names, values)):
         if kernel.params[i].is_constexpr:
             types[name], constants[(i,)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             types[name] = POINTER[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             types[name] = "i1"
         else:
             types[name] = "i32" if isinstance(value, int) else "fp32"
-    return types, constants
+            if isinstance(value, int) and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return types, constants, attrs
 
 
 def model_config(dims: str):
@@ -113,14 +120,15 @@ def main(argv=None) -> int:
     for kernel, args, kwargs in launches + timed:
         options = {"num_warps": kwargs.get("num_warps", 4)}
         kwargs = {k: v for k, v in kwargs.items() if k not in ("launch_cooperative_grid", "num_warps")}
-        types, constants = signature(kernel, args, kwargs)
+        types, constants, attrs = signature(kernel, args, kwargs)
         if kwargs["TIMELINE"]:
             types["timeline_ptr"] = "*i64"
         key = (kernel.__name__, tuple(sorted((k, repr(v)) for k, v in constants.items())))
         if key in built:
             continue
         built.add(key)
-        compiled = triton.compile(ASTSource(kernel, types, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+        compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32),
                                   options=options)
         timed_note = " (timeline)" if kwargs["TIMELINE"] else ""
         print(f"{kernel.__name__}{timed_note}: built for sm_90, {compiled.metadata.shared} bytes of shared memory; "
