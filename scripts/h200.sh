@@ -30,7 +30,7 @@ case $part in
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
     timeout 560 python3 -m monodecode.cli bench layer --widths 1,6,16,48 --timeline \
-      --shapes "${SHAPES:-default;k2_warps=8,expert_block_n=128}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+      --shapes "${SHAPES:-default;k2_warps=8;programs_per_sm=2,gemv_stages=2}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
     timeout 560 python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
