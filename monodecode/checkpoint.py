@@ -15,13 +15,17 @@ one shard per layer, so that a v4-flash checkpoint is written holding one layer 
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import math
+import os
 import re
 import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -303,11 +307,28 @@ class SyntheticCheckpoint:
         return synthetic_tensors(self.config, self._spec_of[name], self.seed)[name]
 
     def tensors(self, names: list[str], desc: str = "generating") -> Iterator[tuple[str, torch.Tensor]]:
-        current: tuple[TensorSpec | None, dict[str, torch.Tensor]] = (None, {})
-        for name in tqdm(names, desc=desc, unit="tensor", delay=1.0):
-            spec = self._spec_of.get(name)
-            if spec is None:
-                raise CheckpointError(f"{self.path}: tensor {name} is missing")
-            if current[0] is not spec:
-                current = (spec, synthetic_tensors(self.config, spec, self.seed))
-            yield name, current[1][name]
+        """The tensors of `names` in that order. Each spec's tensors come from its own seeded
+        generator, so threads make them ahead of the reader (torch releases the GIL) and the
+        values do not depend on the order or the thread."""
+        missing = [name for name in names if name not in self._spec_of]
+        if missing:
+            raise CheckpointError(f"{self.path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+        runs = [(spec, [name for name, _ in group]) for spec, group in
+                itertools.groupby(((name, self._spec_of[name]) for name in names), key=lambda item: item[1])]
+        workers = min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool, tqdm(total=len(names), desc=desc, unit="tensor", delay=1.0) as bar:
+            ahead = collections.deque()
+            for spec, run_names in runs:
+                ahead.append((run_names, pool.submit(synthetic_tensors, self.config, spec, self.seed)))
+                if len(ahead) > 2 * workers:
+                    yield from self._drain(ahead.popleft(), bar)
+            while ahead:
+                yield from self._drain(ahead.popleft(), bar)
+
+    @staticmethod
+    def _drain(run, bar) -> Iterator[tuple[str, torch.Tensor]]:
+        names, future = run
+        tensors = future.result()
+        for name in names:
+            bar.update()
+            yield name, tensors[name]

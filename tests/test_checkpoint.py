@@ -11,6 +11,7 @@ from monodecode.checkpoint import (
     INDEX_FILE,
     Checkpoint,
     CheckpointError,
+    SyntheticCheckpoint,
     canonical_name,
     write_synthetic_checkpoint,
 )
@@ -210,3 +211,19 @@ def test_tensors_iterates_requested_names(tiny_dir):
     assert torch.equal(got["head.weight"], ckpt.tensor("head.weight"))
     with pytest.raises(CheckpointError, match="tensor nope is missing"):
         list(ckpt.tensors(["nope"]))
+
+
+def test_synthetic_tensors_do_not_depend_on_order_or_threads(tiny_dir):
+    """SyntheticCheckpoint.tensors makes tensors ahead in threads: in any order it yields the
+    tensors the written checkpoint holds, and a missing name is refused before any is made."""
+    written, synthetic = Checkpoint(tiny_dir), SyntheticCheckpoint(preset("tiny"), seed=7)
+    names = [n for spec in synthetic.specs for n in spec.stored()]
+    reordered = names[::2] + names[1::2][::-1]  # a spec's tensors apart, and reversed
+    got = list(synthetic.tensors(reordered))
+    assert [name for name, _ in got] == reordered
+    for name, tensor in got:
+        assert torch.equal(tensor.view(torch.uint8), written.tensor(name).view(torch.uint8)), name
+    made = []
+    with pytest.raises(CheckpointError, match="tensor nope is missing"):
+        made.extend(synthetic.tensors(names[:3] + ["nope"]))
+    assert made == []
