@@ -218,6 +218,12 @@ def run(args) -> int:
     bandwidth = copy_bandwidth(device)
     g = torch.Generator().manual_seed(2)
     rows = []
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
+              "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth, "layers": rows,
+              "complete": False}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for layer, ratio in enumerate(model.config.compress_ratios):
         if KINDS[ratio] not in kinds:
             continue
@@ -231,17 +237,17 @@ def run(args) -> int:
                              "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
                              "mono_of_floor": floor_s / mono if mono else None,
                              "speedup": best_per_op / mono if mono else None})
+                # saved and shown as it comes: a run cut short (a device call's time limit) keeps its rows
+                (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
+                print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: per-op graph {_us(m['per_op_graph_s'])} us, "
+                      f"mono {_us(mono)} us, floor {floor_s * 1e6:.1f} us", flush=True)
                 if m["refused"]:
                     print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
                 if m["stages"]:
                     for kind, times in m["stages"].items():
                         print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
-              "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth, "layers": rows}
+    report["complete"] = True
     print(table(report))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_layer.json'}")
     if importlib.util.find_spec("matplotlib") is None:
