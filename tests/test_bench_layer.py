@@ -18,6 +18,9 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
                  "--context", "20", "--reps", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_layer.json").read_text())
     rows = report["layers"]
+    assert report["complete"]  # False in the file while rows are still coming
+    printed = capsys.readouterr().out
+    assert "window layer, 3 rows, default: per-op graph" in printed  # each row shown as it comes
     assert [(r["kind"], r["plan"], r["width"]) for r in rows] == [
         ("window", "whole", 1), ("window", "whole", 3), ("CSA", "ffn", 1), ("CSA", "ffn", 3),
         ("HCA", "ffn", 1), ("HCA", "ffn", 3)]
@@ -35,7 +38,7 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
     wider = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 3}
     narrow = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 1}
     assert all(wider[k] > narrow[k] for k in wider)  # more rows read more KV (and experts)
-    assert "of floor" in capsys.readouterr().out
+    assert "of floor" in printed
     assert (tmp_path / "bench_layer.png").stat().st_size > 0  # matplotlib is in the test extra
 
 
