@@ -63,8 +63,9 @@ def resources(bank, config, g) -> dict:
     x = torch.randn(6, D, device="cuda", generator=g).to(torch.bfloat16)
     kernels = X.launch_stages(x, X.group_picks(ids), torch.rand(6 * TOPK, device="cuda", generator=g), bank, 10.0,
                               config, X.StageBuffers(6 * TOPK, bank, "cuda"))
-    return {name: {"registers": k.n_regs, "spills": k.n_spills, "cp_async": k.asm["ptx"].count("cp.async.")}
-            for name, k in kernels.items()}
+    return {name: {"registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                   "cp_async": k.asm.get("ptx", "").count("cp.async.")}
+            for name, k in kernels.items() if k is not None}
 
 
 def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:

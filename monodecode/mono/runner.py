@@ -233,7 +233,8 @@ class MonoRunner:
             return
         try:
             compiled = kernel[(self.grid,)](*args, **meta, num_warps=warps, launch_cooperative_grid=True)
-            self.compiled[(name, meta["BR"])] = compiled
+            if compiled is not None:  # Triton returns the compiled kernel it launched
+                self.compiled[(name, meta["BR"])] = compiled
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
@@ -245,7 +246,8 @@ class MonoRunner:
         far, one entry per kernel and row block BR): registers a thread (255 at most), spilled
         registers, shared memory. Registers decide how many programs a SM can hold."""
         return [{"kernel": name, "row_block": row_block, "warps": kernel.metadata.num_warps,
-                 "registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": kernel.metadata.shared}
+                 "registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                 "shared_bytes": kernel.metadata.shared}
                 for (name, row_block), kernel in sorted(self.compiled.items())]
 
     def check(self) -> None:
