@@ -307,7 +307,10 @@ def add_bench_commands(commands) -> None:
                             "monodecode.mono.runner.LaunchShape (e.g. 'default;k2_warps=8,expert_block_n=128')")
     layer.add_argument("--timeline", action="store_true",
                        help="also print and save the per-stage times of one eager run of the mono kernels (GPU)")
-    layer.add_argument("--out", default=".", help="where bench_layer.json goes")
+    layer.add_argument("--out", default=".", help="where bench_layer.json (and bench_layer.png) go")
+    layer.add_argument("--replot", metavar="JSON", help="measure nothing: print the table and write the PNG of a "
+                                                        "saved bench_layer.json (e.g. one from a GPU host without "
+                                                        "matplotlib)")
     layer.set_defaults(run=run_bench_layer)
     decode = bench_commands.add_parser(
         "decode", help="whole speculative decode steps of an N-layer model, per-op graph and mono",

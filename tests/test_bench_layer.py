@@ -39,6 +39,14 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
     narrow = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 1}
     assert all(wider[k] > narrow[k] for k in wider)  # more rows read more KV (and experts)
     assert "of floor" in printed
+    # the table and PNG again from the JSON alone (a GPU host may have no matplotlib), and of a cut run
+    saved = json.loads((tmp_path / "bench_layer.json").read_text())
+    saved.update(complete=False, layers=saved["layers"][:2])
+    (tmp_path / "cut.json").write_text(json.dumps(saved))
+    assert main(["bench", "layer", "--replot", str(tmp_path / "cut.json"), "--out", str(tmp_path / "replot")]) == 0
+    replotted = capsys.readouterr().out
+    assert "of floor" in replotted and "cut short" in replotted and "HCA" not in replotted.split("per-op us:")[0]
+    assert (tmp_path / "replot" / "bench_layer.png").stat().st_size > 0
     assert (tmp_path / "bench_layer.png").stat().st_size > 0  # matplotlib is in the test extra
 
 

@@ -203,6 +203,10 @@ def distinct_experts(block, run) -> int:
 
 
 def run(args) -> int:
+    if args.replot:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return show(json.loads(Path(args.replot).read_text()), out)
     device = torch.device(args.device)
     widths = [int(w) for w in args.widths.split(",")]
     shapes = [LaunchShape.parse(text) for text in args.shapes.split(";")]
@@ -247,9 +251,16 @@ def run(args) -> int:
                     for kind, times in m["stages"].items():
                         print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
     report["complete"] = True
-    print(table(report))
     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_layer.json'}")
+    return show(report, out)
+
+
+def show(report: dict, out: Path) -> int:
+    """The table on the terminal and the PNG in `out` (when matplotlib is installed)."""
+    print(table(report))
+    if not report.get("complete", True):
+        print("note: this run was cut short; the table has the rows it measured")
     if importlib.util.find_spec("matplotlib") is None:
         print("note: matplotlib is not installed, so no bench_layer.png (pip install 'monodecode[bench]')")
     else:
