@@ -62,8 +62,6 @@ def test_bench_layer_times_each_launch_shape(device, tmp_path):
 
 
 def test_launch_shapes_parse_and_name_bad_fields():
-    import pytest
-
     from monodecode.mono.runner import LaunchShape
 
     shape = LaunchShape.parse("k2_warps=8, expert_block_n=128,gemv_stages=none")

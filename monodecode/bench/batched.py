@@ -61,4 +61,3 @@ class BatchedLayer:
         if moe.shared:
             out += moe._swiglu(x, *moe.shared, None).float()
         return out.to(x.dtype)
-

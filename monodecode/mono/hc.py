@@ -241,7 +241,8 @@ def fold(residual: torch.Tensor, fn: torch.Tensor, owed=None, *, chunk: int = CH
         streams = _empty(residual.shape, torch.bfloat16, residual, poison)
     n_tasks = fold_tasks(R, d, chunk, rows)
     _fold[_grid(n_tasks)](n_tasks, R, d, residual, out, out.stride(0), post, comb, streams, fn.contiguous(),
-                          partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None, num_stages=1)
+                          partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None,
+                          num_stages=1)
     return streams, partials
 
 
@@ -260,5 +261,6 @@ def settle(streams: torch.Tensor, partials: torch.Tensor, base: torch.Tensor, sc
     n_tasks = settle_tasks(R)
     _settle[_grid(n_tasks)](n_tasks, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
                             norm_weight.float().contiguous(), post, comb, x_norm, float(hc_eps), float(norm_eps),
-                            int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB, BD=min(block, triton.next_power_of_2(d)), num_stages=1)
+                            int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB, BD=min(block, triton.next_power_of_2(d)),
+                            num_stages=1)
     return x_norm, post, comb

@@ -48,7 +48,8 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
         d, q_lora, heads, hc_eps, norm_eps, sinkhorn_iters,
         HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
         BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN_QA: tl.constexpr, BN_KV: tl.constexpr,
-        BN_QB: tl.constexpr, BK_D: tl.constexpr, BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BQ: tl.constexpr,
+        BN_QB: tl.constexpr, BK_D: tl.constexpr, BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
+        RD: tl.constexpr, BQ: tl.constexpr,
         FAST: tl.constexpr, TIMELINE: tl.constexpr, GNS: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
