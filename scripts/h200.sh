@@ -8,6 +8,7 @@
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2)
+# TIMEOUT (seconds, default 560) bounds a part; KINDS picks bench-layer's layer kinds.
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
 part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|bench-decode|experts}
@@ -19,22 +20,22 @@ export PYTHONPATH=$PWD
 } > "$out/$part.txt" 2>&1
 case $part in
   tests)
-    MONODECODE_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_mono_runner.py \
+    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -rfE tests/test_mono_runner.py \
       tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py tests/test_mono_attention.py \
       tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py >> "$out/$part.txt" 2>&1 ;;
   check)
-    timeout 560 python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --out "$out/check.json" \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --out "$out/check.json" \
       >> "$out/$part.txt" 2>&1 ;;
   check-shape)
-    timeout 560 python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
-    timeout 560 python3 -m monodecode.cli bench layer --widths 1,6,16,48 --timeline \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths 1,6,16,48 --kinds "${KINDS:-window,csa,hca}" --timeline \
       --shapes "${SHAPES:-default;k2_warps=8;programs_per_sm=2,gemv_stages=2}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
-    timeout 560 python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
+    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
-    timeout 560 python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
