@@ -31,7 +31,7 @@ case $part in
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths 1,6,16,48 --kinds "${KINDS:-window,csa,hca}" --timeline \
-      --shapes "${SHAPES:-default;k2_warps=8;programs_per_sm=2,gemv_stages=2}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+      --shapes "${SHAPES:-default;block_n=0;block_k=256}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)

@@ -49,17 +49,18 @@ class LaunchShape:
     in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
     default for the launch); `expert_prefetch` 1: the expert K loop loads its next step in
-    registers instead (`experts._matvec`). The defaults are the shape verified on the H200 (issue 5's check);
-    docs/PERFORMANCE.md has the measured alternatives."""
+    registers instead (`experts._matvec`). The defaults are the fastest shape measured on the H200 at
+    6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
+    checked there for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
     programs_per_sm: int = 1
     k1_warps: int = 4
-    k2_warps: int = 4
+    k2_warps: int = 8
     block_n: int = 64
     block_k: int = 128
     gemv_stages: int | None = None
-    expert_block_n: int = 64
-    expert_block_k: int = 256
+    expert_block_n: int = 128
+    expert_block_k: int = 512
     expert_stages: int | None = None
     expert_prefetch: int = 0
 
