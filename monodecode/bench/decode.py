@@ -23,6 +23,7 @@ import copy
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from ..config import preset
 from ..model import Model
 from ..model.weights import free_memory, resident_bytes
 from ..spec.config import SpeculativeConfig
-from ..spec.decoder import SpeculativeDecoder
+from ..spec.decoder import SpecRequest, SpeculativeDecoder
 from .batched import BatchedLayer
 from .timing import graphed, timed
 
@@ -147,6 +148,12 @@ def measure(model: Model, target_step, caches, requests, steps: int, acceptance:
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds)}
 
 
+def seeded(requests: list[SpecRequest], device) -> list[SpecRequest]:
+    """Copies of the requests, each with a generator seeded by its slot: every path draws the same
+    synthetic acceptances, so their tokens a step are equal and tokens/s compare step times."""
+    return [replace(r, generator=torch.Generator(device).manual_seed(r.slot)) for r in requests]
+
+
 def head_seconds(model: Model, rows: int, reps: int) -> float:
     streams = torch.randn(rows, model.config.hc_mult, model.config.hidden_size).to(model.dtype).to(model.device)
     return timed(graphed(lambda: model.logits(streams), model.device), model.device, reps)
@@ -178,7 +185,7 @@ def run(args) -> int:
         for path, step in (("per-op graph", per_op), ("mono", model.step)):
             if step is None:
                 continue
-            m = measure(model, step, copy.deepcopy(caches), copy.deepcopy(requests), args.steps, args.acceptance)
+            m = measure(model, step, copy.deepcopy(caches), seeded(requests, model.device), args.steps, args.acceptance)
             rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
                          "other_s": m["step_s"] - m["draft_s"] - m["verify_s"]})
             print(line(rows[-1]), flush=True)
