@@ -271,6 +271,7 @@ def show(report: dict, out: Path) -> int:
 
 PATHS = {"per_op_eager_s": ("per-op eager", "tab:blue"), "per_op_graph_s": ("per-op graph", "tab:orange"),
          "per_op_compiled_s": ("per-op compiled", "tab:purple"), "mono_s": ("mono", None)}
+MONO_COLORS = ("tab:green", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # a launch shape each
 
 
 def write_plot(report: dict, path: Path) -> None:
@@ -285,8 +286,9 @@ def write_plot(report: dict, path: Path) -> None:
         rows = [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shapes[0]]
         widths = [r["width"] for r in rows]
         lines = [(key, label, color, rows) for key, (label, color) in PATHS.items() if key != "mono_s"]
-        lines += [("mono_s", "mono" if len(shapes) == 1 else f"mono ({shape})", None,
-                   [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shape]) for shape in shapes]
+        lines += [("mono_s", "mono" if len(shapes) == 1 else f"mono ({shape})", MONO_COLORS[i % len(MONO_COLORS)],
+                   [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shape])
+                  for i, shape in enumerate(shapes)]
         for key, label, color, series in lines:
             if all(r[key] is None for r in series):
                 continue
@@ -299,7 +301,8 @@ def write_plot(report: dict, path: Path) -> None:
         axes[1, col].set(xlabel="rows a step", ylabel="fraction of the floor", ylim=(0, 1))
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize="small")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="small")
     figure.suptitle(f"{report['device']}, {report['preset']}: one decoder layer a step")
     figure.savefig(path, dpi=120)
 
