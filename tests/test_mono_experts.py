@@ -81,18 +81,19 @@ def test_many_rows_on_one_expert_are_split_into_tasks(device):
     assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
 
 
-@pytest.mark.parametrize("programs,prefetch,block_k", [(1, False, 64), (3, False, 64), (0, True, 32), (3, True, 32)])
-def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, prefetch, block_k):
+@pytest.mark.parametrize("programs,split,block_k", [(1, False, 64), (3, False, 64), (0, True, 32), (3, True, 32)])
+def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, split, block_k):
     """`LaunchConfig.programs`: a few programs looping over every task (K2's loops) give the
     reference's result too; under the interpreter the programs run one after another. With
-    `prefetch` (the next K step loaded ahead), over two K steps of w1 / w3 and one of w2."""
+    `split` (a dot for the even and one for the odd K columns), over two K steps of w1 / w3 and
+    one of w2."""
     g = torch.Generator().manual_seed(40 + programs)
     ids = picks(g, 6, 2, 8, "bias")
     ids[2] = -1  # a pad row
     x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
     weights = torch.rand(6, 2, generator=g) + 0.1
     fast = device == "cuda" and bank.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, prefetch=prefetch)
+    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, split=split)
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
     cpu_bank = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
     assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))

@@ -354,7 +354,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 def test_another_launch_shape_gives_the_same_step(model):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, the
-    expert K loop's register prefetch (two K steps of w1 / w3): the same result up to fp32
+    expert dots split into even and odd K columns (two K steps of w1 / w3): the same result up to fp32
     summation order."""
     from monodecode.mono.runner import LaunchShape
 
@@ -365,7 +365,7 @@ def test_another_launch_shape_gives_the_same_step(model):
     out = model.step(caches[0], tokens, positions, slots)
     try:
         model.mono.configure(LaunchShape(block_n=0, block_k=512, expert_block_n=16, expert_block_k=32,
-                                         expert_prefetch=1))
+                                         expert_split=1))
         other = model.step(caches[1], tokens, positions, slots)
     finally:
         model.mono.configure(default)

@@ -153,55 +153,61 @@ def _load_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr):
 
 @triton.jit
 def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
-    """A tile from `_load_tile` decoded with its scales: bf16 (FAST) or fp32 [BN, BK]."""
+    """A tile from `_load_tile` decoded with its scales, as its even and odd columns: (values at
+    k0 + 2i, values at k0 + 2i + 1), bf16 (FAST) or fp32 [BN, BK / 2] each, as the nibbles give
+    them: `_accumulate` decides whether to interleave them."""
     BN: tl.constexpr = codes.shape[0]
     if FAST:
         low, high = _decode_fast(codes)
-        values = tl.reshape(tl.join(low, high), (BN, BK // 32, 32))
         # 2^(e - 127) times the 2^126 the bit placement left out, as a bf16: exponent field e + 126
         scale = ((scale_codes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         c = codes.to(tl.int32)
-        values = tl.reshape(tl.join(_e2m1_value(c & 15), _e2m1_value(c >> 4)), (BN, BK // 32, 32))
+        low, high = _e2m1_value(c & 15), _e2m1_value(c >> 4)
         # 2^(e - 127) built from its bits: exact, code 0 being the fp32 subnormal 2^-127
         scale = tl.where(scale_codes == 0, 0x00400000, scale_codes << 23).to(tl.float32, bitcast=True)
-    return tl.reshape(values * scale[:, :, None], (BN, BK))
+    scale = scale[:, :, None]  # a scale per 32 columns: per 16 of each half
+    return (tl.reshape(tl.reshape(low, (BN, BK // 32, 16)) * scale, (BN, BK // 2)),
+            tl.reshape(tl.reshape(high, (BN, BK // 32, 16)) * scale, (BN, BK // 2)))
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
-    """acc += w [BN, BK] @ x[x_rows, k0 .. k0 + BK]^T."""
+def _accumulate(acc, w, x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr):
+    """acc += w @ x[x_rows, k0 .. k0 + BK]^T, w = (even columns, odd columns) [BN, BK / 2] each.
+    SPLIT: a dot a half against the matching columns of x (a shuffle of the small x tile);
+    otherwise the halves are interleaved back into [BN, BK] (a shuffle of every weight) for one dot."""
     rk = k0 + tl.arange(0, BK)
     x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
-    if FAST:
-        acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
+    x = x.to(tl.bfloat16) if FAST else x.to(tl.float32)
+    even, odd = w
+    if SPLIT:
+        x_even, x_odd = tl.split(tl.reshape(x, (x_rows.shape[0], BK // 2, 2)))
+        acc = _dot(even, x_even, acc, FAST)
+        acc = _dot(odd, x_odd, acc, FAST)
     else:
-        acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        acc = _dot(tl.reshape(tl.join(even, odd), (even.shape[0], BK)), x, acc, FAST)
     return acc
 
 
 @triton.jit
+def _dot(w, x, acc, FAST: tl.constexpr):
+    """acc + w @ x^T: bf16 tensor cores (FAST), or fp32 in IEEE precision (the interpreter's bf16
+    dot is wrong)."""
+    if FAST:
+        return tl.dot(w, tl.trans(x), acc)
+    return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+
+
+@triton.jit
 def _matvec(codes_ptr, scales_ptr, n_rows, x_ptr, x_rows, x_mask, K,
-            BK: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr, PREFETCH: tl.constexpr):
+            BK: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr):
     """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K. NS: the loop's
-    software-pipelining depth (`tl.range` num_stages; None: the launch's). PREFETCH: instead,
-    each step issues the loads of the next K step before decoding its own, in registers (no
-    shared memory): a persistent program, alone on its SM, then keeps a tile's loads in flight
-    while it decodes and multiplies (the last step re-reads its own tile rather than branch)."""
+    software-pipelining depth (`tl.range` num_stages; None: the launch's). SPLIT: see `_accumulate`."""
     acc = tl.zeros((n_rows.shape[0], x_rows.shape[0]), dtype=tl.float32)
-    if PREFETCH:
-        codes, scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, 0, K, BK)
-        for k0 in tl.range(0, K, BK, num_stages=1):  # the prefetch is the pipeline
-            next_codes, next_scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, tl.minimum(k0 + BK, K - BK),
-                                                      K, BK)
-            acc = _accumulate(acc, _decode_tile(codes, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK,
-                              FAST)
-            codes, scale_codes = next_codes, next_scale_codes
-    else:
-        for k0 in tl.range(0, K, BK, num_stages=NS):
-            codes, scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK)
-            acc = _accumulate(acc, _decode_tile(codes, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK,
-                              FAST)
+    for k0 in tl.range(0, K, BK, num_stages=NS):
+        codes, scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK)
+        acc = _accumulate(acc, _decode_tile(codes, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK, FAST,
+                          SPLIT)
     return acc
 
 
@@ -220,7 +226,7 @@ def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
 def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-            NS: tl.constexpr = None, PREFETCH: tl.constexpr = False):
+            NS: tl.constexpr = None, SPLIT: tl.constexpr = False):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
@@ -232,10 +238,10 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
         s_off = expert * I * (K // 32)
         if which == 0:
             acc = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS,
-                          PREFETCH)
+                          SPLIT)
         else:
             acc = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS,
-                          PREFETCH)
+                          SPLIT)
         tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
 
 
@@ -254,63 +260,63 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 @triton.jit
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-              NS: tl.constexpr = None, PREFETCH: tl.constexpr = False):
+              NS: tl.constexpr = None, SPLIT: tl.constexpr = False):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         n = nb * BN + tl.arange(0, BN)
         y = _matvec(w2_codes + tl.multiple_of(expert * D * (I // 2), 16), w2_scales + expert * D * (I // 32), n,
-                    h_ptr, picks, mask, I, BK, FAST, NS, PREFETCH)
+                    h_ptr, picks, mask, I, BK, FAST, NS, SPLIT)
         tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
 
 
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, PREFETCH: tl.constexpr = False):
+             NS: tl.constexpr = None, SPLIT: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
     block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, PREFETCH)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, SPLIT)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               PREFETCH: tl.constexpr = False):
+               SPLIT: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales,
-                  D, I, BN, BK, ROWS_, FAST, NS, PREFETCH)
+                  D, I, BN, BK, ROWS_, FAST, NS, SPLIT)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   SPLIT: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, PREFETCH)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     SPLIT: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, PREFETCH)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-        PREFETCH: tl.constexpr):
+        SPLIT: tl.constexpr):
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, PREFETCH)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT)
 
 
 @triton.jit
@@ -320,9 +326,9 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, PREFETCH: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr):
     down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, PREFETCH)
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -350,7 +356,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 1  # Triton's pipelining stages the codes through shared memory: slower here
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
-    prefetch: bool = False  # the next K step's loads issued in registers before this one's decode (_matvec)
+    split: bool = False  # a dot for the even and one for the odd K columns (`_accumulate`), not one interleaved
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -397,8 +403,8 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps, num_stages=config.num_stages)
     up_args = (x, buffers.gate_up, counts, order, experts, *weights.w1, *weights.w3, d, inter, picks // x.shape[0])
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *weights.w2, d, inter)
-    up_meta = dict(BN=block_up, BK=min(config.block_k, d), PREFETCH=config.prefetch, **meta)
-    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), PREFETCH=config.prefetch, **meta)
+    up_meta = dict(BN=block_up, BK=min(config.block_k, d), SPLIT=config.split, **meta)
+    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), SPLIT=config.split, **meta)
     if config.programs:
         up = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
     else:

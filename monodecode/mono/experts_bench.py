@@ -95,17 +95,16 @@ def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
 
 def variants(quick: bool, programs_per_sm: list[int]):
     """(name, LaunchConfig): the portable decode, then a grid of fast ones, each with a program a
-    task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop's pipeline:
-    s1, s2, s3 (Triton's num_stages) or pf (`LaunchConfig.prefetch`: the next step's loads in
-    registers)."""
+    task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop: s1, s2, s3
+    (Triton's num_stages), and `split` (`LaunchConfig.split`: a dot for the even and one for the
+    odd K columns) or not (the decoded halves interleaved for one dot)."""
     yield "portable", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
-    grid = itertools.product((64, 128), (256, 512), (4, 8), ("s1", "s3", "pf")) if quick else \
-        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), ("s1", "s2", "s3", "pf"))
+    grid = itertools.product((64, 128), (256, 512), (4, 8), (1, 3), (False, True)) if quick else \
+        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3), (False, True))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (bn, bk, nw, pipeline), pps in itertools.product(grid, programs_per_sm):
-        name = f"fast bn{bn} bk{bk} w{nw} {pipeline}" + (f" pps{pps}" if pps else "")
-        stages = 1 if pipeline == "pf" else int(pipeline[1:])
-        yield name, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, prefetch=pipeline == "pf")
+    for (bn, bk, nw, stages, split), pps in itertools.product(grid, programs_per_sm):
+        name = f"fast bn{bn} bk{bk} w{nw} s{stages}" + (" split" if split else "") + (f" pps{pps}" if pps else "")
+        yield name, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, split=split)
 
 
 def main(argv=None) -> int:

@@ -48,8 +48,8 @@ class LaunchShape:
     few outputs) over K steps of `block_k` (a multiple of the 128 scale block scales each weight
     in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
-    default for the launch); `expert_prefetch` 1: the expert K loop loads its next step in
-    registers instead (`experts._matvec`). The defaults are the fastest shape measured on the H200 at
+    default for the launch); `expert_split` 1: the expert dots take the even and the odd K
+    columns apart (`experts._accumulate`). The defaults are the fastest shape measured on the H200 at
     6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
     checked there for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
@@ -62,7 +62,7 @@ class LaunchShape:
     expert_block_n: int = 128
     expert_block_k: int = 512
     expert_stages: int | None = None
-    expert_prefetch: int = 0
+    expert_split: int = 0
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
