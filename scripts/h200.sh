@@ -6,12 +6,14 @@
 #                 SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
+#   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
+#                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), default shape only
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2)
-# TIMEOUT (seconds, default 560) bounds a part; KINDS picks bench-layer's layer kinds.
+# TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows.
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|bench-decode|experts}
+part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|compiled|bench-decode|experts}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -30,8 +32,12 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths 1,6,16,48 --kinds "${KINDS:-window,csa,hca}" --timeline \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" --kinds "${KINDS:-window,CSA,HCA}" --timeline \
       --shapes "${SHAPES:-default;block_n=0;block_k=256}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+  compiled)
+    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
+      --kinds "${KINDS:-window,CSA,HCA}" --shapes default --compile "${MODE:-max-autotune-no-cudagraphs}" \
+      --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
