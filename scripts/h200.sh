@@ -32,8 +32,9 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" --kinds "${KINDS:-window,CSA,HCA}" --timeline \
-      --shapes "${SHAPES:-default;block_n=0;block_k=256}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
+      --kinds "${KINDS:-window,CSA,HCA}" --timeline --shapes "${SHAPES:-default;block_n=0;block_k=256}" \
+      --out "$out" >> "$out/$part.txt" 2>&1 ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" --shapes default --compile "${MODE:-max-autotune-no-cudagraphs}" \
