@@ -143,6 +143,24 @@ def dequantized_copy(src, dst):
     (dst / "config.json").write_text(json.dumps(config))
 
 
+def test_the_lm_head_is_the_fp32_product_of_the_bf16_operands(device):
+    """On a GPU the head multiplies the bf16 weight into fp32 without an fp32 copy of it
+    (`has_fp32_output_gemm`): the same exact products as the fp32 GEMM of the upcast operands, so
+    the same logits up to fp32 summation order; elsewhere it is that fp32 GEMM."""
+    import torch.nn.functional as F
+
+    from monodecode.model.norm import rms_norm
+
+    m = monodecode.load("tiny", seed=11, dtype=torch.bfloat16, device=device)
+    assert m._fp32_output_gemm == (device == "cuda")
+    x = torch.randn(2, 3, m.config.hidden_size, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    logits = m.lm_head(x.to(device))
+    normed = rms_norm(x.to(device), m.w["norm"], m.config.rms_norm_eps)
+    ref = F.linear(normed.double(), m.w["head"].double()).float()  # exact products, float64 sums
+    assert logits.dtype == torch.float32 and logits.shape == (2, 3, m.config.vocab_size)
+    assert rel_err(logits, ref) < 1e-5
+
+
 def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path, device):
     src = write_synthetic_checkpoint(preset("tiny"), tmp_path / "q", seed=3, progress=False)
     dequantized_copy(src, tmp_path / "bf16")
