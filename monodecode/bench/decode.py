@@ -12,9 +12,10 @@ a step), the target verifying B x (1 + block) rows a step, through
 Per path and B: the median step time, split into the draft's proposal, the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
 commits to the draft's rings: host work); tokens committed a step a request; tokens/s per user.
-The draft runs per-op on both paths (not on the kernels yet). Not a test: it never fails for
-being slow. On a CPU (tests) the kernels run under Triton's interpreter: the code paths, not
-the numbers.
+The draft is the same on both paths: per-op and eager, its routed experts on the mono expert
+stage's launcher (`Draft.experts_on_kernels`: the model has the mono runner), not on K1/K2 yet.
+Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
+interpreter: the code paths, not the numbers.
 """
 
 from __future__ import annotations

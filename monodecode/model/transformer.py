@@ -48,10 +48,14 @@ class Model:
 
     def use_mono(self, mono: str) -> None:
         """Run decode steps on the mono kernels: "off", "auto" (refusals logged, per-op then) or
-        "on" (refusals raised). Steps the kernels do not take run per-op (MonoRunner.fallbacks)."""
+        "on" (refusals raised). Steps the kernels do not take run per-op (MonoRunner.fallbacks).
+        With the kernels in use, the DSpark draft's routed experts run on the expert stage's
+        launcher too (`Draft.experts_on_kernels`)."""
         from ..mono import build
 
         self.mono = build(self, mono)
+        if self._draft is not None:
+            self._draft.experts_on_kernels(self.mono is not None)
 
     def step(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
         """fp32 logits [N, vocab]; with `return_hidden`, also the DSpark draft's input features
@@ -92,6 +96,7 @@ class Model:
 
             self.checkpoint.validate(require_draft=True)
             self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype))
+            self._draft.experts_on_kernels(self.mono is not None)
         return self._draft
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

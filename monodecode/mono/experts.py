@@ -360,16 +360,22 @@ class LaunchConfig:
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
-                   limit: float, config: LaunchConfig | None = None, *, poison: bool = False) -> torch.Tensor:
+                   limit: float, config: LaunchConfig | None = None, *, poison: bool = False,
+                   pick_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [R, d] fp32 of one step's routed experts (the contract in the module docstring).
-    `poison` fills the intermediates with NaN first, so that tests see any element no task wrote."""
+    `poison` fills the intermediates with NaN first, so that tests see any element no task wrote.
+    `pick_dtype`: each pick's output rounded to it before the sum, as the per-op MoE's w2
+    projection rounds to the activation dtype."""
     if config is None:
         config = LaunchConfig(fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
     buffers = StageBuffers(ids.numel(), weights, x.device, poison)
     launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
                   weights, limit, config, buffers)
     r, k = ids.shape
-    per_pick = torch.where((ids >= 0).unsqueeze(-1), buffers.per_pick.view(r, k, -1), 0.0)  # pads: no task
+    per_pick = buffers.per_pick.view(r, k, -1)
+    if pick_dtype is not None:
+        per_pick = per_pick.to(pick_dtype).float()
+    per_pick = torch.where((ids >= 0).unsqueeze(-1), per_pick, 0.0)  # pads: no task
     y = per_pick[:, 0].clone()
     for slot in range(1, k):  # top-k order, whatever the task order was
         y += per_pick[:, slot]
