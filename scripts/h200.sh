@@ -25,7 +25,7 @@ case $part in
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -rfE \
       tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py \
       tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
-      tests/test_model.py >> "$out/$part.txt" 2>&1 ;;
+      tests/test_model.py tests/test_speculative.py >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --out "$out/check.json" \
       >> "$out/$part.txt" 2>&1 ;;
