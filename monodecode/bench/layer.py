@@ -12,7 +12,8 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs; one compile a
   width), in a CUDA graph;
 - `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (fixed shapes,
-  model/batched.py) + K2's FFN launch, in a CUDA graph (`mono kernels`: the kernels alone).
+  model/batched.py) + K2's FFN launch, in a CUDA graph (`mono kernels`: the kernels alone; of
+  them K1 timed alone in a graph of its own, K2 the rest).
 `--shapes` times mono once per launch shape (`mono.runner.LaunchShape`: programs a SM, warps,
 tile sizes, pipelining depth; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
@@ -104,14 +105,15 @@ class LayerBench:
         groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
         whole = runner.plan[layer] == WHOLE
 
-        def kernels(attention_too: bool):
+        def kernels(attention_too: bool, k2_too: bool = True):
             s.streams[0].copy_(streams)
             cur = 0
             if whole:
                 cur = k1.launch(runner, s, lw, lc, cur, owed=False)
             elif attention_too:
                 runner._attention_per_op(layer, s, lc, 0, False)
-            k2.launch(runner, s, lw, lc, cur, attention=whole)
+            if k2_too:
+                k2.launch(runner, s, lw, lc, cur, attention=whole)
 
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
         experts = distinct_experts(block, lambda: block(streams, s.tokens, s.positions, groups, lc))
@@ -131,13 +133,17 @@ class LayerBench:
             row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
                    "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
                    "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
-                   "mono_s": None, "mono_kernels_s": None, "stages": None}
+                   "mono_s": None, "mono_kernels_s": None, "mono_k1_s": None, "mono_k2_s": None, "stages": None}
             try:
                 runner.configure(shape)
             except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
                 rows.append({**row, "refused": "; ".join(refused.reasons), "kernels_launched": dict(launches)})
                 continue
             row["mono_kernels_s"] = timed(graphed(lambda: kernels(False), self.device), self.device, self.reps)
+            # K1 alone (its own epoch: nothing waits across launches), K2 the rest of the pair
+            row["mono_k1_s"] = timed(graphed(lambda: kernels(False, k2_too=False), self.device), self.device,
+                                     self.reps) if whole else None
+            row["mono_k2_s"] = row["mono_kernels_s"] - (row["mono_k1_s"] or 0.0)
             row["mono_s"] = row["mono_kernels_s"] if whole else timed(graphed(lambda: kernels(True), self.device),
                                                                       self.device, self.reps)
             runner.check()
@@ -311,7 +317,8 @@ def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
     cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
-            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'of floor':>9}{'speedup':>9}"
+            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'K1':>9}{'K2':>9}{'of floor':>9}"
+            f"{'speedup':>9}"
             f"{'launches':>14}  shape")
     lines = [head, cols]
     for r in report["layers"]:
@@ -319,14 +326,16 @@ def table(report: dict) -> str:
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
                      f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
                      f"{_us(r['per_op_compiled_s']):>12}"
-                     f"{r['per_op_of_floor']:>9.1%}{_us(r['mono_s']):>12}{_us(r['mono_kernels_s']):>12}{versus}"
+                     f"{r['per_op_of_floor']:>9.1%}{_us(r['mono_s']):>12}{_us(r['mono_kernels_s']):>12}"
+                     f"{_us(r.get('mono_k1_s')):>9}{_us(r.get('mono_k2_s')):>9}{versus}"
                      f"{_launches(r['kernels_launched']):>14}  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
-                 "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; shape: the kernels' "
-                 "launch shape (mono/runner.py LaunchShape); launches: GPU kernels one eager step launches (torch "
-                 "profiler), per-op eager / per-op graph / mono")
+                 "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; kernels: mono's "
+                 "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1; the `ffn` launch); shape: the "
+                 "kernels' launch shape (mono/runner.py LaunchShape); launches: GPU kernels one eager step launches "
+                 "(torch profiler), per-op eager / per-op graph / mono")
     resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]
                  for k in r.get("kernel_resources") or () if k["row_block"] == max(
                      j["row_block"] for j in r["kernel_resources"])}
