@@ -49,7 +49,10 @@ class LaunchShape:
     in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
     default for the launch); `expert_split` 1: the expert dots take the even and the odd K
-    columns apart (`experts._accumulate`). The defaults are the fastest shape measured on the H200 at
+    columns apart (`experts._accumulate`); `compile_attention` 1: the `ffn` layers' per-op
+    attention (`BatchedAttention`) under torch.compile, with the eager path's rounding points
+    (`attend_compiled`: fused kernels instead of ~350-500 small ones; not yet timed). The
+    defaults are the fastest shape measured on the H200 at
     6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
     checked there for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
@@ -63,6 +66,7 @@ class LaunchShape:
     expert_block_k: int = 512
     expert_stages: int | None = None
     expert_split: int = 0
+    compile_attention: int = 0
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
@@ -87,6 +91,21 @@ class LaunchShape:
                 raise ValueError(f"launch shape {text!r}: {name} must be a whole number or none, got {value!r}")
             fields[name] = None if value == "none" else int(value)
         return cls(**fields)
+
+
+def attend(attention: BatchedAttention, x, positions, slots, cache) -> torch.Tensor:
+    """An `ffn` layer's attention on the per-op path, in fixed shapes."""
+    return attention(x, positions, slots, cache)
+
+
+def attend_compiled():
+    """`attend` under torch.compile: one graph a layer kind (CSA, HCA) for every layer of it and
+    every width from 2 rows (dynamic shapes; 1 row is specialized), compiled during a width's
+    warm-up step, outside any CUDA-graph capture. Inductor keeps the eager path's bf16 rounding
+    points (`emulate_precision_casts`), so the results are the eager ones up to summation order
+    (on the CPU bit-equal from 2 rows; at 1 row inductor reduces the matmuls itself: logits within
+    0.6 % there)."""
+    return torch.compile(attend, dynamic=True, options={"emulate_precision_casts": True})
 
 
 class MonoRunner:
@@ -149,6 +168,7 @@ class MonoRunner:
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = 1 if interpreted() else sms * shape.programs_per_sm
         self.shape = shape
+        self.attend = attend_compiled() if shape.compile_attention else attend
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.graphs.clear()
@@ -315,6 +335,6 @@ class MonoRunner:
         block, c = self.model.blocks[layer], self.config
         streams = self._settled(s, cur) if owed else s.streams[cur]
         x, post, comb = block._hc_pre(streams, "attn")
-        out = self.attention[layer](rms_norm(x, block.w[f"{block.p}attn_norm"], c.rms_norm_eps), s.positions,
-                                    s.slots, cache)
+        out = self.attend(self.attention[layer], rms_norm(x, block.w[f"{block.p}attn_norm"], c.rms_norm_eps),
+                          s.positions, s.slots, cache)
         s.streams[cur].copy_(hc_post(out, streams, post, comb))
