@@ -2,8 +2,8 @@
 # The GPU checks and benchmarks of the mono path, one part per device call (each fits the 10-minute
 # limit of a call): `bash scripts/h200.sh PART` with $OUT set (the device tool sets it).
 #   tests         the mono path's tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
-#   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), default shape;
-#                 SKIP=graph,timeline,error_path (say) runs only the rest
+#   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
+#                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
@@ -27,8 +27,8 @@ case $part in
       tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
       tests/test_model.py tests/test_speculative.py >> "$out/$part.txt" 2>&1 ;;
   check)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --out "$out/check.json" \
-      >> "$out/$part.txt" 2>&1 ;;
+    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
+      --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
   check-shape)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
