@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.batched import BatchedAttention
+from ..model.batched import BatchedAttention, attention_site
 from ..model.cache import LayerCache
 from ..model.hc import hc_post
 from ..model.layer import Block
@@ -38,9 +38,7 @@ class BatchedLayer:
 
     def __call__(self, streams, tokens, positions, slots, cache: LayerCache) -> torch.Tensor:
         b, eps = self.block, self.c.rms_norm_eps
-        x, post, comb = b._hc_pre(streams, "attn")
-        streams = hc_post(self.attention(rms_norm(x, b.w[f"{b.p}attn_norm"], eps), positions, slots, cache),
-                          streams, post, comb)
+        streams = attention_site(self.attention, streams, *b.site_weights("attn"), positions, slots, cache, self.c)
         x, post, comb = b._hc_pre(streams, "ffn")
         return hc_post(self.moe(rms_norm(x, b.w[f"{b.p}ffn_norm"], eps), tokens), streams, post, comb)
 

@@ -29,6 +29,8 @@ import torch
 
 from .attention import Attention
 from .cache import LayerCache, PositionRing
+from .hc import hc_post, hc_pre
+from .norm import rms_norm
 
 
 class BatchedAttention:
@@ -60,6 +62,17 @@ class BatchedAttention:
             keys, valid = torch.cat([keys, entries], dim=1), torch.cat([valid, visible], dim=1)
         y = att.output(att.attend(q, keys, valid), positions)
         return torch.where(step.live[:, None], y, torch.zeros_like(y))
+
+
+def attention_site(attention: BatchedAttention, streams, fn, base, scale, norm, positions, slots, cache,
+                   c) -> torch.Tensor:
+    """A layer's attention sub-block in fixed shapes (the first half of `Block`): the site's mHC
+    collapse (`fn`, `base`, `scale`: `Block.site_weights`), norm, attention and fold; the new
+    streams. The mono runner's `ffn` layers and bench layer's per-op baseline run it."""
+    x, post, comb = hc_pre(streams, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+                           sinkhorn_iters=c.hc_sinkhorn_iters)
+    out = attention(rms_norm(x, norm, c.rms_norm_eps), positions, slots, cache)
+    return hc_post(out, streams, post, comb)
 
 
 @dataclass

@@ -30,7 +30,12 @@ class Block:
         return hc_post(out, streams, post, comb)
 
     def _hc_pre(self, streams: torch.Tensor, site: str):
-        w, c = self.w, self.c
-        return hc_pre(streams, w[f"{self.p}hc_{site}_fn"], w[f"{self.p}hc_{site}_base"],
-                      w[f"{self.p}hc_{site}_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+        fn, base, scale, _ = self.site_weights(site)
+        c = self.c
+        return hc_pre(streams, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
                       sinkhorn_iters=c.hc_sinkhorn_iters)
+
+    def site_weights(self, site: str) -> tuple[torch.Tensor, ...]:
+        """A site's ("attn" or "ffn") mHC weights (fn, base, scale) and its norm's weight."""
+        w, p = self.w, self.p
+        return w[f"{p}hc_{site}_fn"], w[f"{p}hc_{site}_base"], w[f"{p}hc_{site}_scale"], w[f"{p}{site}_norm"]

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.batched import BatchedAttention
+from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
-from ..model.norm import rms_norm
 from . import k1, k2
 from .gemv import kernel_blocks
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
@@ -50,8 +49,9 @@ class LaunchShape:
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
     default for the launch); `expert_split` 1: the expert dots take the even and the odd K
     columns apart (`experts._accumulate`); `compile_attention` 1: the `ffn` layers' per-op
-    attention (`BatchedAttention`) under torch.compile, with the eager path's rounding points
-    (`attend_compiled`: fused kernels instead of ~350-500 small ones; not yet timed). The
+    attention sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with
+    the eager path's rounding points (`attention_site_compiled`: fused kernels instead of
+    ~350-500 small ones; not yet timed). The
     defaults are the fastest shape measured on the H200 at
     6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
     checked there for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
@@ -93,19 +93,14 @@ class LaunchShape:
         return cls(**fields)
 
 
-def attend(attention: BatchedAttention, x, positions, slots, cache) -> torch.Tensor:
-    """An `ffn` layer's attention on the per-op path, in fixed shapes."""
-    return attention(x, positions, slots, cache)
-
-
-def attend_compiled():
-    """`attend` under torch.compile: one graph a layer kind (CSA, HCA) for every layer of it and
-    every width from 2 rows (dynamic shapes; 1 row is specialized), compiled during a width's
-    warm-up step, outside any CUDA-graph capture. Inductor keeps the eager path's bf16 rounding
-    points (`emulate_precision_casts`), so the results are the eager ones up to summation order
-    (on the CPU bit-equal from 2 rows; at 1 row inductor reduces the matmuls itself: logits within
-    0.6 % there)."""
-    return torch.compile(attend, dynamic=True, options={"emulate_precision_casts": True})
+def attention_site_compiled():
+    """`attention_site` under torch.compile: one graph a layer kind (CSA, HCA) for every layer of
+    it and every width from 2 rows (dynamic shapes; 1 row is specialized), compiled during a
+    width's warm-up step, outside any CUDA-graph capture. Inductor keeps the eager path's bf16
+    rounding points (`emulate_precision_casts`), so the results are the eager ones up to
+    summation order (on the CPU bit-equal from 2 rows; at 1 row inductor reduces the matmuls
+    itself: logits within 0.6 % there)."""
+    return torch.compile(attention_site, dynamic=True, options={"emulate_precision_casts": True})
 
 
 class MonoRunner:
@@ -168,7 +163,7 @@ class MonoRunner:
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = 1 if interpreted() else sms * shape.programs_per_sm
         self.shape = shape
-        self.attend = attend_compiled() if shape.compile_attention else attend
+        self.attention_site = attention_site_compiled() if shape.compile_attention else attention_site
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.graphs.clear()
@@ -332,9 +327,7 @@ class MonoRunner:
     def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed: bool) -> None:
         """An `ffn` layer's attention sub-block on the per-op path (in fixed shapes), leaving the
         settled streams (after the attention site's fold) in s.streams[cur] for K2."""
-        block, c = self.model.blocks[layer], self.config
         streams = self._settled(s, cur) if owed else s.streams[cur]
-        x, post, comb = block._hc_pre(streams, "attn")
-        out = self.attend(self.attention[layer], rms_norm(x, block.w[f"{block.p}attn_norm"], c.rms_norm_eps),
-                          s.positions, s.slots, cache)
-        s.streams[cur].copy_(hc_post(out, streams, post, comb))
+        s.streams[cur].copy_(self.attention_site(self.attention[layer], streams,
+                                                 *self.model.blocks[layer].site_weights("attn"), s.positions,
+                                                 s.slots, cache, self.config))
