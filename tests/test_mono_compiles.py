@@ -22,3 +22,15 @@ def test_k1_and_k2_build_for_sm90():
     assert done.returncode == 0, done.stderr[-3000:]
     # widths 1 and 48: K1, K2 and the ffn launch for hash and bias routing, and two with a timeline
     assert "10 kernels built" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
+def test_the_expert_k_loop_disassembles_for_sm90():
+    """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("expert_sass.py")
+    done = subprocess.run([sys.executable, str(script), "--split"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "128 weights a thread a K step" in done.stdout
+    assert any("HGMMA" in line and "LDG" in line for line in done.stdout.splitlines()), done.stdout

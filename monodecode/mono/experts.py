@@ -17,9 +17,13 @@ Contract
   writes per-pick outputs [R * k, d] fp32; the sum over a row's picks runs in top-k order, so
   the result does not depend on task order. The tasks are device functions; `up_stage` and
   `down_stage` are the task loops K2 runs (program p of a persistent grid takes tasks p,
-  p + grid, ...). Standalone (`routed_experts`, the benchmark): one program a task (`_up`,
-  `_swiglu`, `_down`), or with `LaunchConfig.programs` that many persistent programs running
-  K2's loops (`_up_persistent`, `_down_persistent`), the stage as it runs inside K2.
+  p + grid, ...). Standalone (`routed_experts`: the benchmark, and the DSpark draft's MoE while
+  the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
+  `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
+  `_down_persistent`), the stage as it runs inside K2.
+- The K loop (`_matvec`): load a tile of codes and scales, decode it into its even and odd K
+  columns, and either interleave them for one dot or (constexpr SPLIT) dot each half with the
+  matching columns of x; the same products either way.
 
 Decode (constexpr FAST):
 - FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement

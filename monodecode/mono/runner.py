@@ -51,9 +51,8 @@ class LaunchShape:
     columns apart (`experts._accumulate`); `compile_attention` 1: the `ffn` layers' per-op
     attention sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with
     the eager path's rounding points (`attention_site_compiled`: fused kernels instead of
-    ~350-500 small ones; not yet timed). The
-    defaults are the fastest shape measured on the H200 at
-    6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
+    ~350-500 small ones; not yet timed). The defaults are the fastest shape measured on the H200
+    at 6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
     checked there for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
     programs_per_sm: int = 1

@@ -1,0 +1,96 @@
+"""Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
+
+`python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --programs 0] [--split]`, in a
+process where TRITON_INTERPRET is unset. Records one gate/up launch of `experts.launch_stages` at
+v4-flash sizes (hidden 4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with
+`triton.compile` (the JIT's divisibility hints: tests/mono_compile.py), disassembles the cubin
+with Triton's bundled `nvdisasm`, and prints, for every loop (a label and the branch back to it),
+its length and its most frequent opcodes. The K loop is the long one: its length over the weights
+a thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
+(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~4.4 with --split).
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from monodecode.mono import experts as X
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mono_compile import Recorder, signature  # noqa: E402
+
+D, I, E, TOPK, ROWS = 4096, 2048, 8, 6, 6
+
+
+def loops(sass: str) -> list[tuple[int, collections.Counter]]:
+    """(length, opcode counts) of each loop: the instructions from a label to a branch back to it."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label[1]] = len(instructions)
+            continue
+        instruction = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if instruction:
+            instructions.append(instruction[1].strip())
+    found = []
+    for i, text in enumerate(instructions):
+        branch = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", text)
+        if branch and labels.get(branch[1], i + 1) <= i:
+            body = instructions[labels[branch[1]]:i + 1]
+            found.append((len(body), collections.Counter(
+                re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)))
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="the expert K loop's SASS instruction mix, for sm_90")
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--block-k", type=int, default=256)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--programs", type=int, default=0, help="0: a program a task; n: n persistent programs")
+    parser.add_argument("--split", action="store_true", help="LaunchConfig.split")
+    args = parser.parse_args(argv)
+
+    def matrix(n, k):
+        return (torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8),
+                torch.randint(118, 130, (E, n, k // 32), dtype=torch.uint8))
+
+    weights = X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D), _fast_decode=True)
+    launches = []
+    X._up, X._up_persistent = Recorder(X._up, launches), Recorder(X._up_persistent, launches)
+    X._swiglu, X._down, X._down_persistent = (Recorder(k, []) for k in (X._swiglu, X._down, X._down_persistent))
+    config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, programs=args.programs, split=args.split)
+    ids = torch.randint(0, E, (ROWS, TOPK))
+    X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
+                    10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))
+    kernel, launch_args, kwargs = launches[0]
+    options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages")}
+    types, constants, attrs = signature(kernel, launch_args, kwargs)
+    compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    per_thread = args.block_n * args.block_k // (32 * args.warps)
+    print(f"{kernel.__name__}: BN {args.block_n}, BK {args.block_k}, {args.warps} warps, programs {args.programs}, "
+          f"split {args.split}; {per_thread} weights a thread a K step")
+    for length, opcodes in loops(sass):
+        print(f"loop of {length} instructions ({length / per_thread:.2f} a weight if the K loop): "
+              + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
