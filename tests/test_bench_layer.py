@@ -28,8 +28,8 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
         assert 1 <= r["distinct_experts"] <= 2 * r["width"]  # tiny: top-2 of 8
         assert r["floor_bytes"] > 0 and r["per_op_eager_s"] > 0 and r["mono_s"] > 0 and r["mono_kernels_s"] > 0
         assert (r["mono_s"] == r["mono_kernels_s"]) == (r["plan"] == "whole")  # ffn: + the attention, timed apart
-        if r["plan"] == "whole":  # K1 timed alone, K2 the rest of the pair
-            assert r["mono_k1_s"] > 0 and r["mono_k2_s"] == r["mono_kernels_s"] - r["mono_k1_s"]
+        if r["plan"] == "whole":  # K1 timed alone: a part of the pair (K2, the FFN, is the larger part)
+            assert 0 < r["mono_k1_s"] < r["mono_kernels_s"] and r["mono_k2_s"] > 0
         else:  # no K1: the ffn launch is the kernels
             assert r["mono_k1_s"] is None and r["mono_k2_s"] == r["mono_kernels_s"]
         launches = r["kernels_launched"]
