@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of the mono path, one part per device call (each fits the 10-minute
 # limit of a call): `bash scripts/h200.sh PART` with $OUT set (the device tool sets it).
-#   tests         the mono path's tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
+#   tests         the mono kernels' tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
+#   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation (one
+#                 call held both until the tests outgrew the 10 minutes of a call)
 #   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
-#                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), default shape only
+#                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
+#                 (default: the default shape)
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows.
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|check|check-shape|bench-layer|compiled|bench-decode|experts}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|check|check-shape|bench-layer|compiled|bench-decode|experts}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -22,10 +25,13 @@ export PYTHONPATH=$PWD
 } > "$out/$part.txt" 2>&1
 case $part in
   tests)
-    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -rfE \
-      tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py \
-      tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
-      tests/test_model.py tests/test_speculative.py >> "$out/$part.txt" 2>&1 ;;
+    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
+      -rfE --tb=short --durations=10 tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py \
+      tests/test_mono_gemv.py >> "$out/$part.txt" 2>&1 ;;
+  tests-model)
+    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
+      -rfE --tb=short --durations=10 tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py \
+      tests/test_bench_layer.py tests/test_model.py tests/test_speculative.py >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
@@ -38,7 +44,7 @@ case $part in
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
-      --kinds "${KINDS:-window,CSA,HCA}" --shapes default --compile "${MODE:-max-autotune-no-cudagraphs}" \
+      --kinds "${KINDS:-window,CSA,HCA}" --shapes "${SHAPES:-default}" --compile "${MODE:-max-autotune-no-cudagraphs}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;

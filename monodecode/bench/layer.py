@@ -88,6 +88,7 @@ class LayerBench:
         self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
         self.compile_mode = compile_mode
 
+    @torch.no_grad()  # as the model's steps run: a compiled region is guarded on the grad mode
     def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
                 timeline: bool = False) -> list[dict]:
         """One row a launch shape: the per-op times (measured once) and mono's with that shape."""
