@@ -29,6 +29,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
@@ -59,6 +60,8 @@ def signature(kernel, args, kwargs):
     for i, (name, value) in enumerate(zip(kernel.arg_names, values)):
         if kernel.params[i].is_constexpr:
             types[name], constants[(i,)] = "constexpr", value
+        elif isinstance(value, TensorDescriptor):  # as the JIT spells it: element type and block shape
+            types[name] = f"tensordesc<{POINTER[value.base.dtype][1:]}[{', '.join(map(str, value.block_shape))}]>"
         elif isinstance(value, torch.Tensor):
             types[name] = POINTER[value.dtype]
             if value.data_ptr() % 16 == 0:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +25,27 @@ def test_k1_and_k2_build_for_sm90():
     assert "10 kernels built" in done.stdout, done.stdout
 
 
-@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
-def test_the_expert_k_loop_disassembles_for_sm90():
-    """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops."""
+def k_loop(*options: str) -> tuple[int, dict[str, int]]:
+    """(instructions, opcode counts) of the expert K loop (the longest loop) that
+    tests/expert_sass.py prints for these options."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("expert_sass.py")
-    done = subprocess.run([sys.executable, str(script), "--split"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script), *options], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "128 weights a thread a K step" in done.stdout
-    assert any("HGMMA" in line and "LDG" in line for line in done.stdout.splitlines()), done.stdout
+    loops = [re.match(r"loop of (\d+) instructions \([^)]*\): (.*)", line) for line in done.stdout.splitlines()]
+    length, mix = max((int(m[1]), m[2]) for m in loops if m)
+    return length, {op: int(n) for op, n in (item.rsplit(" ", 1) for item in mix.split(", "))}
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
+def test_the_expert_k_loop_disassembles_for_sm90():
+    """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops
+    and its loads; in the fragment order (`experts.to_fragment_order`) the decoded pairs need no
+    byte shuffles: fewer PRMT and fewer instructions than the split dots of the checkpoint's order."""
+    split, split_mix = k_loop("--split")
+    fragments, fragments_mix = k_loop("--fragments")
+    for mix in (split_mix, fragments_mix):
+        assert mix["HGMMA"] > 0 and mix["LDG"] > 0, mix
+    assert fragments < split and fragments_mix["PRMT"] < split_mix["PRMT"], (split_mix, fragments_mix)

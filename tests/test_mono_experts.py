@@ -81,19 +81,21 @@ def test_many_rows_on_one_expert_are_split_into_tasks(device):
     assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
 
 
-@pytest.mark.parametrize("programs,split,block_k", [(1, False, 64), (3, False, 64), (0, True, 32), (3, True, 32)])
-def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, split, block_k):
+@pytest.mark.parametrize("programs,split,block_k,tma", [(1, False, 64, False), (3, False, 64, False),
+                                                       (0, True, 32, False), (3, True, 32, False),
+                                                       (0, False, 64, True), (3, True, 32, True)])
+def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, split, block_k, tma):
     """`LaunchConfig.programs`: a few programs looping over every task (K2's loops) give the
     reference's result too; under the interpreter the programs run one after another. With
     `split` (a dot for the even and one for the odd K columns), over two K steps of w1 / w3 and
-    one of w2."""
+    one of w2; with `tma`, the codes through tensor descriptors."""
     g = torch.Generator().manual_seed(40 + programs)
     ids = picks(g, 6, 2, 8, "bias")
     ids[2] = -1  # a pad row
     x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
     weights = torch.rand(6, 2, generator=g) + 0.1
     fast = device == "cuda" and bank.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, split=split)
+    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, split=split, tma=tma)
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
     cpu_bank = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
     assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
@@ -109,10 +111,13 @@ def test_group_picks():
     assert experts.tolist()[:6] == [0, 0, 1, 2, 0, 2]
 
 
-def test_prepare_round_trips():
+@pytest.mark.parametrize("fragments", [False, True])
+def test_prepare_round_trips(fragments):
     g = torch.Generator().manual_seed(3)
-    experts = [tuple(formats.quantize_mxfp4(torch.randn(32, 64, generator=g)) for _ in range(3)) for _ in range(4)]
-    back = X.unprepare(X.prepare(experts))
+    experts = [tuple(formats.quantize_mxfp4(torch.randn(32, 256, generator=g)) for _ in range(3)) for _ in range(4)]
+    prepared = X.prepare(experts, fragments=fragments)
+    assert torch.equal(prepared.w1[0][2], X.to_fragment_order(experts[2][0][0]) if fragments else experts[2][0][0])
+    back = X.unprepare(prepared)
     for original, restored in zip(experts, back):
         for (codes, scale), (codes2, scale2) in zip(original, restored):
             assert torch.equal(codes, codes2)
@@ -123,3 +128,43 @@ def test_prepare_round_trips():
     assert not bank.supports_fast_decode()
     with pytest.raises(ValueError, match="scale codes outside"):
         X.launch_stages(None, None, None, bank, LIMIT, X.LaunchConfig(fast=True), None)
+
+
+def test_the_fragment_order_places_each_column():
+    """Byte (t, m, q, r) of a 128-column group holds column m*32 + q*8 + 2t + r (low nibble) and
+    16 more (high nibble), whatever the rows before it; checked one nibble at a time."""
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 256, (3, 128), dtype=torch.uint8, generator=g)  # K = 256: two groups
+    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(3, 256)  # column order
+    fragments = X.to_fragment_order(codes)
+    for byte in range(128):
+        group, t, m, q, r = byte // 64, byte // 16 % 4, byte // 4 % 4, byte // 2 % 2, byte % 2
+        column = group * 128 + m * 32 + q * 8 + 2 * t + r
+        assert torch.equal(fragments[:, byte] & 15, nibbles[:, column])
+        assert torch.equal(fragments[:, byte] >> 4, nibbles[:, column + 16])
+    assert torch.equal(X.from_fragment_order(fragments), codes)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        X.to_fragment_order(codes[:, :32])
+
+
+@pytest.mark.parametrize("programs,block_k,tma", [(0, 128, False), (3, 128, False), (0, 256, True), (3, 128, True)])
+def test_experts_in_the_fragment_order_match_the_reference(device, programs, block_k, tma):
+    """The same experts in the fragment order give the reference's result: a program a task and
+    persistent programs, the codes loaded as pointers or through tensor descriptors, over two K
+    steps of 128 (w1 / w3: hidden 256; w2: intermediate 128, one step)."""
+    g = torch.Generator().manual_seed(50 + programs + block_k)
+    checkpoint = random_bank(g, num_experts=8, hidden=256, inter=128, device="cpu")
+    bank = X.prepare(X.unprepare(checkpoint), fragments=True)
+    bank = X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (bank.w1, bank.w2, bank.w3)), fragments=True)
+    ids = picks(g, 6, 2, 8, "bias")
+    ids[2] = -1  # a pad row
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    weights = torch.rand(6, 2, generator=g) + 0.1
+    fast = device == "cuda" and bank.supports_fast_decode()
+    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma)
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
+    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
+    assert (y[2] == 0).all()
+    with pytest.raises(ValueError, match="fragment order"):
+        X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT,
+                         X.LaunchConfig(fast=fast, block_n=32, block_k=128, split=True))

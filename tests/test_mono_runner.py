@@ -6,6 +6,7 @@ layers, one of each kind: window-only (`whole`: K1 + K2, hash-routed), CSA (`ffn
 and HCA (`ffn`, bias-routed); bf16, as the kernels run.
 """
 
+import copy
 import logging
 import os
 
@@ -352,10 +353,12 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
     assert len(m.mono.graphs) == 4
 
 
-def test_another_launch_shape_gives_the_same_step(model):
+@pytest.mark.parametrize("spec", ["block_n=0,block_k=512,expert_block_n=16,expert_block_k=32,expert_split=1",
+                                  "expert_block_n=16,expert_block_k=32,expert_tma=1"])
+def test_another_launch_shape_gives_the_same_step(model, spec):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, the
-    expert dots split into even and odd K columns (two K steps of w1 / w3): the same result up to fp32
-    summation order."""
+    expert dots split into even and odd K columns, or the expert codes through tensor descriptors
+    (two K steps of w1 / w3 either way): the same result up to fp32 summation order."""
     from monodecode.mono.runner import LaunchShape
 
     g = torch.Generator().manual_seed(21)
@@ -364,13 +367,48 @@ def test_another_launch_shape_gives_the_same_step(model):
     default = model.mono.shape
     out = model.step(caches[0], tokens, positions, slots)
     try:
-        model.mono.configure(LaunchShape(block_n=0, block_k=512, expert_block_n=16, expert_block_k=32,
-                                         expert_split=1))
+        model.mono.configure(LaunchShape.parse(spec))
         other = model.step(caches[1], tokens, positions, slots)
     finally:
         model.mono.configure(default)
     cos, rel = agreement(other, out)
     assert cos >= 0.99999 and rel <= 2e-3, (cos, rel)
+
+
+def test_experts_in_the_fragment_order_give_the_same_step(device):
+    """`expert_fragments` (with and without `expert_tma`): K2 reads a copy of the experts in the
+    fragment order, reported by `memory`, dropped again with the shape; the step is the default
+    shape's up to fp32 summation order. Hidden and intermediate 128 (one fragment group); on the
+    tiny model's 64 / 32 the shape is refused with the reason, the old shape kept."""
+    from monodecode.mono.runner import LaunchShape
+
+    m = Model.from_checkpoint(SyntheticCheckpoint(tiny(hidden_size=128, moe_intermediate_size=128,
+                                                       num_hidden_layers=1, compress_ratios=(0,),
+                                                       dspark_target_layer_ids=(0,)), seed=6), device, torch.bfloat16)
+    m.use_mono("on")
+    g = torch.Generator().manual_seed(22)
+    caches, next_pos = prefilled(m, [3, 17, 9, 30, 1, 12, 20, 5], seed=22)
+    tokens, positions, slots = step_rows(g, m.config.vocab_size, next_pos, *STEPS[6])
+    out = m.step(caches[0], tokens, positions, slots)
+    for i, spec in enumerate(["expert_fragments=1,expert_block_k=128", "expert_fragments=1,expert_tma=1"]):
+        m.mono.configure(LaunchShape.parse(spec))
+        experts = m.mono.layers[0].experts
+        assert m.mono.memory()["fragment_experts"] == sum(codes.numel() for codes, _ in (experts.w1, experts.w2,
+                                                                                        experts.w3))
+        cache = copy.deepcopy(caches[1])
+        cos, rel = agreement(m.step(cache, tokens, positions, slots), out)
+        assert cos >= 0.99999 and rel <= 2e-3, (spec, cos, rel)
+    m.mono.configure(LaunchShape())
+    assert m.mono.memory()["fragment_experts"] == 0
+
+
+def test_a_fragment_order_shape_the_tiles_do_not_fit_is_refused(model):
+    from monodecode.mono.runner import LaunchShape
+
+    before = model.mono.shape
+    with pytest.raises(ValueError, match=r"expert_fragments needs expert K steps of a multiple of 128 \(here \[32, 64\]\)"):
+        model.mono.configure(LaunchShape(expert_fragments=1))
+    assert model.mono.shape == before
 
 
 def test_compiled_ffn_attention_gives_the_same_steps(model, device):

@@ -7,7 +7,10 @@ Contract
   h = silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) in fp32 (the per-op path's MoE).
 - Weights: `ExpertWeights`, the checkpoint's MXFP4 stacked per matrix: codes [E, N, K / 2] uint8
   (element 2i in the low nibble) and E8M0 scales [E, N, K / 32] uint8. `prepare` builds it once
-  at load; `unprepare` is its inverse (tests round-trip it).
+  at load; `unprepare` is its inverse (tests round-trip it). With `fragments`, the codes of each
+  128 columns of a row are permuted into the fragment order (`to_fragment_order`): the order in
+  which the tensor cores take the decoded weights from registers, so the decode's pairs need no
+  shuffling (K steps then a multiple of 128, no split).
 - Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
   Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not
@@ -21,9 +24,11 @@ Contract
   the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
   `_down_persistent`), the stage as it runs inside K2.
-- The K loop (`_matvec`): load a tile of codes and scales, decode it into its even and odd K
-  columns, and either interleave them for one dot or (constexpr SPLIT) dot each half with the
-  matching columns of x; the same products either way.
+- The K loop (`_matvec`): load a tile of codes (pointers, or with `LaunchConfig.tma` a tensor
+  descriptor: the copy engine fills shared memory) and scales; in the checkpoint's order decode it
+  into its even and odd K columns and either interleave them for one dot or (constexpr SPLIT) dot
+  each half with the matching columns of x; in the fragment order decode it straight into the
+  natural column order (`_decode_fragments`). The same products every way.
 
 Decode (constexpr FAST):
 - FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement
@@ -64,6 +69,7 @@ class ExpertWeights:
     w1: tuple[torch.Tensor, torch.Tensor]
     w2: tuple[torch.Tensor, torch.Tensor]
     w3: tuple[torch.Tensor, torch.Tensor]
+    fragments: bool = False  # codes in the fragment order (`to_fragment_order`), not the checkpoint's
     _fast_decode: bool | None = field(default=None, repr=False)
 
     @property
@@ -87,22 +93,69 @@ class ExpertWeights:
         return self._fast_decode
 
 
-def prepare(experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]) -> ExpertWeights:
-    """Stack a layer's per-expert checkpoint tensors [(w1, w2, w3) each (packed, scale)]."""
+def prepare(experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], fragments: bool = False) -> ExpertWeights:
+    """Stack a layer's per-expert checkpoint tensors [(w1, w2, w3) each (packed, scale)], the codes
+    in the checkpoint's order or (fragments) in the fragment order."""
     def stack(m: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.stack([e[m][0].view(torch.uint8) for e in experts]).contiguous()
         scales = torch.stack([e[m][1].view(torch.uint8) for e in experts]).contiguous()
-        return codes, scales
+        return (to_fragment_order(codes) if fragments else codes), scales
 
-    return ExpertWeights(stack(0), stack(1), stack(2))
+    return ExpertWeights(stack(0), stack(1), stack(2), fragments)
 
 
 def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
     """The inverse of `prepare`: per expert (w1, w2, w3), each (packed uint8, e8m0 scale)."""
     def one(m: tuple[torch.Tensor, torch.Tensor], e: int):
-        return m[0][e], m[1][e].view(torch.float8_e8m0fnu)
+        codes = from_fragment_order(m[0][e]) if weights.fragments else m[0][e]
+        return codes, m[1][e].view(torch.float8_e8m0fnu)
 
     return [(one(weights.w1, e), one(weights.w2, e), one(weights.w3, e)) for e in range(weights.num_experts)]
+
+
+# The fragment order permutes the codes within each group of 128 K columns (64 bytes) of a row: the
+# byte at (t, m, q, r) (t 0..3, m 0..3, q and r 0..1; row-major) holds column m*32 + q*8 + 2t + r of
+# the group in its low nibble and that column + 16 in its high one. Thread t of a quad then finds
+# its columns of the tensor cores' operand (2t, 2t + 1, 2t + 8, 2t + 9 of every 16) in 16
+# contiguous bytes, paired in registers as the fast decode packs them (`_decode_fragments`).
+FRAGMENT_GROUP = 128
+
+
+def _fragment_view(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] in the checkpoint's order as nibbles [..., K / 128, m, s, q, t, r]: the
+    column g*128 + m*32 + s*16 + q*8 + 2t + r (s: which nibble of the fragment-order byte)."""
+    *lead, half = codes.shape
+    if (2 * half) % FRAGMENT_GROUP:
+        raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {2 * half}")
+    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1)  # column 2i + nibble
+    return nibbles.reshape(*lead, 2 * half // FRAGMENT_GROUP, 4, 2, 2, 4, 2)
+
+
+def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] uint8 from the checkpoint's order (column 2i in the low nibble of byte i)
+    to the fragment order; `from_fragment_order` is its inverse."""
+    v = _fragment_view(codes)
+    n = v.dim()
+    v = v.permute(*range(n - 6), n - 6, n - 2, n - 5, n - 3, n - 1, n - 4)  # (g, t, m, q, r, s)
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(codes.shape).contiguous()
+
+
+def in_fragment_order(weights: ExpertWeights) -> ExpertWeights:
+    """A copy of checkpoint-order experts with the codes in the fragment order (scales shared)."""
+    if weights.fragments:
+        raise ValueError("these experts are in the fragment order already")
+    return ExpertWeights(*((to_fragment_order(c), s) for c, s in (weights.w1, weights.w2, weights.w3)),
+                         fragments=True, _fast_decode=weights._fast_decode)
+
+
+def from_fragment_order(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] uint8 from the fragment order back to the checkpoint's."""
+    *lead, half = codes.shape
+    v = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(*lead, 2 * half // FRAGMENT_GROUP, 4, 4, 2, 2, 2)
+    n = v.dim()
+    v = v.permute(*range(n - 6), n - 6, n - 4, n - 1, n - 3, n - 5, n - 2)  # (g, m, s, q, t, r)
+    v = v.reshape(*lead, half, 2)
+    return (v[..., 0] | (v[..., 1] << 4)).contiguous()
 
 
 # --- decode ---------------------------------------------------------------------------------------
@@ -145,22 +198,26 @@ def _e2m1_value(nibble):
 
 
 @triton.jit
-def _load_tile(codes_ptr, scales_ptr, rows, k0, K, BK: tl.constexpr):
-    """Rows [BN] of an expert matrix, columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8,
-    scale codes [BN, BK / 32] int32)."""
-    # Rows are K / 2 bytes apart, a multiple of 16 (K % 32 == 0): say so, for 16-byte loads.
-    rk = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), 16), BK // 2)
-    codes = tl.load(codes_ptr + tl.multiple_of(rows * (K // 2), 16)[:, None] + rk[None, :])
+def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """Rows row0 .. row0 + BN of a stacked matrix ([E * N, K / 2] codes: expert e's row n is row
+    e * N + n), columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8, scale codes
+    [BN, BK / 32] int32). `codes`: a pointer, or (TMA) a tensor descriptor of blocks [BN, BK / 2],
+    whose loads the copy engine makes into shared memory, asynchronously and without registers."""
+    rows = row0 + tl.arange(0, BN)
+    if TMA:
+        tile = codes.load([row0.to(tl.int32), k0 // 2])
+    else:
+        # Rows are K / 2 bytes apart, a multiple of 16 (K % 32 == 0): say so, for 16-byte loads.
+        rk = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), 16), BK // 2)
+        tile = tl.load(codes + tl.multiple_of(rows * (K // 2), 16)[:, None] + rk[None, :])
     rg = k0 // 32 + tl.arange(0, BK // 32)
-    return codes, tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
+    return tile, tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
 
 
 @triton.jit
-def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
-    """A tile from `_load_tile` decoded with its scales, as its even and odd columns: (values at
-    k0 + 2i, values at k0 + 2i + 1), bf16 (FAST) or fp32 [BN, BK / 2] each, as the nibbles give
-    them: `_accumulate` decides whether to interleave them."""
-    BN: tl.constexpr = codes.shape[0]
+def _nibbles(codes, scale_codes, FAST: tl.constexpr):
+    """(low-nibble values, high-nibble values) of a codes tile, bf16 (FAST, each times 2^-126) or
+    fp32, and its scales as the same type (FAST: times the 2^126 left out)."""
     if FAST:
         low, high = _decode_fast(codes)
         # 2^(e - 127) times the 2^126 the bit placement left out, as a bf16: exponent field e + 126
@@ -170,9 +227,42 @@ def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
         low, high = _e2m1_value(c & 15), _e2m1_value(c >> 4)
         # 2^(e - 127) built from its bits: exact, code 0 being the fp32 subnormal 2^-127
         scale = tl.where(scale_codes == 0, 0x00400000, scale_codes << 23).to(tl.float32, bitcast=True)
+    return low, high, scale
+
+
+@triton.jit
+def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
+    """A tile from `_load_tile` (the checkpoint's order) decoded with its scales, as its even and
+    odd columns: (values at k0 + 2i, values at k0 + 2i + 1), bf16 (FAST) or fp32 [BN, BK / 2]
+    each, as the nibbles give them: `_accumulate` decides whether to interleave them."""
+    BN: tl.constexpr = codes.shape[0]
+    low, high, scale = _nibbles(codes, scale_codes, FAST)
     scale = scale[:, :, None]  # a scale per 32 columns: per 16 of each half
     return (tl.reshape(tl.reshape(low, (BN, BK // 32, 16)) * scale, (BN, BK // 2)),
             tl.reshape(tl.reshape(high, (BN, BK // 32, 16)) * scale, (BN, BK // 2)))
+
+
+@triton.jit
+def _decode_fragments(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
+    """A tile in the fragment order (`to_fragment_order`) decoded with its scales: [BN, BK] in
+    the natural K order. Byte (g, t, m, q, r) of the tile holds columns g*128 + m*32 + q*8 + 2t + r
+    (low nibble) and 16 more (high nibble): the two columns of a bf16 pair the tensor cores take
+    from one register are the low (or high) nibbles of two neighbouring bytes, which is how the
+    fast decode packs them, and each thread's bytes of a group are contiguous."""
+    BN: tl.constexpr = codes.shape[0]
+    G: tl.constexpr = BK // 128
+    low, high, scale = _nibbles(codes, scale_codes, FAST)
+    w = tl.join(tl.reshape(low, (BN, G, 4, 4, 2, 2)), tl.reshape(high, (BN, G, 4, 4, 2, 2)))  # (n, g, t, m, q, r, s)
+    w = w * tl.reshape(scale, (BN, G, 1, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
+    return tl.reshape(tl.permute(w, (0, 1, 3, 6, 4, 2, 5)), (BN, BK))  # (n, g, m, s, q, t, r): column order
+
+
+@triton.jit
+def _x_tile(x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
+    """x[x_rows, k0 .. k0 + BK] (masked rows 0) as the dot takes it."""
+    rk = k0 + tl.arange(0, BK)
+    x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
+    return x.to(tl.bfloat16) if FAST else x.to(tl.float32)
 
 
 @triton.jit
@@ -180,9 +270,7 @@ def _accumulate(acc, w, x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl
     """acc += w @ x[x_rows, k0 .. k0 + BK]^T, w = (even columns, odd columns) [BN, BK / 2] each.
     SPLIT: a dot a half against the matching columns of x (a shuffle of the small x tile);
     otherwise the halves are interleaved back into [BN, BK] (a shuffle of every weight) for one dot."""
-    rk = k0 + tl.arange(0, BK)
-    x = tl.load(x_ptr + x_rows[:, None] * K + rk[None, :], mask=x_mask[:, None], other=0.0)
-    x = x.to(tl.bfloat16) if FAST else x.to(tl.float32)
+    x = _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST)
     even, odd = w
     if SPLIT:
         x_even, x_odd = tl.split(tl.reshape(x, (x_rows.shape[0], BK // 2, 2)))
@@ -203,15 +291,21 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 
 
 @triton.jit
-def _matvec(codes_ptr, scales_ptr, n_rows, x_ptr, x_rows, x_mask, K,
-            BK: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr):
-    """acc [BN, ROWS] fp32 = W[n_rows, :] @ x[x_rows, :]^T over all K. NS: the loop's
-    software-pipelining depth (`tl.range` num_stages; None: the launch's). SPLIT: see `_accumulate`."""
-    acc = tl.zeros((n_rows.shape[0], x_rows.shape[0]), dtype=tl.float32)
+def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
+            FAST: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
+    """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
+    stacked matrix: `_load_tile`). NS: the loop's software-pipelining depth (`tl.range`
+    num_stages; None: the launch's). SPLIT: see `_accumulate`. FRAG: the codes are in the
+    fragment order (`ExpertWeights.fragments`; SPLIT does not apply)."""
+    acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
-        codes, scale_codes = _load_tile(codes_ptr, scales_ptr, n_rows, k0, K, BK)
-        acc = _accumulate(acc, _decode_tile(codes, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK, FAST,
-                          SPLIT)
+        tile, scale_codes = _load_tile(codes, scales_ptr, row0, k0, K, BN, BK, TMA)
+        if FRAG:
+            acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST),
+                       acc, FAST)
+        else:
+            acc = _accumulate(acc, _decode_tile(tile, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK, FAST,
+                              SPLIT)
     return acc
 
 
@@ -230,22 +324,22 @@ def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
 def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-            NS: tl.constexpr = None, SPLIT: tl.constexpr = False):
+            NS: tl.constexpr = None, SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+            FRAG: tl.constexpr = False):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
     halves the registers (measured: twice the occupancy, 1.30 -> 1.70 TB/s). K2 calls this."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
-        n = nb * BN + tl.arange(0, BN)
-        w_off = tl.multiple_of(expert * I * (K // 2), 16)
-        s_off = expert * I * (K // 32)
+        row0 = expert * I + nb * BN
         if which == 0:
-            acc = _matvec(w1_codes + w_off, w1_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS,
-                          SPLIT)
+            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, SPLIT, TMA,
+                          FRAG)
         else:
-            acc = _matvec(w3_codes + w_off, w3_scales + s_off, n, x_ptr, picks // TOPK, mask, K, BK, FAST, NS,
-                          SPLIT)
+            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, SPLIT, TMA,
+                          FRAG)
+        n = nb * BN + tl.arange(0, BN)
         tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
 
 
@@ -264,63 +358,67 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 @triton.jit
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-              NS: tl.constexpr = None, SPLIT: tl.constexpr = False):
+              NS: tl.constexpr = None, SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+              FRAG: tl.constexpr = False):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
+        y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, SPLIT, TMA,
+                    FRAG)
         n = nb * BN + tl.arange(0, BN)
-        y = _matvec(w2_codes + tl.multiple_of(expert * D * (I // 2), 16), w2_scales + expert * D * (I // 32), n,
-                    h_ptr, picks, mask, I, BK, FAST, NS, SPLIT)
         tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
 
 
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, SPLIT: tl.constexpr = False):
+             NS: tl.constexpr = None, SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+             FRAG: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
     block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, SPLIT)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, SPLIT, TMA, FRAG)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               SPLIT: tl.constexpr = False):
+               SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+               FRAG: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales,
-                  D, I, BN, BK, ROWS_, FAST, NS, SPLIT)
+                  D, I, BN, BK, ROWS_, FAST, NS, SPLIT, TMA, FRAG)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT, TMA, FRAG)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     SPLIT: tl.constexpr):
+                     SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT, TMA, FRAG)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-        SPLIT: tl.constexpr):
+        SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT,
+            TMA, FRAG)
 
 
 @triton.jit
@@ -330,9 +428,10 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr,
+          TMA: tl.constexpr, FRAG: tl.constexpr):
     down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT)
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT, TMA, FRAG)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -361,6 +460,7 @@ class LaunchConfig:
     num_stages: int = 1  # Triton's pipelining stages the codes through shared memory: slower here
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     split: bool = False  # a dot for the even and one for the odd K columns (`_accumulate`), not one interleaved
+    tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -410,11 +510,17 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
-    meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps, num_stages=config.num_stages)
-    up_args = (x, buffers.gate_up, counts, order, experts, *weights.w1, *weights.w3, d, inter, picks // x.shape[0])
-    down_args = (buffers.h, buffers.per_pick, counts, order, experts, *weights.w2, d, inter)
-    up_meta = dict(BN=block_up, BK=min(config.block_k, d), SPLIT=config.split, **meta)
-    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), SPLIT=config.split, **meta)
+    if weights.fragments and (config.split or min(config.block_k, d, inter) % FRAGMENT_GROUP):
+        raise ValueError(f"experts in the fragment order need K steps of a multiple of {FRAGMENT_GROUP} columns "
+                         f"and no split: block_k {config.block_k}, split {config.split}")
+    meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
+                num_stages=config.num_stages)
+    up_meta = dict(BN=block_up, BK=min(config.block_k, d), SPLIT=config.split, TMA=config.tma, **meta)
+    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), SPLIT=config.split, TMA=config.tma, **meta)
+    w1, w2, w3 = (codes_operand(m, config.tma, meta["BN"], meta["BK"]) for m, meta in
+                  ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
+    up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
+    down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
     if config.programs:
         up = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
     else:
@@ -427,6 +533,18 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     else:
         down = _down[(picks, d // block_down)](*down_args, **down_meta)
     return {"up": up, "down": down}
+
+
+def codes_operand(matrix: tuple[torch.Tensor, torch.Tensor], tma: bool, block_n: int, block_k: int):
+    """(codes, scales) as the kernels take them: the stacked codes [E, N, K / 2] as they are, or
+    (tma) a tensor descriptor of them viewed as [E * N, K / 2] in blocks [block_n, block_k / 2]."""
+    codes, scales = matrix
+    if not tma:
+        return codes, scales
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    experts, n, half_k = codes.shape
+    return TensorDescriptor.from_tensor(codes.view(experts * n, half_k), [block_n, block_k // 2]), scales
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,

@@ -1,14 +1,17 @@
 """Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
-[--programs-per-sm 0,1,2] [--out DIR]`
+[--programs-per-sm 0,1,2] [--layouts interleave,split,fragments,tma,fragments+tma] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
 weights come from HBM; the graph is replayed 5 times and the median per step kept. Bytes: the
 distinct experts each step touches times one expert's MXFP4 bytes (codes + scales of w1, w2, w3).
 The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) is measured in
-the same run. Every variant is first checked against the float64 reference at 6 rows; its line
+the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for one
+dot (`interleave`) or a dot a half (`split`), or in the fragment order (`fragments`,
+`ExpertWeights.fragments`); `+tma`: the codes tiles loaded through tensor descriptors
+(`LaunchConfig.tma`). Every variant is first checked against the float64 reference at 6 rows; its line
 ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
 `async` where Triton staged the codes through shared memory (its software pipelining).
 """
@@ -93,18 +96,23 @@ def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
     return sorted(times)[2], sum(p[-1] for p in plans) / steps
 
 
-def variants(quick: bool, programs_per_sm: list[int]):
-    """(name, LaunchConfig): the portable decode, then a grid of fast ones, each with a program a
-    task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop: s1, s2, s3
-    (Triton's num_stages), and `split` (`LaunchConfig.split`: a dot for the even and one for the
-    odd K columns) or not (the decoded halves interleaved for one dot)."""
-    yield "portable", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
-    grid = itertools.product((64, 128), (256, 512), (4, 8), (1, 3), (False, True)) if quick else \
-        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3), (False, True))
+LAYOUTS = ("interleave", "split", "fragments", "tma", "fragments+tma")
+
+
+def variants(quick: bool, programs_per_sm: list[int], layouts: list[str]):
+    """(name, layout, LaunchConfig): the portable decode, then a grid of fast ones, each with a
+    program a task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop:
+    s1, s2, s3 (Triton's num_stages); the layout as in the module docstring."""
+    yield "portable", "interleave", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    grid = itertools.product((64, 128), (256, 512), (4, 8), (1, 3)) if quick else \
+        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (bn, bk, nw, stages, split), pps in itertools.product(grid, programs_per_sm):
-        name = f"fast bn{bn} bk{bk} w{nw} s{stages}" + (" split" if split else "") + (f" pps{pps}" if pps else "")
-        yield name, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, split=split)
+    for (bn, bk, nw, stages), layout, pps in itertools.product(grid, layouts, programs_per_sm):
+        if layout.startswith("fragments") and bk % X.FRAGMENT_GROUP:
+            continue
+        name = f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
+        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, split=layout == "split",
+                                           tma=layout.endswith("tma"))
 
 
 def main(argv=None) -> int:
@@ -115,17 +123,27 @@ def main(argv=None) -> int:
     parser.add_argument("--programs-per-sm", default="0",
                         help="comma-separated: 0 = a program a task; n = n persistent programs a SM running K2's "
                              "task loops (the stage as it runs inside K2)")
+    parser.add_argument("--layouts", default="interleave,split",
+                        help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
+    layouts = args.layouts.split(",")
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"--layouts: unknown {', '.join(sorted(unknown))}; known: {', '.join(LAYOUTS)}")
     g = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_bandwidth("cuda")
-    bank = random_bank(g)
+    checkpoint_order = random_bank(g)
+    banks = {False: checkpoint_order}
+    if any(layout.startswith("fragments") for layout in layouts):  # the same experts, a second copy
+        banks[True] = X.in_fragment_order(checkpoint_order)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
-    for name, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")]):
+    for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts):
+        bank = banks[layout.startswith("fragments")]
         try:
             err = check(bank, config, g)
         except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)

@@ -66,7 +66,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-                TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr, ESPLIT: tl.constexpr):
+                TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr, ESPLIT: tl.constexpr,
+                ETMA: tl.constexpr, EFRAG: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
@@ -116,7 +117,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
 
     P = R * TOPK
     X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
-               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ESPLIT)
+               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ESPLIT, ETMA, EFRAG)
     grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
@@ -125,7 +126,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
 
     X.down_stage(pid, grid, P, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, d, I,
-                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ESPLIT)
+                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ESPLIT, ETMA, EFRAG)
     grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
 
     c_blocks = tl.cdiv(d, CBL_)
@@ -152,7 +153,8 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-        TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr, ESPLIT: tl.constexpr):
+        TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr, ESPLIT: tl.constexpr,
+        ETMA: tl.constexpr, EFRAG: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -181,7 +183,8 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
-                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ESPLIT)
+                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ESPLIT,
+                ETMA, EFRAG)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
@@ -209,7 +212,10 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     else:  # unread: the attention stages are compiled out
         attn = (s.q, s.o, s.q, s.slots, 1, s.logits, s.logits, 1, 1.0, s.q, s.q, s.z, s.q, s.q)
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
-    ex = lw.experts
+    ex = lw.fragment_experts if shape.expert_fragments else lw.experts
+    bne, bke_d, bke_i = min(shape.expert_block_n, inter, d), min(shape.expert_block_k, d), min(shape.expert_block_k, inter)
+    w1, w3 = (X.codes_operand(m, bool(shape.expert_tma), bne, bke_d) for m in (ex.w1, ex.w3))
+    w2 = X.codes_operand(ex.w2, bool(shape.expert_tma), bne, bke_i)
     kind = "k2" if attention else "ffn"
     runner.launch(_k2, "K2" if attention else "K2 (ffn)",
         runner.sync[kind].words, runner.max_polls, runner.timeline_buffer(kind), s.rows, s.tokens, s.positions, s.slots,
@@ -219,7 +225,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         lw.gate, routing, routing, s.logits, s.ids, s.route_weights, s.order, s.experts, s.counts,
         shared[0].codes, shared[0].scales, shared[1].codes, shared[1].scales, shared[2].codes, shared[2].scales,
         s.shared_gate, s.shared_up, s.shared_h, s.shared_out,
-        *ex.w1, *ex.w2, *ex.w3, s.gate_up, s.h, s.per_pick, s.y,
+        *w1, *w2, *w3, s.gate_up, s.h, s.per_pick, s.y,
         d, c.num_attention_heads, c.o_groups, c.o_lora_rank, c.n_routed_experts, inter, c.num_experts_per_tok,
         c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters, c.routed_scaling_factor, c.swiglu_limit,
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
@@ -230,10 +236,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         ROWS_E=X.ROWS, BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
-        BKE_I=min(shape.expert_block_k, inter), SWB_=min(SWB, inter), CBL_=min(CBL, d),
+        BNE=bne, BKE_D=bke_d, BKE_I=bke_i, SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
-        ESPLIT=bool(shape.expert_split),
+        ESPLIT=bool(shape.expert_split), ETMA=bool(shape.expert_tma), EFRAG=bool(shape.expert_fragments),
     )
     return 1 - cur if attention else cur

@@ -28,6 +28,7 @@ import torch
 
 from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
+from . import experts as X
 from . import k1, k2
 from .gemv import kernel_blocks
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
@@ -48,7 +49,11 @@ class LaunchShape:
     in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
     default for the launch); `expert_split` 1: the expert dots take the even and the odd K
-    columns apart (`experts._accumulate`); `compile_attention` 1: the `ffn` layers' per-op
+    columns apart (`experts._accumulate`); `expert_fragments` 1: the kernels read a copy of the
+    experts in the fragment order (`experts.to_fragment_order`: no shuffle of the decoded pairs;
+    the copy is made at configure and reported by `memory`; expert K steps a multiple of 128, no
+    split); `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy
+    engine, `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op
     attention sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with
     the eager path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of
     ~350-500 small ones: `ffn` layers 1.2-2.1x faster on the H200; opt-in until its agreement at
@@ -66,6 +71,8 @@ class LaunchShape:
     expert_block_k: int = 512
     expert_stages: int | None = None
     expert_split: int = 0
+    expert_fragments: int = 0
+    expert_tma: int = 0
     compile_attention: int = 0
 
     def spec(self) -> str:
@@ -165,6 +172,7 @@ class MonoRunner:
         graphs and timelines captured so far and, on a GPU, checks co-residency
         (`check_residency`: raises MonoRefused if the shape cannot be resident, and keeps the
         shape it had)."""
+        self._check_expert_tiles(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = 1 if interpreted() else sms * shape.programs_per_sm
@@ -172,6 +180,9 @@ class MonoRunner:
         self.attention_site = attention_site_compiled() if shape.compile_attention else attention_site
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
+        for lw in self.layers:  # the fragment-order copies only while a shape reads them
+            lw.fragment_experts = (lw.fragment_experts or X.in_fragment_order(lw.experts)) if shape.expert_fragments \
+                else None
         self.graphs.clear()
         self.timelines.clear()
         self.compiled = {}  # (kernel name, row block): the compiled kernel last launched (GPU)
@@ -182,6 +193,13 @@ class MonoRunner:
                 self.configure(previous, check=False)
                 raise
 
+    def _check_expert_tiles(self, shape: LaunchShape) -> None:
+        """A shape whose expert tiles the fragment order cannot serve is a caller's error (ValueError)."""
+        steps = {min(shape.expert_block_k, k) for k in (self.config.hidden_size, self.config.moe_intermediate_size)}
+        if shape.expert_fragments and (shape.expert_split or any(k % X.FRAGMENT_GROUP for k in steps)):
+            raise ValueError(f"launch shape {shape.spec()}: expert_fragments needs expert K steps of a multiple of "
+                             f"{X.FRAGMENT_GROUP} (here {sorted(steps)}) and expert_split=0")
+
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
         `gemv.default_blocks`' choice for this grid); BN at most `group_rows` for a grouped one."""
@@ -191,8 +209,11 @@ class MonoRunner:
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds beyond the per-op path's weights: the FP8 dense copies the
-        kernels read, and the scratch of every width built so far."""
+        kernels read, the experts' fragment-order codes (`expert_fragments`), and the scratch of
+        every width built so far."""
+        fragments = [lw.fragment_experts for lw in self.layers if lw.fragment_experts is not None]
         return {"fp8_weights": sum(lw.nbytes_extra() for lw in self.layers),
+                "fragment_experts": sum(c.numel() for ex in fragments for c, _ in (ex.w1, ex.w2, ex.w3)),
                 "scratch": sum(s.nbytes() for s in self.scratch.values())}
 
     # --- the step ---------------------------------------------------------------------------------

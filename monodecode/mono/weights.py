@@ -66,6 +66,7 @@ class LayerWeights:
     kv_norm: torch.Tensor | None = None
     attn_sink: torch.Tensor | None = None
     rope_freqs: torch.Tensor | None = None
+    fragment_experts: X.ExpertWeights | None = None  # a copy in the fragment order (LaunchShape.expert_fragments)
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
