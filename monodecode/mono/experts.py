@@ -121,23 +121,34 @@ def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Te
 FRAGMENT_GROUP = 128
 
 
-def _fragment_view(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., K / 2] in the checkpoint's order as nibbles [..., K / 128, m, s, q, t, r]: the
-    column g*128 + m*32 + s*16 + q*8 + 2t + r (s: which nibble of the fragment-order byte)."""
-    *lead, half = codes.shape
-    if (2 * half) % FRAGMENT_GROUP:
-        raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {2 * half}")
-    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1)  # column 2i + nibble
-    return nibbles.reshape(*lead, 2 * half // FRAGMENT_GROUP, 4, 2, 2, 4, 2)
+def _nibbles_of(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] -> nibbles [..., K / 2, 2] (low, high), after checking K."""
+    if codes.shape[-1] * 2 % FRAGMENT_GROUP:
+        raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {codes.shape[-1] * 2}")
+    return torch.stack((codes & 15, codes >> 4), dim=-1)
+
+
+def _bytes_of(nibbles: torch.Tensor, shape) -> torch.Tensor:
+    """Nibbles [..., 2] (low, high) -> codes of `shape`."""
+    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(shape).contiguous()
 
 
 def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
     """Codes [..., K / 2] uint8 from the checkpoint's order (column 2i in the low nibble of byte i)
     to the fragment order; `from_fragment_order` is its inverse."""
-    v = _fragment_view(codes)
-    n = v.dim()
-    v = v.permute(*range(n - 6), n - 6, n - 2, n - 5, n - 3, n - 1, n - 4)  # (g, t, m, q, r, s)
-    return (v[..., 0] | (v[..., 1] << 4)).reshape(codes.shape).contiguous()
+    *lead, half = codes.shape
+    # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
+    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)  # (g, m, s, q, t, r)
+    n = len(lead)
+    return _bytes_of(v.permute(*range(n), n, n + 4, n + 1, n + 3, n + 5, n + 2), codes.shape)  # (g, t, m, q, r, s)
+
+
+def from_fragment_order(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] uint8 from the fragment order back to the checkpoint's."""
+    *lead, half = codes.shape
+    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (g, t, m, q, r, s)
+    n = len(lead)
+    return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 3, n + 1, n + 4), codes.shape)  # (g, m, s, q, t, r)
 
 
 def in_fragment_order(weights: ExpertWeights) -> ExpertWeights:
@@ -146,16 +157,6 @@ def in_fragment_order(weights: ExpertWeights) -> ExpertWeights:
         raise ValueError("these experts are in the fragment order already")
     return ExpertWeights(*((to_fragment_order(c), s) for c, s in (weights.w1, weights.w2, weights.w3)),
                          fragments=True, _fast_decode=weights._fast_decode)
-
-
-def from_fragment_order(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., K / 2] uint8 from the fragment order back to the checkpoint's."""
-    *lead, half = codes.shape
-    v = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(*lead, 2 * half // FRAGMENT_GROUP, 4, 4, 2, 2, 2)
-    n = v.dim()
-    v = v.permute(*range(n - 6), n - 6, n - 4, n - 1, n - 3, n - 5, n - 2)  # (g, m, s, q, t, r)
-    v = v.reshape(*lead, half, 2)
-    return (v[..., 0] | (v[..., 1] << 4)).contiguous()
 
 
 # --- decode ---------------------------------------------------------------------------------------

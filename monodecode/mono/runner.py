@@ -53,13 +53,14 @@ class LaunchShape:
     experts in the fragment order (`experts.to_fragment_order`: no shuffle of the decoded pairs;
     the copy is made at configure and reported by `memory`; expert K steps a multiple of 128, no
     split); `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy
-    engine, `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op
-    attention sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with
-    the eager path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of
-    ~350-500 small ones: `ffn` layers 1.2-2.1x faster on the H200; opt-in until its agreement at
-    v4-flash sizes is checked there, `mono.check`). The defaults are the fastest shape measured on the H200
-    at 6-48 rows (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and
-    checked there for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
+    engine, `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op attention
+    sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with the eager
+    path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500
+    small ones, `ffn` layers 1.2-2.1x faster on the H200; opt-in until its agreement at v4-flash
+    sizes is checked there, `mono.check`). `expert_fragments` and `expert_tma` are not timed on the
+    GPU yet. The defaults are the fastest shape measured on the H200 at 6-48 rows (1.3-1.4x the
+    4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there for
+    agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
     programs_per_sm: int = 1
     k1_warps: int = 4
