@@ -168,3 +168,20 @@ def test_experts_in_the_fragment_order_match_the_reference(device, programs, blo
     with pytest.raises(ValueError, match="fragment order"):
         X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT,
                          X.LaunchConfig(fast=fast, block_n=32, block_k=128, split=True))
+
+
+def test_the_benchmark_sweeps_each_layout(monkeypatch):
+    """experts_bench's grid (the benchmark itself needs a GPU): each layout's launch config at
+    every tile, a program a task and persistent programs a SM."""
+    from types import SimpleNamespace
+
+    from monodecode.mono import experts_bench as B
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(multi_processor_count=132))
+    found = {name: (layout, config) for name, layout, config in B.variants(False, [0, 1], ["split", "fragments+tma"])}
+    assert found.pop("portable")[1].fast is False
+    assert all(config.split == (layout == "split") and config.tma == (layout == "fragments+tma")
+               for layout, config in found.values())
+    assert len(found) == 3 * 3 * 2 * 3 * 2 * 2  # BN, BK, warps, stages; two layouts; two launches
+    assert {config.block_k for _, config in found.values()} == {128, 256, 512}
+    assert {config.programs for _, config in found.values()} == {0, 132}

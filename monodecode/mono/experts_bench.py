@@ -108,8 +108,6 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str]):
         itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages), layout, pps in itertools.product(grid, layouts, programs_per_sm):
-        if layout.startswith("fragments") and bk % X.FRAGMENT_GROUP:
-            continue
         name = f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, split=layout == "split",
                                            tma=layout.endswith("tma"))
