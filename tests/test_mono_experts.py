@@ -45,6 +45,16 @@ def bank(device):
     return random_bank(torch.Generator().manual_seed(0), num_experts=8, hidden=64, inter=32, device=device)
 
 
+@pytest.fixture(scope="module")
+def fragment_bank(device):
+    """Experts in the fragment order (`ExpertWeights.fragments`: K a multiple of 128), on `device`,
+    and the same experts in the checkpoint's order on the CPU for the reference."""
+    checkpoint = random_bank(torch.Generator().manual_seed(1), num_experts=8, hidden=256, inter=128, device="cpu")
+    fragments = X.in_fragment_order(checkpoint)
+    return X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (fragments.w1, fragments.w2, fragments.w3)),
+                           fragments=True), checkpoint
+
+
 def picks(g, rows, topk, num_experts, routing):
     if routing == "hash":  # a fixed table per token id: tokens repeat, so do whole pick sets
         table = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(5)])
@@ -55,16 +65,25 @@ def picks(g, rows, topk, num_experts, routing):
 
 @pytest.mark.parametrize("rows", [1, 2, 6, 16, 48])
 @pytest.mark.parametrize("routing", ["hash", "bias"])
-def test_matches_float64_reference(bank, device, rows, routing):
+@pytest.mark.parametrize("order", ["checkpoint", "fragments"])
+def test_matches_float64_reference(bank, fragment_bank, device, rows, routing, order):
+    """Hash routing repeats whole pick sets across rows (rows share experts), bias routing draws
+    them; a pad row from 6 rows on; the checkpoint's code order and the fragment order (whose
+    launch takes K steps of 128)."""
     g = torch.Generator().manual_seed(rows * 7 + len(routing))
     ids = picks(g, rows, 2, 8, routing)
     if rows > 2:
         ids[rows // 2] = -1  # a pad row
-    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    if order == "fragments":
+        experts, checkpoint = fragment_bank
+        config = X.LaunchConfig(fast=device == "cuda" and experts.supports_fast_decode(), block_n=32, block_k=128)
+    else:
+        experts, config = bank, None
+        checkpoint = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
+    x = torch.randn(rows, experts.hidden, generator=g).to(torch.bfloat16)
     weights = torch.rand(rows, 2, generator=g) + 0.1
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, poison=True)
-    ref = X.reference(x, ids, weights, X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3))), LIMIT)
-    assert_close(y, ref)
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT, config, poison=True)
+    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
     if rows > 2:
         assert (y[rows // 2] == 0).all()
 
