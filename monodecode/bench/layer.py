@@ -126,8 +126,11 @@ class LayerBench:
         step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc), self.device)
         per_op_graph, per_op_compiled = timed(step, self.device, self.reps), None
         if self.compile_mode:
-            compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
-            step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
+            # One compiled graph a layer kind and width, all of the same code: past dynamo's
+            # recompile limit (8) it would quietly run the layer eagerly; raise it, and fail if hit.
+            with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+                compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
+                step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
             per_op_compiled = timed(step, self.device, self.reps)
         rows = []
         for shape in shapes:
