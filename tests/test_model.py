@@ -1,7 +1,6 @@
 """The per-op model on its own: decode equals prefill, rewinds, pad rows, formats, errors."""
 
 import json
-import shutil
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """DSpark speculative decoding on the per-op path: lossless greedy, cache consistency, errors."""
 
 import json
-import shutil
 
 import pytest
 import torch

@@ -23,7 +23,6 @@ from ..model.batched import BatchedAttention, attention_site
 from ..model.cache import LayerCache
 from ..model.hc import hc_post
 from ..model.layer import Block
-from ..model.norm import rms_norm
 
 
 class BatchedLayer:
@@ -37,10 +36,10 @@ class BatchedLayer:
         self.w2 = torch.stack([w2.t() for _, w2, _ in experts]).contiguous()
 
     def __call__(self, streams, tokens, positions, slots, cache: LayerCache) -> torch.Tensor:
-        b, eps = self.block, self.c.rms_norm_eps
+        b = self.block
         streams = attention_site(self.attention, streams, *b.site_weights("attn"), positions, slots, cache, self.c)
-        x, post, comb = b._hc_pre(streams, "ffn")
-        return hc_post(self.moe(rms_norm(x, b.w[f"{b.p}ffn_norm"], eps), tokens), streams, post, comb)
+        x, post, comb = b.site_input(streams, "ffn")
+        return hc_post(self.moe(x, tokens), streams, post, comb)
 
     def moe(self, x, tokens) -> torch.Tensor:
         moe = self.block.moe

@@ -29,8 +29,8 @@ import torch
 
 from .attention import Attention
 from .cache import LayerCache, PositionRing
-from .hc import hc_post, hc_pre
-from .norm import rms_norm
+from .hc import hc_post
+from .layer import site_input
 
 
 class BatchedAttention:
@@ -69,10 +69,8 @@ def attention_site(attention: BatchedAttention, streams, fn, base, scale, norm, 
     """A layer's attention sub-block in fixed shapes (the first half of `Block`): the site's mHC
     collapse (`fn`, `base`, `scale`: `Block.site_weights`), norm, attention and fold; the new
     streams. The mono runner's `ffn` layers and bench layer's per-op baseline run it."""
-    x, post, comb = hc_pre(streams, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
-                           sinkhorn_iters=c.hc_sinkhorn_iters)
-    out = attention(rms_norm(x, norm, c.rms_norm_eps), positions, slots, cache)
-    return hc_post(out, streams, post, comb)
+    x, post, comb = site_input(streams, fn, base, scale, norm, c)
+    return hc_post(attention(x, positions, slots, cache), streams, post, comb)
 
 
 @dataclass

@@ -22,20 +22,24 @@ class Block:
 
     def __call__(self, streams: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                  groups: list[RequestRows], cache: LayerCache | PositionRing) -> torch.Tensor:
-        x, post, comb = self._hc_pre(streams, "attn")
-        out = self.attention(rms_norm(x, self.w[f"{self.p}attn_norm"], self.c.rms_norm_eps), positions, groups, cache)
-        streams = hc_post(out, streams, post, comb)
-        x, post, comb = self._hc_pre(streams, "ffn")
-        out = self.moe(rms_norm(x, self.w[f"{self.p}ffn_norm"], self.c.rms_norm_eps), tokens)
-        return hc_post(out, streams, post, comb)
+        x, post, comb = self.site_input(streams, "attn")
+        streams = hc_post(self.attention(x, positions, groups, cache), streams, post, comb)
+        x, post, comb = self.site_input(streams, "ffn")
+        return hc_post(self.moe(x, tokens), streams, post, comb)
 
-    def _hc_pre(self, streams: torch.Tensor, site: str):
-        fn, base, scale, _ = self.site_weights(site)
-        c = self.c
-        return hc_pre(streams, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
-                      sinkhorn_iters=c.hc_sinkhorn_iters)
+    def site_input(self, streams: torch.Tensor, site: str):
+        """`site_input` of this block's site ("attn" or "ffn")."""
+        return site_input(streams, *self.site_weights(site), self.c)
 
     def site_weights(self, site: str) -> tuple[torch.Tensor, ...]:
         """A site's ("attn" or "ffn") mHC weights (fn, base, scale) and its norm's weight."""
         w, p = self.w, self.p
         return w[f"{p}hc_{site}_fn"], w[f"{p}hc_{site}_base"], w[f"{p}hc_{site}_scale"], w[f"{p}{site}_norm"]
+
+
+def site_input(streams: torch.Tensor, fn, base, scale, norm, c: ModelConfig):
+    """An mHC site's input: the collapse of the streams (`fn`, `base`, `scale`), normed (`norm`);
+    with the collapse's post and comb, for the fold after the site."""
+    x, post, comb = hc_pre(streams, fn, base, scale, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+                           sinkhorn_iters=c.hc_sinkhorn_iters)
+    return rms_norm(x, norm, c.rms_norm_eps), post, comb

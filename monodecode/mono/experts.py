@@ -151,6 +151,15 @@ def from_fragment_order(codes: torch.Tensor) -> torch.Tensor:
     return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 3, n + 1, n + 4), codes.shape)  # (g, m, s, q, t, r)
 
 
+def fragment_tiles_refusal(block_k: int, split: bool, hidden: int, inter: int) -> str | None:
+    """What expert tiles of K steps `block_k` (`split`: the dots split) lack to read experts in the
+    fragment order (whole 128-column groups a K step, one dot), or None."""
+    steps = sorted({min(block_k, hidden), min(block_k, inter)})
+    if split or any(k % FRAGMENT_GROUP for k in steps):
+        return f"expert K steps of a multiple of {FRAGMENT_GROUP} (here {steps}) and no split"
+    return None
+
+
 def in_fragment_order(weights: ExpertWeights) -> ExpertWeights:
     """A copy of checkpoint-order experts with the codes in the fragment order (scales shared)."""
     if weights.fragments:
@@ -511,9 +520,9 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
-    if weights.fragments and (config.split or min(config.block_k, d, inter) % FRAGMENT_GROUP):
-        raise ValueError(f"experts in the fragment order need K steps of a multiple of {FRAGMENT_GROUP} columns "
-                         f"and no split: block_k {config.block_k}, split {config.split}")
+    refusal = weights.fragments and fragment_tiles_refusal(config.block_k, config.split, d, inter)
+    if refusal:
+        raise ValueError(f"experts in the fragment order need {refusal}")
     meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
                 num_stages=config.num_stages)
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), SPLIT=config.split, TMA=config.tma, **meta)

@@ -196,10 +196,11 @@ class MonoRunner:
 
     def _check_expert_tiles(self, shape: LaunchShape) -> None:
         """A shape whose expert tiles the fragment order cannot serve is a caller's error (ValueError)."""
-        steps = {min(shape.expert_block_k, k) for k in (self.config.hidden_size, self.config.moe_intermediate_size)}
-        if shape.expert_fragments and (shape.expert_split or any(k % X.FRAGMENT_GROUP for k in steps)):
-            raise ValueError(f"launch shape {shape.spec()}: expert_fragments needs expert K steps of a multiple of "
-                             f"{X.FRAGMENT_GROUP} (here {sorted(steps)}) and expert_split=0")
+        c = self.config
+        refusal = shape.expert_fragments and X.fragment_tiles_refusal(shape.expert_block_k, bool(shape.expert_split),
+                                                                      c.hidden_size, c.moe_intermediate_size)
+        if refusal:
+            raise ValueError(f"launch shape {shape.spec()}: expert_fragments needs {refusal}")
 
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
