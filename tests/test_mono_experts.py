@@ -204,3 +204,8 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     assert len(found) == 3 * 3 * 2 * 3 * 2 * 2  # BN, BK, warps, stages; two layouts; two launches
     assert {config.block_k for _, config in found.values()} == {128, 256, 512}
     assert {config.programs for _, config in found.values()} == {0, 132}
+    chosen = {name: config for name, _, config in B.variants(True, [1], ["fragments"], [(128, 512, 8, 3)])}
+    assert list(chosen) == ["portable", "fast bn128 bk512 w8 s3 fragments pps1"]
+    assert chosen.popitem()[1].num_stages == 3
+    with pytest.raises(SystemExit):  # parse errors come before any GPU work
+        B.main(["--configs", "128,512"])

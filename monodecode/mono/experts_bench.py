@@ -1,7 +1,8 @@
 """Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
-[--programs-per-sm 0,1,2] [--layouts interleave,split,fragments,tma,fragments+tma] [--out DIR]`
+[--programs-per-sm 0,1,2] [--layouts interleave,split,fragments,tma,fragments+tma]
+[--configs BN,BK,WARPS,STAGES;...] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -99,13 +100,14 @@ def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
 LAYOUTS = ("interleave", "split", "fragments", "tma", "fragments+tma")
 
 
-def variants(quick: bool, programs_per_sm: list[int], layouts: list[str]):
-    """(name, layout, LaunchConfig): the portable decode, then a grid of fast ones, each with a
-    program a task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop:
-    s1, s2, s3 (Triton's num_stages); the layout as in the module docstring."""
+def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None):
+    """(name, layout, LaunchConfig): the portable decode, then a grid of fast ones (or the
+    (block_n, block_k, warps, stages) in `configs`), each with a program a task (pps 0) or pps
+    persistent programs a SM running K2's task loops. The K loop: s1, s2, s3 (Triton's num_stages);
+    the layout as in the module docstring."""
     yield "portable", "interleave", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
-    grid = itertools.product((64, 128), (256, 512), (4, 8), (1, 3)) if quick else \
-        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3))
+    grid = configs or (itertools.product((64, 128), (256, 512), (4, 8), (1, 3)) if quick else
+                       itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages), layout, pps in itertools.product(grid, layouts, programs_per_sm):
         name = f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
@@ -123,8 +125,17 @@ def main(argv=None) -> int:
                              "task loops (the stage as it runs inside K2)")
     parser.add_argument("--layouts", default="interleave,split",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
+    parser.add_argument("--configs", default="",
+                        help="semicolon-separated block_n,block_k,warps,stages (e.g. 128,512,8,3;64,256,4,3) "
+                             "instead of the grid")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
+    try:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
+    except ValueError:
+        configs = [()]
+    if any(len(c) != 4 for c in configs):
+        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages separated by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)
@@ -140,7 +151,8 @@ def main(argv=None) -> int:
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
-    for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts):
+    for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts,
+                                             configs):
         bank = banks[layout.startswith("fragments")]
         try:
             err = check(bank, config, g)
