@@ -124,6 +124,9 @@ def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path):
     rows = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
     assert [r["kind"] for r in rows] == ["window", "CSA", "HCA"]
     assert all(r["per_op_compiled_s"] > 0 for r in rows)
+    for launches in (r["kernels_launched"] for r in rows):  # inductor fuses: fewer than the per-op graph
+        compiled = launches["per_op_compiled"]
+        assert compiled is None if device == "cpu" else 0 < compiled < launches["per_op_graph"]
 
 
 def test_bench_decode_times_both_paths_at_each_request_count(device, tmp_path):

@@ -411,6 +411,15 @@ def test_a_fragment_order_shape_the_tiles_do_not_fit_is_refused(model):
     assert model.mono.shape == before
 
 
+def test_the_attention_is_compiled_by_default_on_a_gpu_only(model, device):
+    """`compile_attention` None (the default): compiled on a GPU, eager under the interpreter."""
+    from monodecode.model.batched import attention_site
+    from monodecode.mono.runner import LaunchShape
+
+    assert LaunchShape().compile_attention is None and model.mono.shape == LaunchShape()
+    assert (model.mono.attention_site is attention_site) == (device == "cpu")
+
+
 def test_compiled_ffn_attention_gives_the_same_steps(model, device):
     """`compile_attention`: the `ffn` layers' per-op attention under torch.compile (inductor with
     the eager rounding points) gives the eager steps up to summation order: bit-equal on the CPU

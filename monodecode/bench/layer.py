@@ -131,6 +131,8 @@ class LayerBench:
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
                 compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
                 step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
+                launches["per_op_compiled"] = kernels_launched(
+                    lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
             per_op_compiled = timed(step, self.device, self.reps)
         rows = []
         for shape in shapes:
@@ -339,7 +341,7 @@ def table(report: dict) -> str:
                  "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; kernels: mono's "
                  "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1; the `ffn` launch); shape: the "
                  "kernels' launch shape (mono/runner.py LaunchShape); launches: GPU kernels one eager step launches "
-                 "(torch profiler), per-op eager / per-op graph / mono")
+                 "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
     resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]
                  for k in r.get("kernel_resources") or () if k["row_block"] == max(
                      j["row_block"] for j in r["kernel_resources"])}
@@ -350,8 +352,10 @@ def table(report: dict) -> str:
 
 
 def _launches(counts: dict) -> str:
-    """GPU kernels a step launches: per-op eager / per-op graph / mono ("-" on a CPU)."""
-    return "/".join("-" if counts.get(k) is None else str(counts[k]) for k in ("per_op_eager", "per_op_graph", "mono"))
+    """GPU kernels a step launches: per-op eager / per-op graph / mono, and per-op compiled before
+    mono where it was timed ("-" on a CPU)."""
+    keys = ("per_op_eager", "per_op_graph") + ("per_op_compiled",) * ("per_op_compiled" in counts) + ("mono",)
+    return "/".join("-" if counts.get(k) is None else str(counts[k]) for k in keys)
 
 
 def _us(seconds: float | None) -> str:

@@ -56,11 +56,14 @@ class LaunchShape:
     engine, `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op attention
     sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with the eager
     path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500
-    small ones, `ffn` layers 1.2-2.1x faster on the H200; opt-in until its agreement at v4-flash
-    sizes is checked there, `mono.check`). `expert_fragments` and `expert_tma` are not timed on the
-    GPU yet. The defaults are the fastest shape measured on the H200 at 6-48 rows (1.3-1.4x the
-    4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there for
-    agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
+    small ones, `ffn` layers 1.2-2.1x faster on the H200, its agreement checked there at v4-flash
+    sizes); 0: eagerly; None (the default): compiled on a GPU, eager under Triton's interpreter
+    (where inductor's CPU build would cost minutes of a test run and the interpreted kernels
+    dominate anyway). `expert_fragments` and `expert_tma` are opt-in: in the expert stage's
+    persistent proxy they gained ~5 % (fragments) or lost (descriptors), docs/PERFORMANCE.md.
+    The defaults are the fastest shape measured on the H200 at 6-48 rows (1.3-1.4x the 4-warp,
+    64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there for agreement
+    (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
     programs_per_sm: int = 1
     k1_warps: int = 4
@@ -74,7 +77,7 @@ class LaunchShape:
     expert_split: int = 0
     expert_fragments: int = 0
     expert_tma: int = 0
-    compile_attention: int = 0
+    compile_attention: int | None = None
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
@@ -178,7 +181,8 @@ class MonoRunner:
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = 1 if interpreted() else sms * shape.programs_per_sm
         self.shape = shape
-        self.attention_site = attention_site_compiled() if shape.compile_attention else attention_site
+        compile_attention = not interpreted() if shape.compile_attention is None else shape.compile_attention
+        self.attention_site = attention_site_compiled() if compile_attention else attention_site
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         for lw in self.layers:  # the fragment-order copies only while a shape reads them
