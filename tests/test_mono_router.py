@@ -177,3 +177,17 @@ def test_task_counts():
     assert M.route_tasks(48) == 48 and M.group_tasks() == 1
     assert M.shared_swiglu_tasks(5, 2048, 1024) == 10 and M.shared_swiglu_tasks(5, 40, 16) == 15
     assert M.combine_tasks(3, 4096, 1024) == 12
+
+
+@pytest.mark.parametrize("hash_routed", [False, True])
+def test_the_route_margin_is_the_gap_past_the_kth_pick(hash_routed):
+    """`MoE.margin` (how near a row's picks are to a flip; the checks' routing-flip reports): the
+    k-th minus the (k+1)-th biased score; infinite where the tokens pick the experts."""
+    g = torch.Generator().manual_seed(5)
+    experts, topk, d = 8, 2, 16
+    w = {"ffn.gate": torch.randn(experts, d, generator=g), "ffn.gate.bias": torch.randn(experts, generator=g),
+         "ffn.gate.tid2eid": torch.randint(0, experts, (4, topk), generator=g)}
+    layer, x = moe(w, hash_routed, topk), torch.randn(3, d, generator=g)
+    biased = (F.softplus(x @ w["ffn.gate"].T).sqrt() + w["ffn.gate.bias"]).sort(dim=-1, descending=True).values
+    expected = torch.full((3,), float("inf")) if hash_routed else biased[:, topk - 1] - biased[:, topk]
+    torch.testing.assert_close(layer.margin(x), expected)

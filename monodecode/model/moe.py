@@ -40,7 +40,10 @@ class MoE:
 
     def margin(self, x: torch.Tensor) -> torch.Tensor:
         """[N] fp32: the k-th minus the (k+1)-th biased score of a bias-routed layer, how near a
-        row's picks are to a flip (bf16 noise of that size can swap an expert)."""
+        row's picks are to a flip (bf16 noise of that size can swap an expert); infinite on a
+        hash-routed layer, whose picks follow the tokens."""
+        if self.tid2eid is not None:
+            return torch.full((len(x),), float("inf"), device=x.device)
         top = (self.scores(x) + self.bias).topk(self.topk + 1, dim=-1).values
         return top[:, -2] - top[:, -1]
 

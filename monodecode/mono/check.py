@@ -88,14 +88,14 @@ def step_rows(width: int, g: torch.Generator, vocab: int):
 
 def per_op_last_routing(model: Model, *step_args) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """A per-op step that records its last layer's routing: (logits, hidden, (picks [N, k] sorted,
-    margins [N])). A hash-routed layer's picks follow the tokens: its margins are infinite."""
+    margins [N], `MoE.margin`))."""
     moe = model.blocks[-1].moe
     seen = {}
 
     def recording_route(x, tokens):
         ids, weights = type(moe).route(moe, x, tokens)
         seen["picks"] = ids.sort(dim=-1).values
-        seen["margins"] = moe.margin(x) if moe.tid2eid is None else torch.full((len(x),), float("inf"), device=x.device)
+        seen["margins"] = moe.margin(x)
         return ids, weights
 
     moe.route = recording_route
