@@ -143,3 +143,31 @@ def test_decode_steps_take_the_mono_path_when_it_is_on(device):
         eng = engine(model, mono="on")
     assert eng.generate(PROMPTS[:2], params) == per_op
     assert eng.metrics.steps["mono"] >= 3 and eng.metrics.steps["per-op"] == 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_warm_up_steps_every_decode_width_and_touches_nothing(model, monkeypatch, speculative):
+    """`Engine.warm_up`: one step of pad rows at every width a decode (or verify) step can have;
+    no cache entry written, no step counted; the engine serves the same tokens after it."""
+    import copy
+
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5}) if speculative else None
+    eng = engine(model, speculative=spec)
+    caches, widths = copy.deepcopy(eng.caches), []
+    step = model.step
+
+    def recording_step(cache, tokens, positions, slots, **kw):
+        widths.append(len(tokens))
+        assert all(s == -1 for s in slots)
+        return step(cache, tokens, positions, slots, **kw)
+
+    monkeypatch.setattr(model, "step", recording_step)
+    eng.warm_up()
+    monkeypatch.undo()
+    assert widths == [n * (6 if speculative else 1) for n in (1, 2, 3)]  # max_num_seqs 3; 1 + 5 rows a request
+    target, before = (eng.caches.target, caches.target) if speculative else (eng.caches, caches)
+    for now, then in zip(target.layers, before.layers):
+        assert torch.equal(now.window.pos, then.window.pos) and torch.equal(now.window.data["kv"], then.window.data["kv"])
+    assert sum(eng.metrics.steps.values()) == 0
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert eng.generate(PROMPTS[:2], params) == engine(model, speculative=spec).generate(PROMPTS[:2], params)

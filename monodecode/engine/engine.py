@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from tqdm import tqdm
+
 from ..model import Model
 from ..sampling import sample
 from ..spec.config import SpeculativeConfig
@@ -34,7 +36,7 @@ class Engine:
                  mono: str = "auto", tokenizer=None, metrics: Metrics | None = None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        self.model, self.tokenizer, self.max_model_len, self.max_num_seqs = model, tokenizer, max_model_len, max_num_seqs
         self.metrics = metrics or Metrics()
         self.runner = StepRunner(model, mono, self.metrics)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
@@ -83,6 +85,22 @@ class Engine:
             self._release(request)
             outputs.append(RequestOutput(request.id, [], "", finished=True, finish_reason="error", error=error))
         return outputs
+
+    def warm_up(self) -> None:
+        """One decode step of pad rows (slot -1: no cache written, no expert routed) at every width
+        this engine's decode steps can have (1 to max_num_seqs requests, 1 + k rows each under
+        speculation), so that what a width costs the first time (on a GPU: the CUDA-graph
+        capture; on mono the compile of the CSA / HCA attention, minutes) is paid now and not
+        in the first steps of the requests that reach it. Touches no request, slot or metric."""
+        per_request = 1 if self.decoder is None else self.decoder.block_size + 1
+        cache = self.caches if self.decoder is None else self.caches.target
+        mono = self.model.mono
+        fallbacks = None if mono is None else mono.fallbacks.copy()  # steps too wide for the kernels
+        for n in tqdm(range(1, self.max_num_seqs + 1), desc="warming up the decode steps", unit="width"):
+            rows = n * per_request
+            self.model.step(cache, [0] * rows, [0] * rows, [-1] * rows)
+        if mono is not None:
+            mono.fallbacks = fallbacks
 
     def has_work(self) -> bool:
         return bool(self.requests)
