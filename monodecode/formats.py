@@ -47,6 +47,16 @@ MXFP4 (``quantize_mxfp4``)
     to zero still see a nonzero scale), and gives an all-zero group a finite
     scale.
 
+MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
+    The same bytes permuted within each group of 128 columns (64 bytes) of a
+    row, ``K % 128 == 0``: the byte at (t, m, q, r) of a group (t 0..3, m 0..3,
+    q and r 0..1, row-major) holds column ``m*32 + q*8 + 2t + r`` of the group
+    in its low nibble and that column + 16 in its high one. Thread t of a quad
+    of the tensor cores' operand then finds its columns (2t, 2t + 1, 2t + 8,
+    2t + 9 of every 16) in 16 contiguous bytes, paired as the expert kernels'
+    fast decode packs them (``mono/experts.py``). Scales are not permuted.
+    ``from_fragment_order`` is the inverse.
+
 Both scale rules divide amax by 448 or 6 in float32 before rounding up to a
 power of two. That division is safe: for these divisors a float32 ``amax``
 slightly above ``d * 2^k`` gives a quotient at least 0.57 ulp above ``2^k``,
@@ -216,3 +226,37 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype=torch.bfloat16) -> Ten
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
     values = lut[code.int()].view(*expected, _MXFP4_GROUP)
     return (values * e8m0_to_float(scale).unsqueeze(-1)).reshape(code.shape).to(dtype)
+
+
+FRAGMENT_GROUP = 128  # columns a fragment-order permutation stays within
+
+
+def _nibbles_of(codes: Tensor) -> Tensor:
+    """Codes [..., K / 2] -> nibbles [..., K / 2, 2] (low, high), after checking K."""
+    if codes.shape[-1] * 2 % FRAGMENT_GROUP:
+        raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {codes.shape[-1] * 2}")
+    p = codes.view(torch.uint8)
+    return torch.stack((p & 15, p >> 4), dim=-1)
+
+
+def _bytes_of(nibbles: Tensor, shape) -> Tensor:
+    """Nibbles [..., 2] (low, high) -> uint8 codes of `shape`."""
+    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(shape).contiguous()
+
+
+def to_fragment_order(codes: Tensor) -> Tensor:
+    """MXFP4 codes [..., K / 2] from the checkpoint's order (column 2i in the low nibble of byte
+    i) to the fragment order (module docstring), as uint8."""
+    *lead, half = codes.shape
+    # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
+    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)  # (g, m, s, q, t, r)
+    n = len(lead)
+    return _bytes_of(v.permute(*range(n), n, n + 4, n + 1, n + 3, n + 5, n + 2), codes.shape)  # (g, t, m, q, r, s)
+
+
+def from_fragment_order(codes: Tensor) -> Tensor:
+    """MXFP4 codes [..., K / 2] from the fragment order back to the checkpoint's, as uint8."""
+    *lead, half = codes.shape
+    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (g, t, m, q, r, s)
+    n = len(lead)
+    return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 3, n + 1, n + 4), codes.shape)  # (g, m, s, q, t, r)

@@ -13,7 +13,7 @@
 #                 (default: the default shape)
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
-#                 PPS; the code layouts in LAYOUTS (default interleave,split; experts_bench.py); CONFIGS
+#                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
 #                 (BN,BK,WARPS,STAGES;...) instead of the quick grid
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows.
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
@@ -52,7 +52,7 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" \
-      --layouts "${LAYOUTS:-interleave,split}" --configs "${CONFIGS:-}" \
+      --layouts "${LAYOUTS:-interleave,fragments}" --configs "${CONFIGS:-}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

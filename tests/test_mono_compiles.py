@@ -43,9 +43,9 @@ def k_loop(*options: str) -> tuple[int, dict[str, int]]:
 def test_the_expert_k_loop_disassembles_for_sm90():
     """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops
     and its loads; in the fragment order (`experts.to_fragment_order`) the decoded pairs need no
-    byte shuffles: fewer PRMT and fewer instructions than the split dots of the checkpoint's order."""
-    split, split_mix = k_loop("--split")
+    byte shuffles: fewer PRMT and fewer instructions than the checkpoint's order."""
+    interleaved, interleaved_mix = k_loop()
     fragments, fragments_mix = k_loop("--fragments")
-    for mix in (split_mix, fragments_mix):
+    for mix in (interleaved_mix, fragments_mix):
         assert mix["HGMMA"] > 0 and mix["LDG"] > 0, mix
-    assert fragments < split and fragments_mix["PRMT"] < split_mix["PRMT"], (split_mix, fragments_mix)
+    assert fragments < interleaved and fragments_mix["PRMT"] < interleaved_mix["PRMT"], (interleaved_mix, fragments_mix)

@@ -100,21 +100,19 @@ def test_many_rows_on_one_expert_are_split_into_tasks(device):
     assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
 
 
-@pytest.mark.parametrize("programs,split,block_k,tma", [(1, False, 64, False), (3, False, 64, False),
-                                                       (0, True, 32, False), (3, True, 32, False),
-                                                       (0, False, 64, True), (3, True, 32, True)])
-def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, split, block_k, tma):
+@pytest.mark.parametrize("programs,block_k,tma", [(1, 64, False), (3, 64, False), (3, 32, False),
+                                                 (0, 64, True), (3, 32, True)])
+def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k, tma):
     """`LaunchConfig.programs`: a few programs looping over every task (K2's loops) give the
-    reference's result too; under the interpreter the programs run one after another. With
-    `split` (a dot for the even and one for the odd K columns), over two K steps of w1 / w3 and
-    one of w2; with `tma`, the codes through tensor descriptors."""
+    reference's result too; under the interpreter the programs run one after another. K steps
+    of 32: two of w1 / w3 and one of w2; with `tma`, the codes through tensor descriptors."""
     g = torch.Generator().manual_seed(40 + programs)
     ids = picks(g, 6, 2, 8, "bias")
     ids[2] = -1  # a pad row
     x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
     weights = torch.rand(6, 2, generator=g) + 0.1
     fast = device == "cuda" and bank.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, split=split, tma=tma)
+    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma)
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
     cpu_bank = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
     assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
@@ -184,9 +182,9 @@ def test_experts_in_the_fragment_order_match_the_reference(device, programs, blo
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
     assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
     assert (y[2] == 0).all()
-    with pytest.raises(ValueError, match="fragment order"):
+    with pytest.raises(ValueError, match=r"fragment order need expert K steps of a multiple of 128 \(here \[64\]\)"):
         X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT,
-                         X.LaunchConfig(fast=fast, block_n=32, block_k=128, split=True))
+                         X.LaunchConfig(fast=fast, block_n=32, block_k=64))
 
 
 def test_the_benchmark_sweeps_each_layout(monkeypatch):
@@ -197,10 +195,9 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     from monodecode.mono import experts_bench as B
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(multi_processor_count=132))
-    found = {name: (layout, config) for name, layout, config in B.variants(False, [0, 1], ["split", "fragments+tma"])}
+    found = {name: (layout, config) for name, layout, config in B.variants(False, [0, 1], ["interleave", "fragments+tma"])}
     assert found.pop("portable")[1].fast is False
-    assert all(config.split == (layout == "split") and config.tma == (layout == "fragments+tma")
-               for layout, config in found.values())
+    assert all(config.tma == (layout == "fragments+tma") for layout, config in found.values())
     assert len(found) == 3 * 3 * 2 * 3 * 2 * 2  # BN, BK, warps, stages; two layouts; two launches
     assert {config.block_k for _, config in found.values()} == {128, 256, 512}
     assert {config.programs for _, config in found.values()} == {0, 132}

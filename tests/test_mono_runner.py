@@ -353,13 +353,16 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
     assert len(m.mono.graphs) == 4
 
 
-@pytest.mark.parametrize("spec", ["block_n=0,block_k=512,expert_block_n=16,expert_block_k=32,expert_split=1",
+@pytest.mark.parametrize("spec", ["block_n=0,block_k=512,expert_block_n=16,expert_block_k=32",
                                   "expert_block_n=16,expert_block_k=32,expert_tma=1"])
 def test_another_launch_shape_gives_the_same_step(model, spec):
-    """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, the
-    expert dots split into even and odd K columns, or the expert codes through tensor descriptors
-    (two K steps of w1 / w3 either way): the same result up to fp32 summation order."""
+    """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, or the
+    expert codes through tensor descriptors (two K steps of w1 / w3 either way): the same result
+    up to fp32 summation order. The tiny model's experts (hidden 64, intermediate 32: not whole
+    fragment groups) stay in the checkpoint's order, which serves K steps below 128."""
     from monodecode.mono.runner import LaunchShape
+
+    assert not model.mono.layers[0].experts.fragments and not model.blocks[0].moe.experts.fragments
 
     g = torch.Generator().manual_seed(21)
     caches, next_pos = prefilled(model, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)
@@ -375,40 +378,41 @@ def test_another_launch_shape_gives_the_same_step(model, spec):
     assert cos >= 0.99999 and rel <= 2e-3, (cos, rel)
 
 
-def test_experts_in_the_fragment_order_give_the_same_step(device):
-    """`expert_fragments` (with and without `expert_tma`): K2 reads a copy of the experts in the
-    fragment order, reported by `memory`, dropped again with the shape; the step is the default
-    shape's up to fp32 summation order. Hidden and intermediate 128 (one fragment group); on the
-    tiny model's 64 / 32 the shape is refused with the reason, the old shape kept."""
+def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
+    """Hidden and intermediate 128 (one fragment group): the runner stacks the experts in the
+    fragment order once, the per-op bank reading views of that stack (no second copy) and
+    decoding the order back; the K2 step agrees with the per-op step, with and without
+    descriptor loads; a shape whose tiles that order cannot serve is refused with the reason,
+    the old shape kept. (The tiny model's 64 / 32 stay in the checkpoint's order.)"""
     from monodecode.mono.runner import LaunchShape
 
     m = Model.from_checkpoint(SyntheticCheckpoint(tiny(hidden_size=128, moe_intermediate_size=128,
                                                        num_hidden_layers=1, compress_ratios=(0,),
                                                        dspark_target_layer_ids=(0,)), seed=6), device, torch.bfloat16)
+    checkpoint_order = [m.blocks[0].moe.experts.expert(e) for e in range(m.config.n_routed_experts)]
     m.use_mono("on")
+    bank, experts = m.blocks[0].moe.experts, m.mono.layers[0].experts
+    assert experts.fragments and bank.fragments
+    assert bank.w1[3][0].data_ptr() == experts.w1[0][3].data_ptr()  # a view of the stack
+    assert all(torch.equal(a, b) for e, ref in enumerate(checkpoint_order) for a, b in zip(bank.expert(e), ref))
     g = torch.Generator().manual_seed(22)
     caches, next_pos = prefilled(m, [3, 17, 9, 30, 1, 12, 20, 5], seed=22)
     tokens, positions, slots = step_rows(g, m.config.vocab_size, next_pos, *STEPS[6])
-    out = m.step(caches[0], tokens, positions, slots)
-    for i, spec in enumerate(["expert_fragments=1,expert_block_k=128", "expert_fragments=1,expert_tma=1"]):
+    ref = m.step_per_op(caches[0], tokens, positions, slots)
+    live = torch.tensor(slots, device=ref.device) >= 0
+    for spec in ("default", "expert_tma=1,expert_block_k=128"):
         m.mono.configure(LaunchShape.parse(spec))
-        experts = m.mono.layers[0].experts
-        assert m.mono.memory()["fragment_experts"] == sum(codes.numel() for codes, _ in (experts.w1, experts.w2,
-                                                                                        experts.w3))
-        cache = copy.deepcopy(caches[1])
-        cos, rel = agreement(m.step(cache, tokens, positions, slots), out)
-        assert cos >= 0.99999 and rel <= 2e-3, (spec, cos, rel)
+        out = m.step(copy.deepcopy(caches[1]), tokens, positions, slots)
+        assert m.mono.last_path == "mono"
+        assert_rows_agree(out, ref, live, spec)
     m.mono.configure(LaunchShape())
-    assert m.mono.memory()["fragment_experts"] == 0
-
-
-def test_a_fragment_order_shape_the_tiles_do_not_fit_is_refused(model):
-    from monodecode.mono.runner import LaunchShape
-
-    before = model.mono.shape
-    with pytest.raises(ValueError, match=r"expert_fragments needs expert K steps of a multiple of 128 \(here \[32, 64\]\)"):
-        model.mono.configure(LaunchShape(expert_fragments=1))
-    assert model.mono.shape == before
+    with pytest.raises(ValueError, match=r"fragment order, which needs expert K steps of a multiple of 128 "
+                                         r"\(here \[64\]\)"):
+        m.mono.configure(LaunchShape(expert_block_k=64))
+    assert m.mono.shape == LaunchShape()
+    m.use_mono("on")  # a second runner stacks the stacked bank again: still the fragment order, once
+    assert m.mono.layers[0].experts.fragments and torch.equal(m.mono.layers[0].experts.w1[0], experts.w1[0])
+    assert all(torch.equal(a, b) for e, ref in enumerate(checkpoint_order) for a, b in zip(bank.expert(e), ref))
 
 
 def test_the_attention_is_compiled_by_default_on_a_gpu_only(model, device):

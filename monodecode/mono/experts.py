@@ -10,7 +10,8 @@ Contract
   at load; `unprepare` is its inverse (tests round-trip it). With `fragments`, the codes of each
   128 columns of a row are permuted into the fragment order (`to_fragment_order`): the order in
   which the tensor cores take the decoded weights from registers, so the decode's pairs need no
-  shuffling (K steps then a multiple of 128, no split).
+  shuffling (K steps then a multiple of 128). The mono runner stacks the experts in that order
+  wherever their sizes allow (`weights.stack_experts`: every DeepSeek-V4 size).
 - Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
   Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not
@@ -26,9 +27,8 @@ Contract
   `_down_persistent`), the stage as it runs inside K2.
 - The K loop (`_matvec`): load a tile of codes (pointers, or with `LaunchConfig.tma` a tensor
   descriptor: the copy engine fills shared memory) and scales; in the checkpoint's order decode it
-  into its even and odd K columns and either interleave them for one dot or (constexpr SPLIT) dot
-  each half with the matching columns of x; in the fragment order decode it straight into the
-  natural column order (`_decode_fragments`). The same products every way.
+  into its even and odd K columns and interleave them for one dot; in the fragment order decode
+  it straight into the natural column order (`_decode_fragments`). The same products both ways.
 
 Decode (constexpr FAST):
 - FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement
@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from .. import formats
+from ..formats import FRAGMENT_GROUP, from_fragment_order, to_fragment_order
 from .rounding import bf16
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
@@ -113,50 +114,12 @@ def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Te
     return [(one(weights.w1, e), one(weights.w2, e), one(weights.w3, e)) for e in range(weights.num_experts)]
 
 
-# The fragment order permutes the codes within each group of 128 K columns (64 bytes) of a row: the
-# byte at (t, m, q, r) (t 0..3, m 0..3, q and r 0..1; row-major) holds column m*32 + q*8 + 2t + r of
-# the group in its low nibble and that column + 16 in its high one. Thread t of a quad then finds
-# its columns of the tensor cores' operand (2t, 2t + 1, 2t + 8, 2t + 9 of every 16) in 16
-# contiguous bytes, paired in registers as the fast decode packs them (`_decode_fragments`).
-FRAGMENT_GROUP = 128
-
-
-def _nibbles_of(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., K / 2] -> nibbles [..., K / 2, 2] (low, high), after checking K."""
-    if codes.shape[-1] * 2 % FRAGMENT_GROUP:
-        raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {codes.shape[-1] * 2}")
-    return torch.stack((codes & 15, codes >> 4), dim=-1)
-
-
-def _bytes_of(nibbles: torch.Tensor, shape) -> torch.Tensor:
-    """Nibbles [..., 2] (low, high) -> codes of `shape`."""
-    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(shape).contiguous()
-
-
-def to_fragment_order(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., K / 2] uint8 from the checkpoint's order (column 2i in the low nibble of byte i)
-    to the fragment order; `from_fragment_order` is its inverse."""
-    *lead, half = codes.shape
-    # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
-    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)  # (g, m, s, q, t, r)
-    n = len(lead)
-    return _bytes_of(v.permute(*range(n), n, n + 4, n + 1, n + 3, n + 5, n + 2), codes.shape)  # (g, t, m, q, r, s)
-
-
-def from_fragment_order(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., K / 2] uint8 from the fragment order back to the checkpoint's."""
-    *lead, half = codes.shape
-    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (g, t, m, q, r, s)
-    n = len(lead)
-    return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 3, n + 1, n + 4), codes.shape)  # (g, m, s, q, t, r)
-
-
-def fragment_tiles_refusal(block_k: int, split: bool, hidden: int, inter: int) -> str | None:
-    """What expert tiles of K steps `block_k` (`split`: the dots split) lack to read experts in the
-    fragment order (whole 128-column groups a K step, one dot), or None."""
+def fragment_tiles_refusal(block_k: int, hidden: int, inter: int) -> str | None:
+    """What expert tiles of K steps `block_k` lack to read experts in the fragment order (whole
+    128-column groups a K step), or None."""
     steps = sorted({min(block_k, hidden), min(block_k, inter)})
-    if split or any(k % FRAGMENT_GROUP for k in steps):
-        return f"expert K steps of a multiple of {FRAGMENT_GROUP} (here {steps}) and no split"
+    if any(k % FRAGMENT_GROUP for k in steps):
+        return f"expert K steps of a multiple of {FRAGMENT_GROUP} (here {steps})"
     return None
 
 
@@ -276,19 +239,10 @@ def _x_tile(x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr):
-    """acc += w @ x[x_rows, k0 .. k0 + BK]^T, w = (even columns, odd columns) [BN, BK / 2] each.
-    SPLIT: a dot a half against the matching columns of x (a shuffle of the small x tile);
-    otherwise the halves are interleaved back into [BN, BK] (a shuffle of every weight) for one dot."""
-    x = _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST)
+def _interleave(w, BK: tl.constexpr):
+    """(even columns, odd columns) [BN, BK / 2] each -> [BN, BK] (a shuffle of every weight)."""
     even, odd = w
-    if SPLIT:
-        x_even, x_odd = tl.split(tl.reshape(x, (x_rows.shape[0], BK // 2, 2)))
-        acc = _dot(even, x_even, acc, FAST)
-        acc = _dot(odd, x_odd, acc, FAST)
-    else:
-        acc = _dot(tl.reshape(tl.join(even, odd), (even.shape[0], BK)), x, acc, FAST)
-    return acc
+    return tl.reshape(tl.join(even, odd), (even.shape[0], BK))
 
 
 @triton.jit
@@ -302,20 +256,19 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 
 @triton.jit
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
-            FAST: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
+            FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). NS: the loop's software-pipelining depth (`tl.range`
-    num_stages; None: the launch's). SPLIT: see `_accumulate`. FRAG: the codes are in the
-    fragment order (`ExpertWeights.fragments`; SPLIT does not apply)."""
+    num_stages; None: the launch's). FRAG: the codes are in the fragment order
+    (`ExpertWeights.fragments`)."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
         tile, scale_codes = _load_tile(codes, scales_ptr, row0, k0, K, BN, BK, TMA)
         if FRAG:
-            acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST),
-                       acc, FAST)
+            w = _decode_fragments(tile, scale_codes, BK, FAST)
         else:
-            acc = _accumulate(acc, _decode_tile(tile, scale_codes, BK, FAST), x_ptr, x_rows, x_mask, k0, K, BK, FAST,
-                              SPLIT)
+            w = _interleave(_decode_tile(tile, scale_codes, BK, FAST), BK)
+        acc = _dot(w, _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST), acc, FAST)
     return acc
 
 
@@ -334,7 +287,7 @@ def _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_: tl.constexpr):
 def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-            NS: tl.constexpr = None, SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+            NS: tl.constexpr = None, TMA: tl.constexpr = False,
             FRAG: tl.constexpr = False):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
@@ -344,11 +297,9 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
     if active:
         row0 = expert * I + nb * BN
         if which == 0:
-            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, SPLIT, TMA,
-                          FRAG)
+            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
         else:
-            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, SPLIT, TMA,
-                          FRAG)
+            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
         n = nb * BN + tl.arange(0, BN)
         tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
 
@@ -368,13 +319,12 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 @triton.jit
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-              NS: tl.constexpr = None, SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+              NS: tl.constexpr = None, TMA: tl.constexpr = False,
               FRAG: tl.constexpr = False):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
-        y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, SPLIT, TMA,
-                    FRAG)
+        y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG)
         n = nb * BN + tl.arange(0, BN)
         tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
 
@@ -382,7 +332,7 @@ def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_code
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
+             NS: tl.constexpr = None, TMA: tl.constexpr = False,
              FRAG: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
@@ -390,45 +340,43 @@ def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, SPLIT, TMA, FRAG)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               SPLIT: tl.constexpr = False, TMA: tl.constexpr = False,
-               FRAG: tl.constexpr = False):
+               TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales,
-                  D, I, BN, BK, ROWS_, FAST, NS, SPLIT, TMA, FRAG)
+                  D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
+                   TMA: tl.constexpr, FRAG: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT, TMA, FRAG)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
+                     TMA: tl.constexpr, FRAG: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT, TMA, FRAG)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-        SPLIT: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
+        TMA: tl.constexpr, FRAG: tl.constexpr):
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, SPLIT,
-            TMA, FRAG)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
@@ -438,10 +386,10 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
-          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, SPLIT: tl.constexpr,
-          TMA: tl.constexpr, FRAG: tl.constexpr):
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
+          FRAG: tl.constexpr):
     down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, SPLIT, TMA, FRAG)
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -469,7 +417,6 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 1  # Triton's pipelining stages the codes through shared memory: slower here
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
-    split: bool = False  # a dot for the even and one for the odd K columns (`_accumulate`), not one interleaved
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
 
 
@@ -520,13 +467,13 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
-    refusal = weights.fragments and fragment_tiles_refusal(config.block_k, config.split, d, inter)
+    refusal = weights.fragments and fragment_tiles_refusal(config.block_k, d, inter)
     if refusal:
         raise ValueError(f"experts in the fragment order need {refusal}")
     meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
                 num_stages=config.num_stages)
-    up_meta = dict(BN=block_up, BK=min(config.block_k, d), SPLIT=config.split, TMA=config.tma, **meta)
-    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), SPLIT=config.split, TMA=config.tma, **meta)
+    up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
+    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), TMA=config.tma, **meta)
     w1, w2, w3 = (codes_operand(m, config.tma, meta["BN"], meta["BK"]) for m, meta in
                   ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])

@@ -1,7 +1,7 @@
 """Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
-[--programs-per-sm 0,1,2] [--layouts interleave,split,fragments,tma,fragments+tma]
+[--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
 [--configs BN,BK,WARPS,STAGES;...] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
@@ -9,9 +9,9 @@ row) are captured in one CUDA graph, so that consecutive steps mostly read other
 weights come from HBM; the graph is replayed 5 times and the median per step kept. Bytes: the
 distinct experts each step touches times one expert's MXFP4 bytes (codes + scales of w1, w2, w3).
 The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) is measured in
-the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for one
-dot (`interleave`) or a dot a half (`split`), or in the fragment order (`fragments`,
-`ExpertWeights.fragments`); `+tma`: the codes tiles loaded through tensor descriptors
+the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for the
+dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
+mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
 (`LaunchConfig.tma`). Every variant is first checked against the float64 reference at 6 rows; its line
 ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
 `async` where Triton staged the codes through shared memory (its software pipelining).
@@ -97,7 +97,7 @@ def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
     return sorted(times)[2], sum(p[-1] for p in plans) / steps
 
 
-LAYOUTS = ("interleave", "split", "fragments", "tma", "fragments+tma")
+LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma")
 
 
 def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None):
@@ -111,8 +111,7 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages), layout, pps in itertools.product(grid, layouts, programs_per_sm):
         name = f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
-        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, split=layout == "split",
-                                           tma=layout.endswith("tma"))
+        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"))
 
 
 def main(argv=None) -> int:
@@ -123,7 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--programs-per-sm", default="0",
                         help="comma-separated: 0 = a program a task; n = n persistent programs a SM running K2's "
                              "task loops (the stage as it runs inside K2)")
-    parser.add_argument("--layouts", default="interleave,split",
+    parser.add_argument("--layouts", default="interleave,fragments",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
                         help="semicolon-separated block_n,block_k,warps,stages (e.g. 128,512,8,3;64,256,4,3) "

@@ -66,7 +66,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-                TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr, ESPLIT: tl.constexpr,
+                TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
                 ETMA: tl.constexpr, EFRAG: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
@@ -117,7 +117,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
 
     P = R * TOPK
     X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
-               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ESPLIT, ETMA, EFRAG)
+               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG)
     grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
@@ -126,7 +126,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
 
     X.down_stage(pid, grid, P, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, d, I,
-                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ESPLIT, ETMA, EFRAG)
+                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG)
     grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
 
     c_blocks = tl.cdiv(d, CBL_)
@@ -153,7 +153,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-        TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr, ESPLIT: tl.constexpr,
+        TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
         ETMA: tl.constexpr, EFRAG: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
@@ -183,8 +183,8 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
-                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ESPLIT,
-                ETMA, EFRAG)
+                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ETMA,
+                EFRAG)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
@@ -212,7 +212,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     else:  # unread: the attention stages are compiled out
         attn = (s.q, s.o, s.q, s.slots, 1, s.logits, s.logits, 1, 1.0, s.q, s.q, s.z, s.q, s.q)
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
-    ex = lw.fragment_experts if shape.expert_fragments else lw.experts
+    ex = lw.experts
     bne, bke_d, bke_i = min(shape.expert_block_n, inter, d), min(shape.expert_block_k, d), min(shape.expert_block_k, inter)
     w1, w3 = (X.codes_operand(m, bool(shape.expert_tma), bne, bke_d) for m in (ex.w1, ex.w3))
     w2 = X.codes_operand(ex.w2, bool(shape.expert_tma), bne, bke_i)
@@ -239,6 +239,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BNE=bne, BKE_D=bke_d, BKE_I=bke_i, SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
-        ESPLIT=bool(shape.expert_split), ETMA=bool(shape.expert_tma), EFRAG=bool(shape.expert_fragments),
+        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments,
     )
     return 1 - cur if attention else cur

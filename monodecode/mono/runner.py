@@ -48,19 +48,17 @@ class LaunchShape:
     few outputs) over K steps of `block_k` (a multiple of the 128 scale block scales each weight
     in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
     `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
-    default for the launch); `expert_split` 1: the expert dots take the even and the odd K
-    columns apart (`experts._accumulate`); `expert_fragments` 1: the kernels read a copy of the
-    experts in the fragment order (`experts.to_fragment_order`: no shuffle of the decoded pairs;
-    the copy is made at configure and reported by `memory`; expert K steps a multiple of 128, no
-    split); `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy
-    engine, `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op attention
+    default for the launch; the experts are stacked in the fragment order wherever their sizes
+    allow, `weights.stack_experts`, and that order needs expert K steps of a multiple of 128);
+    `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
+    `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op attention
     sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with the eager
     path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500
     small ones, `ffn` layers 1.2-2.1x faster on the H200, its agreement checked there at v4-flash
     sizes); 0: eagerly; None (the default): compiled on a GPU, eager under Triton's interpreter
     (where inductor's CPU build would cost minutes of a test run and the interpreted kernels
-    dominate anyway). `expert_fragments` and `expert_tma` are opt-in: in the expert stage's
-    persistent proxy they gained ~5 % (fragments) or lost (descriptors), docs/PERFORMANCE.md.
+    dominate anyway). `expert_tma` is opt-in: in the expert stage's persistent proxy it lost
+    (docs/PERFORMANCE.md), where the fragment order gained ~5 %.
     The defaults are the fastest shape measured on the H200 at 6-48 rows (1.3-1.4x the 4-warp,
     64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there for agreement
     (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
@@ -74,8 +72,6 @@ class LaunchShape:
     expert_block_n: int = 128
     expert_block_k: int = 512
     expert_stages: int | None = None
-    expert_split: int = 0
-    expert_fragments: int = 0
     expert_tma: int = 0
     compile_attention: int | None = None
 
@@ -185,9 +181,6 @@ class MonoRunner:
         self.attention_site = attention_site_compiled() if compile_attention else attention_site
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
-        for lw in self.layers:  # the fragment-order copies only while a shape reads them
-            lw.fragment_experts = (lw.fragment_experts or X.in_fragment_order(lw.experts)) if shape.expert_fragments \
-                else None
         self.graphs.clear()
         self.timelines.clear()
         self.compiled = {}  # (kernel name, row block): the compiled kernel last launched (GPU)
@@ -199,12 +192,14 @@ class MonoRunner:
                 raise
 
     def _check_expert_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the fragment order cannot serve is a caller's error (ValueError)."""
+        """A shape whose expert tiles the experts' fragment order cannot serve is a caller's
+        error (ValueError)."""
         c = self.config
-        refusal = shape.expert_fragments and X.fragment_tiles_refusal(shape.expert_block_k, bool(shape.expert_split),
-                                                                      c.hidden_size, c.moe_intermediate_size)
+        refusal = self.layers[0].experts.fragments and X.fragment_tiles_refusal(
+            shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
-            raise ValueError(f"launch shape {shape.spec()}: expert_fragments needs {refusal}")
+            raise ValueError(f"launch shape {shape.spec()}: the experts are in the fragment order, which needs "
+                             f"{refusal}")
 
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
@@ -215,11 +210,8 @@ class MonoRunner:
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds beyond the per-op path's weights: the FP8 dense copies the
-        kernels read, the experts' fragment-order codes (`expert_fragments`), and the scratch of
-        every width built so far."""
-        fragments = [lw.fragment_experts for lw in self.layers if lw.fragment_experts is not None]
+        kernels read and the scratch of every width built so far (the experts are shared)."""
         return {"fp8_weights": sum(lw.nbytes_extra() for lw in self.layers),
-                "fragment_experts": sum(c.numel() for ex in fragments for c, _ in (ex.w1, ex.w2, ex.w3)),
                 "scratch": sum(s.nbytes() for s in self.scratch.values())}
 
     # --- the step ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..formats import FRAGMENT_GROUP
 from ..model.rope import layer_frequencies
 from ..model.weights import ExpertBank
 from . import experts as X
@@ -66,7 +67,6 @@ class LayerWeights:
     kv_norm: torch.Tensor | None = None
     attn_sink: torch.Tensor | None = None
     rope_freqs: torch.Tensor | None = None
-    fragment_experts: X.ExpertWeights | None = None  # a copy in the fragment order (LaunchShape.expert_fragments)
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
@@ -103,12 +103,19 @@ def read_fp8(checkpoint, names: list[str], device) -> dict[str, Fp8Matrix]:
 
 
 def stack_experts(bank: ExpertBank) -> X.ExpertWeights:
-    """Stack a layer's MXFP4 experts for the kernels and rebind the per-op bank to views of the
-    stacked copy, so the bytes are held once."""
-    experts = X.prepare(list(zip(bank.w1, bank.w2, bank.w3)))
+    """Stack a layer's MXFP4 experts for the kernels, the codes in the fragment order where both
+    K (hidden and intermediate) are whole fragment groups (every DeepSeek-V4 size; the decode
+    then needs no shuffle: `formats.to_fragment_order`), and rebind the per-op bank to views of
+    the stack (it decodes that order back), so the bytes are held once. Called again on a bank
+    already stacked, it returns an equal stack."""
+    already = bank.fragments  # stacked before, for an earlier runner
+    fragments = already or all(codes.shape[-1] * 2 % FRAGMENT_GROUP == 0 for codes, _ in (bank.w1[0], bank.w2[0]))
+    experts = X.prepare(list(zip(bank.w1, bank.w2, bank.w3)), fragments=fragments and not already)
+    experts.fragments = fragments
     for matrix, stacked in (("w1", experts.w1), ("w2", experts.w2), ("w3", experts.w3)):
         codes, scales = stacked
         getattr(bank, matrix)[:] = [(codes[e], scales[e].view(torch.float8_e8m0fnu)) for e in range(len(codes))]
+    bank.fragments = fragments
     return experts
 
 
