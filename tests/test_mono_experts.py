@@ -187,6 +187,24 @@ def test_experts_in_the_fragment_order_match_the_reference(device, programs, blo
                          X.LaunchConfig(fast=fast, block_n=32, block_k=64))
 
 
+def test_the_default_launch_follows_the_layout_and_the_rows(device):
+    """`default_config`: the H200's fastest measured tiles, 128 x 256 with 2 stages for steps of
+    4+ rows in the fragment order; with it (None) the launcher still gives the reference's result."""
+    g = torch.Generator().manual_seed(61)
+    checkpoint = random_bank(g, num_experts=8, hidden=256, inter=128, device="cpu")
+    fragments = X.prepare(X.unprepare(checkpoint), fragments=True)
+    assert (X.default_config(fragments, 6, True).block_n, X.default_config(fragments, 6, True).num_stages) == (128, 2)
+    assert X.default_config(fragments, 1, True) == X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
+    assert X.default_config(fragments, 6, False) == X.LaunchConfig(False)
+    bank = X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (fragments.w1, fragments.w2, fragments.w3)),
+                           fragments=True)
+    ids = picks(g, 6, 2, 8, "hash")
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    weights = torch.rand(6, 2, generator=g) + 0.1
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, poison=True)
+    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
+
+
 def test_the_benchmark_sweeps_each_layout(monkeypatch):
     """experts_bench's grid (the benchmark itself needs a GPU): each layout's launch config at
     every tile, a program a task and persistent programs a SM."""

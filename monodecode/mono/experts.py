@@ -415,9 +415,19 @@ class LaunchConfig:
     block_n: int = 64
     block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 1  # Triton's pipelining stages the codes through shared memory: slower here
+    num_stages: int = 1  # Triton's pipelining; in the checkpoint's order a loss, in the fragment order a gain (`default_config`)
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
+
+
+def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
+    """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
+    `experts_bench`): in the fragment order, tiles of 128 x 256 with Triton's 2-stage pipelining
+    from 4 rows (1.85-2.05 TB/s at 6-48 rows), of 64 x 256 with 1 stage below (1.48 TB/s at 1 row);
+    in the checkpoint's order 64 x 256, 1 stage."""
+    if fast and weights.fragments and rows >= 4:
+        return LaunchConfig(fast, block_n=128, block_k=256, num_warps=4, num_stages=2)
+    return LaunchConfig(fast)
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -428,7 +438,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
     `pick_dtype`: each pick's output rounded to it before the sum, as the per-op MoE's w2
     projection rounds to the activation dtype."""
     if config is None:
-        config = LaunchConfig(fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
+        config = default_config(weights, x.shape[0],
+                                fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
     buffers = StageBuffers(ids.numel(), weights, x.device, poison)
     launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
                   weights, limit, config, buffers)
