@@ -147,23 +147,6 @@ def test_prepare_round_trips(fragments):
         X.launch_stages(None, None, None, bank, LIMIT, X.LaunchConfig(fast=True), None)
 
 
-def test_the_fragment_order_places_each_column():
-    """Byte (t, m, q, r) of a 128-column group holds column m*32 + q*8 + 2t + r (low nibble) and
-    16 more (high nibble), whatever the rows before it; checked one nibble at a time."""
-    g = torch.Generator().manual_seed(8)
-    codes = torch.randint(0, 256, (3, 128), dtype=torch.uint8, generator=g)  # K = 256: two groups
-    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(3, 256)  # column order
-    fragments = X.to_fragment_order(codes)
-    for byte in range(128):
-        group, t, m, q, r = byte // 64, byte // 16 % 4, byte // 4 % 4, byte // 2 % 2, byte % 2
-        column = group * 128 + m * 32 + q * 8 + 2 * t + r
-        assert torch.equal(fragments[:, byte] & 15, nibbles[:, column])
-        assert torch.equal(fragments[:, byte] >> 4, nibbles[:, column + 16])
-    assert torch.equal(X.from_fragment_order(fragments), codes)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        X.to_fragment_order(codes[:, :32])
-
-
 @pytest.mark.parametrize("programs,block_k,tma", [(0, 128, False), (3, 128, False), (0, 256, True), (3, 128, True)])
 def test_experts_in_the_fragment_order_match_the_reference(device, programs, block_k, tma):
     """The same experts in the fragment order give the reference's result: a program a task and
