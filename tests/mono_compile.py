@@ -16,6 +16,8 @@ stamps), and prints one line a kernel: shared memory, and registers and spills f
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
   This machine's Triton may allocate a little differently from the GPU's.
 - `--shape`: a `LaunchShape` spec (`runner.LaunchShape.parse`), default the default shape.
+- `--dump DIR`: also write each build's TTGIR there (its `ttg.local_alloc`s and their
+  `allocation.offset`s show what holds the shared memory).
 """
 
 import argparse
@@ -104,12 +106,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="compile the mono kernels for sm_90 on a machine without a GPU")
     parser.add_argument("--dims", choices=("tiny", "v4-flash"), default="tiny")
     parser.add_argument("--shape", default="default", help="a LaunchShape spec")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dump", help="a folder for each build's TTGIR")
+    cli = parser.parse_args(argv)
     launches = []
     k1._k1, k2._k2 = Recorder(k1._k1, launches), Recorder(k2._k2, launches)
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
-    model = Model.from_checkpoint(SyntheticCheckpoint(model_config(args.dims), seed=1), "cpu", torch.bfloat16)
-    runner = runner_module.MonoRunner(model, shape=runner_module.LaunchShape.parse(args.shape))
+    model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims), seed=1), "cpu", torch.bfloat16)
+    runner = runner_module.MonoRunner(model, shape=runner_module.LaunchShape.parse(cli.shape))
     runner.fast = True  # the NVIDIA code paths
     runner.check = lambda: None  # nothing ran
     for rows in (1, 48):
@@ -136,6 +139,11 @@ def main(argv=None) -> int:
         timed_note = " (timeline)" if kwargs["TIMELINE"] else ""
         print(f"{kernel.__name__}{timed_note}: built for sm_90, {compiled.metadata.shared} bytes of shared memory; "
               f"{registers(compiled.asm['ptx'])}", flush=True)
+        if cli.dump:
+            os.makedirs(cli.dump, exist_ok=True)
+            name = f"{kernel.__name__}{len(built)}{'_timeline' if kwargs['TIMELINE'] else ''}.ttgir"
+            with open(os.path.join(cli.dump, name), "w") as f:
+                f.write(compiled.asm["ttgir"])
     print(f"{len(built)} kernels built")
     return 0
 
