@@ -207,7 +207,7 @@ def _nibbles(codes, scale_codes, FAST: tl.constexpr):
 def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
     """A tile from `_load_tile` (the checkpoint's order) decoded with its scales, as its even and
     odd columns: (values at k0 + 2i, values at k0 + 2i + 1), bf16 (FAST) or fp32 [BN, BK / 2]
-    each, as the nibbles give them: `_accumulate` decides whether to interleave them."""
+    each, as the nibbles give them (`_interleave` puts them in column order)."""
     BN: tl.constexpr = codes.shape[0]
     low, high, scale = _nibbles(codes, scale_codes, FAST)
     scale = scale[:, :, None]  # a scale per 32 columns: per 16 of each half
