@@ -205,14 +205,15 @@ def _nibbles(codes, scale_codes, FAST: tl.constexpr):
 
 @triton.jit
 def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
-    """A tile from `_load_tile` (the checkpoint's order) decoded with its scales, as its even and
-    odd columns: (values at k0 + 2i, values at k0 + 2i + 1), bf16 (FAST) or fp32 [BN, BK / 2]
-    each, as the nibbles give them (`_interleave` puts them in column order)."""
+    """A tile from `_load_tile` (the checkpoint's order) decoded with its scales: [BN, BK] bf16
+    (FAST) or fp32 in K order. The nibbles give the even and the odd columns apart; joining them
+    back is a shuffle of every weight (the fragment order's reason to be)."""
     BN: tl.constexpr = codes.shape[0]
     low, high, scale = _nibbles(codes, scale_codes, FAST)
     scale = scale[:, :, None]  # a scale per 32 columns: per 16 of each half
-    return (tl.reshape(tl.reshape(low, (BN, BK // 32, 16)) * scale, (BN, BK // 2)),
-            tl.reshape(tl.reshape(high, (BN, BK // 32, 16)) * scale, (BN, BK // 2)))
+    even = tl.reshape(tl.reshape(low, (BN, BK // 32, 16)) * scale, (BN, BK // 2))
+    odd = tl.reshape(tl.reshape(high, (BN, BK // 32, 16)) * scale, (BN, BK // 2))
+    return tl.reshape(tl.join(even, odd), (BN, BK))
 
 
 @triton.jit
@@ -239,13 +240,6 @@ def _x_tile(x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _interleave(w, BK: tl.constexpr):
-    """(even columns, odd columns) [BN, BK / 2] each -> [BN, BK] (a shuffle of every weight)."""
-    even, odd = w
-    return tl.reshape(tl.join(even, odd), (even.shape[0], BK))
-
-
-@triton.jit
 def _dot(w, x, acc, FAST: tl.constexpr):
     """acc + w @ x^T: bf16 tensor cores (FAST), or fp32 in IEEE precision (the interpreter's bf16
     dot is wrong)."""
@@ -267,7 +261,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
         if FRAG:
             w = _decode_fragments(tile, scale_codes, BK, FAST)
         else:
-            w = _interleave(_decode_tile(tile, scale_codes, BK, FAST), BK)
+            w = _decode_tile(tile, scale_codes, BK, FAST)
         acc = _dot(w, _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST), acc, FAST)
     return acc
 
