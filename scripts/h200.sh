@@ -2,8 +2,9 @@
 # The GPU checks and benchmarks of the mono path, one part per device call (each fits the 10-minute
 # limit of a call): `bash scripts/h200.sh PART` with $OUT set (the device tool sets it).
 #   tests         the mono kernels' tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
-#   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation (one
-#                 call held both until the tests outgrew the 10 minutes of a call)
+#   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation, engine
+#                 (one call held both until the tests outgrew the 10 minutes of a call); for either,
+#                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm')
 #   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
@@ -28,12 +29,13 @@ export PYTHONPATH=$PWD
 case $part in
   tests)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
-      -rfE --tb=short --durations=10 tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py \
-      tests/test_mono_gemv.py >> "$out/$part.txt" 2>&1 ;;
+      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} tests/test_mono_runner.py tests/test_mono_sync.py \
+      tests/test_mono_experts.py tests/test_mono_gemv.py >> "$out/$part.txt" 2>&1 ;;
   tests-model)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
-      -rfE --tb=short --durations=10 tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py \
-      tests/test_bench_layer.py tests/test_model.py tests/test_speculative.py >> "$out/$part.txt" 2>&1 ;;
+      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} tests/test_mono_attention.py tests/test_mono_hc.py \
+      tests/test_mono_router.py tests/test_bench_layer.py tests/test_model.py tests/test_speculative.py \
+      tests/test_engine.py >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
