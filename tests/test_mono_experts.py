@@ -188,6 +188,21 @@ def test_the_default_launch_follows_the_layout_and_the_rows(device):
     assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
 
 
+def test_launch_stages_runs_the_kernels_asked_for(bank, device):
+    """`launch_stages(..., kernels)`: the benchmark times the gate/up and the down kernel alone;
+    what is not asked for is not written (poisoned buffers stay NaN)."""
+    g = torch.Generator().manual_seed(71)
+    ids = picks(g, 3, 2, 8, "bias").to(device)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(device)
+    weights = X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (bank.w1, bank.w2, bank.w3)))
+    buffers = X.StageBuffers(6, weights, device, poison=True)
+    config = X.LaunchConfig(fast=device == "cuda" and weights.supports_fast_decode(), block_n=32, block_k=32)
+    X.launch_stages(x, X.group_picks(ids), torch.rand(6, generator=g).to(device), weights, LIMIT, config, buffers,
+                    ("up",))
+    assert not buffers.gate_up.isnan().any()
+    assert buffers.h.isnan().all() and buffers.per_pick.isnan().all()
+
+
 def test_the_benchmark_sweeps_each_layout(monkeypatch):
     """experts_bench's grid (the benchmark itself needs a GPU): each layout's launch config at
     every tile, a program a task and persistent programs a SM."""

@@ -461,10 +461,11 @@ class StageBuffers:
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
-                  config: LaunchConfig, buffers: StageBuffers) -> dict:
-    """The stage's kernels alone (gate/up, SwiGLU, down): x [R, d] bf16, `groups` from
-    `group_picks`, flat routing weights [R * k]; fills `buffers`. Returns the compiled gate/up and
-    down kernels ({"up": ..., "down": ...}; None under the interpreter), for their resources."""
+                  config: LaunchConfig, buffers: StageBuffers, kernels=("up", "swiglu", "down")) -> dict:
+    """The stage's kernels alone (gate/up, SwiGLU, down; `kernels` picks some, for benchmarks of
+    one): x [R, d] bf16, `groups` from `group_picks`, flat routing weights [R * k]; fills
+    `buffers`. Returns the compiled gate/up and down kernels launched ({"up": ..., "down": ...};
+    None under the interpreter), for their resources."""
     if config.fast and not weights.supports_fast_decode():
         raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
                          "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
@@ -483,18 +484,22 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
                   ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
-    if config.programs:
-        up = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
-    else:
-        up = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
-    swiglu_block = min(1024, inter)
-    _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
-                                            BLOCK=swiglu_block, FAST=config.fast)
-    if config.programs:
-        down = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
-    else:
-        down = _down[(picks, d // block_down)](*down_args, **down_meta)
-    return {"up": up, "down": down}
+    compiled = {}
+    if "up" in kernels:
+        if config.programs:
+            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+        else:
+            compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
+    if "swiglu" in kernels:
+        swiglu_block = min(1024, inter)
+        _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
+                                                BLOCK=swiglu_block, FAST=config.fast)
+    if "down" in kernels:
+        if config.programs:
+            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
+        else:
+            compiled["down"] = _down[(picks, d // block_down)](*down_args, **down_meta)
+    return compiled
 
 
 def codes_operand(matrix: tuple[torch.Tensor, torch.Tensor], tma: bool, block_n: int, block_k: int):

@@ -8,6 +8,7 @@ For each row count, `--steps` fresh random routings (top-6 of 256 experts a row,
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
 weights come from HBM; the graph is replayed 5 times and the median per step kept. Bytes: the
 distinct experts each step touches times one expert's MXFP4 bytes (codes + scales of w1, w2, w3).
+The gate/up and the down kernel are also timed alone, each over its own bytes (w1 + w3; w2).
 The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) is measured in
 the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for the
 dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
@@ -72,15 +73,17 @@ def resources(bank, config, g) -> dict:
             for name, k in kernels.items() if k is not None}
 
 
-def time_steps(bank, config, rows, steps, g) -> tuple[float, float]:
-    """(median microseconds per step, mean distinct experts per step), kernels only."""
+def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -> tuple[float, float]:
+    """(median microseconds per step, mean distinct experts per step) of `kernels` (all three:
+    the stage, kernels only; "up" or "down" alone: that kernel)."""
     plans = []
     for ids in routings(rows, steps, g):
         x = torch.randn(rows, D, device="cuda", generator=g).to(torch.bfloat16)
         w = torch.rand(rows * TOPK, device="cuda", generator=g)
         buffers = X.StageBuffers(rows * TOPK, bank, "cuda")
         plans.append((x, X.group_picks(ids), w, buffers, ids.unique().numel()))
-    run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers) for x, grp, w, buffers, _ in plans]
+    run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers, kernels)  # noqa: E731
+                   for x, grp, w, buffers, _ in plans]
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -163,11 +166,15 @@ def main(argv=None) -> int:
             us, distinct = time_steps(bank, config, rows, args.steps, g)
             tbps = distinct * expert_bytes() / (us * 1e-6) / 1e12
             entry["rows"][rows] = {"us": us, "distinct_experts": distinct, "TBps": tbps, "of_copy": tbps * 1e12 / copy}
+            for kernel, share in (("up", 2 / 3), ("down", 1 / 3)):  # w1 + w3, and w2: each kernel's own bytes
+                us, distinct = time_steps(bank, config, rows, args.steps, g, (kernel,))
+                entry["rows"][rows][f"{kernel}_TBps"] = share * distinct * expert_bytes() / (us * 1e-6) / 1e12
         result["variants"][name] = entry
-        cells = "  ".join(f"{r}:{v['TBps']:.2f}" for r, v in entry["rows"].items())
+        cells = "  ".join(f"{r}:{v['TBps']:.2f} ({v['up_TBps']:.2f}/{v['down_TBps']:.2f})"
+                          for r, v in entry["rows"].items())
         regs = " ".join(f"{k}:{v['registers']}r/{v['spills']}s{'/async' if v['cp_async'] else ''}"
                         for k, v in entry["kernels"].items())
-        print(f"{name:<32} err {err:.1e}  TB/s by rows {cells}  ({regs})", flush=True)
+        print(f"{name:<32} err {err:.1e}  TB/s by rows (gate/up / down alone) {cells}  ({regs})", flush=True)
     best = {}
     for rows in rows_list:
         name, entry = max(((n, e) for n, e in result["variants"].items() if n != "portable"),
@@ -177,11 +184,12 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "experts_bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\ncopy {copy / 1e12:.3f} TB/s; expert stage, kernels only, {args.steps} fresh routings a row count")
-    print(f"{'rows':>5} {'experts':>8} {'best variant':<32} {'us':>8} {'TB/s':>6} {'of copy':>8} {'portable TB/s':>14}")
+    print(f"{'rows':>5} {'experts':>8} {'best variant':<32} {'us':>8} {'TB/s':>6} {'of copy':>8} {'up alone':>9} "
+          f"{'down alone':>11} {'portable TB/s':>14}")
     for rows, (name, v) in best.items():
         portable = result["variants"].get("portable", {}).get("rows", {}).get(rows, {}).get("TBps", float("nan"))
         print(f"{rows:>5} {v['distinct_experts']:>8.1f} {name:<32} {v['us']:>8.1f} {v['TBps']:>6.2f} "
-              f"{v['of_copy']:>8.0%} {portable:>14.2f}")
+              f"{v['of_copy']:>8.0%} {v['up_TBps']:>9.2f} {v['down_TBps']:>11.2f} {portable:>14.2f}")
     return 0
 
 
