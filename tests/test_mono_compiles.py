@@ -16,10 +16,13 @@ HAS_NVIDIA_BACKEND = TRITON is not None and any(
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
-def test_k1_and_k2_build_for_sm90():
+@pytest.mark.parametrize("shape", ["default", "gemv_tma=1,expert_tma=1"])
+def test_k1_and_k2_build_for_sm90(shape):
+    """The default shape, and every weight tile through tensor descriptors."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("mono_compile.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, str(script), "--shape", shape], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     # widths 1 and 48: K1, K2 and the ffn launch for hash and bias routing, and two with a timeline
     assert "10 kernels built" in done.stdout, done.stdout

@@ -197,3 +197,23 @@ def test_invalid_tilings_raise():
         G.gemv(x, q, s, group_rows=48)
     with pytest.raises(ValueError, match="block grid"):
         G.gemv(x, q, s[:, :3])
+
+
+@pytest.mark.parametrize("rows", [1, 6, 48])
+def test_weights_through_tensor_descriptors(device, rows):
+    """`tma`: the weight tiles through a tensor descriptor (`weight_operand`) give the pointer
+    loads' result: FP8 over 4 K steps with a partial last block of N (rows past N read as
+    zeros, outputs masked), grouped wo_a, and the bf16 gate with a block wider than N."""
+    g = torch.Generator().manual_seed(300 + rows)
+    q, s, w = fp8_weight(g, 80, 128, 32)
+    x = activations(g, rows, 128).to(device)
+    tiles = G.gemv(x, q.to(device), s.to(device), block=(32, 32), tma=True, poison=True)
+    assert torch.equal(tiles, G.gemv(x, q.to(device), s.to(device), block=(32, 32), poison=True))
+    assert_matches_bf16(tiles, F.linear(x, w.to(device)), x.cpu().double() @ w.double().T,
+                        x.cpu().double().abs() @ w.double().abs().T)
+    q, s, w = fp8_weight(g, 64, 64, 32)
+    grouped = G.gemv(x, q.to(device), s.to(device), group_rows=32, tma=True, poison=True)
+    assert torch.equal(grouped, G.gemv(x, q.to(device), s.to(device), group_rows=32, poison=True))
+    gate = (torch.randn(8, 128, generator=g) / 8).to(torch.bfloat16).to(device)
+    routed = G.gemv(x, gate, out_dtype=torch.float32, tma=True, poison=True)
+    assert torch.equal(routed, G.gemv(x, gate, out_dtype=torch.float32, poison=True))

@@ -354,11 +354,12 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 
 @pytest.mark.parametrize("spec", ["block_n=0,block_k=512,expert_block_n=16,expert_block_k=32",
-                                  "expert_block_n=16,expert_block_k=32,expert_tma=1"])
+                                  "expert_block_n=16,expert_block_k=32,expert_tma=1",
+                                  "gemv_tma=1,block_k=32"])
 def test_another_launch_shape_gives_the_same_step(model, spec):
-    """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, or the
-    expert codes through tensor descriptors (two K steps of w1 / w3 either way): the same result
-    up to fp32 summation order. The tiny model's experts (hidden 64, intermediate 32: not whole
+    """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, the
+    expert codes (two K steps of w1 / w3) or the dense weights (K steps of 32) through tensor
+    descriptors: the same result up to fp32 summation order. The tiny model's experts (hidden 64, intermediate 32: not whole
     fragment groups) stay in the checkpoint's order, which serves K steps below 128."""
     from monodecode.mono.runner import LaunchShape
 

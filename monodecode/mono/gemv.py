@@ -79,10 +79,13 @@ def _e8m0_value(code):
 @triton.jit
 def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
               WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None):
+              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
+              TMA: tl.constexpr = False):
     """y[:R, nb*BN : nb*BN + BN] (masked at N) = x[:R, xoff : xoff + K] @ W[block].T (the
     contract in the module docstring). K1 / K2 call this. NS: the K loop's software-pipelining
-    depth (`tl.range` num_stages; None: the launch's)."""
+    depth (`tl.range` num_stages; None: the launch's). TMA: `w_ptr` is a tensor descriptor of W
+    in blocks [BN, BK] (`weight_operand`): the copy engine loads the weight tiles into shared
+    memory, without registers (rows past N read as zeros)."""
     n = nb * BN + tl.arange(0, BN)
     n_mask = n < N
     r = tl.arange(0, BR)
@@ -92,11 +95,15 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
     if group_rows > 0:
         xoff = (nb * BN) // group_rows * K
     x_rows = x_ptr + r[:, None] * x_stride + xoff + rk[None, :]
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]  # N * K may pass 2^31
+    if not TMA:
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]  # N * K may pass 2^31
     acc = tl.zeros((BN, BR), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
         x = tl.load(x_rows + k0, mask=r_mask[:, None], other=0.0)
-        w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
+        if TMA:
+            w = w_ptr.load([nb * BN, k0])
+        else:
+            w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
         if WFMT == 0 and BK > SB:
             # Several scale blocks along K: each weight scaled in registers before the dot (a
             # power of two: exact while the product is a normal number, as the per-op path's
@@ -136,10 +143,10 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
 @triton.jit
 def _gemv_stage(x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, n_tasks,
                 WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         gemv_task(t, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST)
+                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST, None, TMA)
 
 
 # --- Python side ----------------------------------------------------------------------------------
@@ -201,13 +208,14 @@ def scale_block(N: int, K: int, scale_shape) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, block=None,
-         out_dtype=torch.bfloat16, group_rows: int = 0, fast: bool | None = None,
+         out_dtype=torch.bfloat16, group_rows: int = 0, fast: bool | None = None, tma: bool = False,
          poison: bool = False) -> torch.Tensor:
     """y [R, N] = x [R, >= K] (bf16) @ W.T, W [N, K]: FP8 (float8_e4m3fn or its uint8 codes)
     with E8M0 block scales `scale` (float8_e8m0fnu or uint8), or bf16 when `scale` is None.
     With group_rows > 0, output rows g*group_rows .. read x columns g*K .. (grouped wo_a).
-    `block` = (BN, BK), default `default_blocks` for this device's SM count; `poison` fills y
-    with NaN first, so that tests see any element no task wrote."""
+    `block` = (BN, BK), default `default_blocks` for this device's SM count; `tma`: the weight
+    tiles through a tensor descriptor (`weight_operand`); `poison` fills y with NaN first, so
+    that tests see any element no task wrote."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be a 2-D bf16 tensor with unit column stride, found {x.dtype} {tuple(x.shape)}")
     R, (N, K) = x.shape[0], w.shape
@@ -233,7 +241,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     y = torch.full((R, N), float("nan") if poison else 0.0, dtype=out_dtype, device=x.device)
     n_tasks = gemv_tasks(N, bn)
     grid = (1,) if os.environ.get("TRITON_INTERPRET") == "1" else (n_tasks,)
-    _gemv_stage[grid](x, x.stride(0), R, w.contiguous(), s, y, y.stride(0), N, K, group_rows, n_tasks,
-                      WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, BR=row_block(R),
-                      OUT_BF16=out_dtype == torch.bfloat16, FAST=fast)
+    _gemv_stage[grid](x, x.stride(0), R, weight_operand(w.contiguous(), tma, bn, bk), s, y, y.stride(0), N, K,
+                      group_rows, n_tasks, WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, BR=row_block(R),
+                      OUT_BF16=out_dtype == torch.bfloat16, FAST=fast, TMA=tma)
     return y
+
+
+def weight_operand(w: torch.Tensor, tma: bool, block_n: int, block_k: int):
+    """A GEMV's weight [N, K] as `gemv_task` takes it: the tensor, or (tma) a tensor descriptor
+    of it in blocks [block_n, block_k]."""
+    if not tma:
+        return w
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w, [block_n, block_k])

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import attention as A
 from . import hc as HC
-from .gemv import gemv_task, row_block
+from .gemv import gemv_task, row_block, weight_operand
 from .sync import finish_launch, grid_barrier, launch_epoch, stamp
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
@@ -50,7 +50,7 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
         BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN_QA: tl.constexpr, BN_KV: tl.constexpr,
         BN_QB: tl.constexpr, BK_D: tl.constexpr, BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
         RD: tl.constexpr, BQ: tl.constexpr,
-        FAST: tl.constexpr, TIMELINE: tl.constexpr, GNS: tl.constexpr):
+        FAST: tl.constexpr, TIMELINE: tl.constexpr, GNS: tl.constexpr, GTMA: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -69,10 +69,10 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
     for t in range(pid, q_tasks + tl.cdiv(D, BN_KV), grid):
         if t < q_tasks:
             gemv_task(t, x_ptr, d, R, wqa_ptr, wqa_s_ptr, qr_raw_ptr, q_lora, q_lora, d, 0,
-                      0, SB, BN_QA, BK_D, BR, True, FAST, GNS)
+                      0, SB, BN_QA, BK_D, BR, True, FAST, GNS, GTMA)
         else:
             gemv_task(t - q_tasks, x_ptr, d, R, wkv_ptr, wkv_s_ptr, kv_raw_ptr, D, D, d, 0,
-                      0, SB, BN_KV, BK_D, BR, True, FAST, GNS)
+                      0, SB, BN_KV, BK_D, BR, True, FAST, GNS, GTMA)
     grid_barrier(sync_ptr, epoch, 2, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, 2 * R, grid):
@@ -83,7 +83,7 @@ def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
 
     for t in range(pid, tl.cdiv(heads * D, BN_QB), grid):
         gemv_task(t, qr_ptr, q_lora, R, wqb_ptr, wqb_s_ptr, q_raw_ptr, heads * D, heads * D, q_lora, 0,
-                  0, SB, BN_QB, BK_Q, BR, True, FAST, GNS)
+                  0, SB, BN_QB, BK_Q, BR, True, FAST, GNS, GTMA)
     grid_barrier(sync_ptr, epoch, 4, BARRIERS, max_polls, timeline_ptr, TIMELINE)
 
     for t in range(pid, R * heads, grid):
@@ -103,17 +103,19 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     bn_qa, bk_d = runner.gemv_blocks(q_lora, d)
     bn_kv, _ = runner.gemv_blocks(hd, d)
     bn_qb, bk_q = runner.gemv_blocks(heads * hd, q_lora)
+    tma = bool(runner.shape.gemv_tma)
     runner.launch(_k1, "K1",
         runner.sync["k1"].words, runner.max_polls, runner.timeline_buffer("k1"), s.rows, s.positions, s.slots,
         res, s.y, s.post_ffn, s.comb_ffn, streams, s.partials,
         *lw.hc_attn, lw.attn_norm, s.post_attn, s.comb_attn, s.x,
-        lw.wq_a.codes, lw.wq_a.scales, lw.wkv.codes, lw.wkv.scales, s.qr_raw, s.kv_raw,
+        weight_operand(lw.wq_a.codes, tma, bn_qa, bk_d), lw.wq_a.scales, weight_operand(lw.wkv.codes, tma, bn_kv, bk_d),
+        lw.wkv.scales, s.qr_raw, s.kv_raw,
         lw.q_norm, lw.kv_norm, s.qr, ring.data["kv"], ring.pos, ring.size, lw.rope_freqs,
-        lw.wq_b.codes, lw.wq_b.scales, s.q_raw, s.q,
+        weight_operand(lw.wq_b.codes, tma, bn_qb, bk_q), lw.wq_b.scales, s.q_raw, s.q,
         c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters,
         HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, c.hidden_size),
         HAS_OWED=owed, SB=sb, BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q, BR=row_block(s.rows),
         D=c.head_dim, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(c.q_lora_rank),
-        FAST=runner.fast, TIMELINE=runner.timeline, GNS=runner.shape.gemv_stages,
+        FAST=runner.fast, TIMELINE=runner.timeline, GNS=runner.shape.gemv_stages, GTMA=tma,
     )
     return 1 - cur if owed else cur

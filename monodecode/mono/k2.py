@@ -39,7 +39,7 @@ from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import router as RT
-from .gemv import gemv_task, row_block
+from .gemv import gemv_task, row_block, weight_operand
 from .plan import MAX_ROWS
 from .sync import finish_launch, grid_barrier, launch_epoch, stamp
 
@@ -67,7 +67,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
                 TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-                ETMA: tl.constexpr, EFRAG: tl.constexpr):
+                ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
@@ -86,12 +86,12 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         n5 += 2 * i_tasks
     for t in range(pid, n5, grid):
         if t < e_tasks:
-            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN_G, BK_D, BR, False, FAST, GNS)
+            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN_G, BK_D, BR, False, FAST, GNS, GTMA)
         elif t < e_tasks + i_tasks:
-            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN_SH, BK_D, BR, True, FAST, GNS)
+            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
         else:
             gemv_task(t - e_tasks - i_tasks, x_ptr, d, R, sw3_ptr, sw3_s, sup_ptr, I, I, d, 0,
-                      0, SB, BN_SH, BK_D, BR, True, FAST, GNS)
+                      0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
     grid_barrier(sync_ptr, epoch, b0 + 2, NB, max_polls, timeline_ptr, TIMELINE)
 
     n6 = R
@@ -112,7 +112,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         if t == 0:
             RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
         else:
-            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN_S2, BK_I, BR, True, FAST, GNS)
+            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN_S2, BK_I, BR, True, FAST, GNS, GTMA)
     grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK
@@ -154,7 +154,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
         TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-        ETMA: tl.constexpr, EFRAG: tl.constexpr):
+        ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -168,11 +168,11 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         z_width = o_groups * o_lora
         for t in range(pid, tl.cdiv(z_width, BN_OA), grid):
             gemv_task(t, o_ptr, heads * D, R, woa_ptr, woa_s, z_ptr, z_width, z_width, heads * D // o_groups, o_lora,
-                      0, SB, BN_OA, BK_O, BR, True, FAST, GNS)
+                      0, SB, BN_OA, BK_O, BR, True, FAST, GNS, GTMA)
         grid_barrier(sync_ptr, epoch, 1, NB, max_polls, timeline_ptr, TIMELINE)
         for t in range(pid, tl.cdiv(d, BN_OB), grid):
             gemv_task(t, z_ptr, z_width, R, wob_ptr, wob_s, attn_out_ptr, d, d, z_width, 0,
-                      0, SB, BN_OB, BK_Z, BR, True, FAST, GNS)
+                      0, SB, BN_OB, BK_Z, BR, True, FAST, GNS, GTMA)
         grid_barrier(sync_ptr, epoch, 2, NB, max_polls, timeline_ptr, TIMELINE)
         b0 = 3
     _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB, pid, grid, R,
@@ -184,7 +184,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
                 BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ETMA,
-                EFRAG)
+                EFRAG, GTMA)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
@@ -204,11 +204,15 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     bn_g, bk_d = runner.gemv_blocks(c.n_routed_experts, d, fp8=False)
     bn_sh, _ = runner.gemv_blocks(inter, d)
     bn_s2, bk_i = runner.gemv_blocks(d, inter)
-    shared = lw.shared if lw.shared is not None else (lw.wq_a,) * 3  # unread (SHARED False): any pointer
+    tma = bool(shape.gemv_tma)
+    sw1, sw2, sw3 = lw.shared if lw.shared is not None else (lw.wq_a,) * 3  # unread (SHARED False): any FP8 matrix
+    shared = (weight_operand(sw1.codes, tma, bn_sh, bk_d), sw1.scales, weight_operand(sw2.codes, tma, bn_s2, bk_i),
+              sw2.scales, weight_operand(sw3.codes, tma, bn_sh, bk_d), sw3.scales)
     if attention:
         ring = cache.window
         attn = (s.q, s.o, ring.data["kv"], ring.pos, ring.size, lw.attn_sink, lw.rope_freqs, c.sliding_window,
-                hd ** -0.5, lw.wo_a.codes, lw.wo_a.scales, s.z, lw.wo_b.codes, lw.wo_b.scales)
+                hd ** -0.5, weight_operand(lw.wo_a.codes, tma, bn_oa, bk_o), lw.wo_a.scales, s.z,
+                weight_operand(lw.wo_b.codes, tma, bn_ob, bk_z), lw.wo_b.scales)
     else:  # unread: the attention stages are compiled out
         attn = (s.q, s.o, s.q, s.slots, 1, s.logits, s.logits, 1, 1.0, s.q, s.q, s.z, s.q, s.q)
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
@@ -222,8 +226,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         *attn,
         res, s.attn_out, s.post_attn, s.comb_attn, streams, s.partials,
         *lw.hc_ffn, lw.ffn_norm, s.post_ffn, s.comb_ffn, s.x,
-        lw.gate, routing, routing, s.logits, s.ids, s.route_weights, s.order, s.experts, s.counts,
-        shared[0].codes, shared[0].scales, shared[1].codes, shared[1].scales, shared[2].codes, shared[2].scales,
+        weight_operand(lw.gate, tma, bn_g, bk_d), routing, routing, s.logits, s.ids, s.route_weights, s.order,
+        s.experts, s.counts, *shared,
         s.shared_gate, s.shared_up, s.shared_h, s.shared_out,
         *w1, *w2, *w3, s.gate_up, s.h, s.per_pick, s.y,
         d, c.num_attention_heads, c.o_groups, c.o_lora_rank, c.n_routed_experts, inter, c.num_experts_per_tok,
@@ -239,6 +243,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BNE=bne, BKE_D=bke_d, BKE_I=bke_i, SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
-        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments,
+        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments, GTMA=tma,
     )
     return 1 - cur if attention else cur

@@ -51,7 +51,8 @@ class LaunchShape:
     default for the launch; the experts are stacked in the fragment order wherever their sizes
     allow, `weights.stack_experts`, and that order needs expert K steps of a multiple of 128);
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
-    `LaunchConfig.tma`); `compile_attention` 1: the `ffn` layers' per-op attention
+    `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
+    bytes in flight without registers, for deeper `gemv_stages`; not timed yet); `compile_attention` 1: the `ffn` layers' per-op attention
     sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with the eager
     path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500
     small ones, `ffn` layers 1.2-2.1x faster on the H200, its agreement checked there at v4-flash
@@ -69,6 +70,7 @@ class LaunchShape:
     block_n: int = 64
     block_k: int = 128
     gemv_stages: int | None = None
+    gemv_tma: int = 0
     expert_block_n: int = 128
     expert_block_k: int = 512
     expert_stages: int | None = None
