@@ -29,7 +29,8 @@ Contract
 
 Python side: `gemv_tasks` (the stage's task count), `row_block` (BR), `default_blocks`
 (BN, BK), `check_blocks` (the ValueErrors above: call it at build), `scale_block` (SB from a
-scale tensor's shape) and `gemv`, the standalone launch (grid (1,) under the interpreter).
+scale tensor's shape), `weight_operand` (W as a pointer, or a tensor descriptor for the TMA
+loads) and `gemv`, the standalone launch (grid (1,) under the interpreter).
 
 Decode (constexpr FAST)
 - FAST (NVIDIA): the codes bitcast to float8e4nv and converted to bf16 (exact), x bf16, and a
