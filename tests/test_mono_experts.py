@@ -35,9 +35,14 @@ def random_bank(g, num_experts, hidden, inter, device):
     def matrix(n, k):
         return formats.quantize_mxfp4(torch.randn(n, k, generator=g) / k**0.5)
 
-    bank = X.prepare([(matrix(inter, hidden), matrix(hidden, inter), matrix(inter, hidden))
-                      for _ in range(num_experts)])
-    return X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (bank.w1, bank.w2, bank.w3)))
+    return on_device(X.prepare([(matrix(inter, hidden), matrix(hidden, inter), matrix(inter, hidden))
+                                for _ in range(num_experts)]), device)
+
+
+def on_device(weights, device):
+    """The same experts (codes, scales, code order) on `device`."""
+    return X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (weights.w1, weights.w2, weights.w3)),
+                           fragments=weights.fragments)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +55,7 @@ def fragment_bank(device):
     """Experts in the fragment order (`ExpertWeights.fragments`: K a multiple of 128), on `device`,
     and the same experts in the checkpoint's order on the CPU for the reference."""
     checkpoint = random_bank(torch.Generator().manual_seed(1), num_experts=8, hidden=256, inter=128, device="cpu")
-    fragments = X.in_fragment_order(checkpoint)
-    return X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (fragments.w1, fragments.w2, fragments.w3)),
-                           fragments=True), checkpoint
+    return on_device(X.in_fragment_order(checkpoint), device), checkpoint
 
 
 def picks(g, rows, topk, num_experts, routing):
@@ -79,7 +82,7 @@ def test_matches_float64_reference(bank, fragment_bank, device, rows, routing, o
         config = X.LaunchConfig(fast=device == "cuda" and experts.supports_fast_decode(), block_n=32, block_k=128)
     else:
         experts, config = bank, None
-        checkpoint = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
+        checkpoint = on_device(bank, "cpu")
     x = torch.randn(rows, experts.hidden, generator=g).to(torch.bfloat16)
     weights = torch.rand(rows, 2, generator=g) + 0.1
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT, config, poison=True)
@@ -96,8 +99,19 @@ def test_many_rows_on_one_expert_are_split_into_tasks(device):
     x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
     weights = torch.rand(40, 2, generator=g)
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, poison=True)
-    cpu_bank = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
-    assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
+    assert_close(y, X.reference(x, ids, weights, on_device(bank, "cpu"), LIMIT))
+
+
+def assert_rows_and_a_pad_match(g, experts, checkpoint, config, device):
+    """6 bias-routed rows of 2 picks of 8 experts, row 2 a pad: the reference's result (from
+    `checkpoint`, the same experts on the CPU in the checkpoint's order), zeros for the pad."""
+    ids = picks(g, 6, 2, 8, "bias")
+    ids[2] = -1
+    x = torch.randn(6, experts.hidden, generator=g).to(torch.bfloat16)
+    weights = torch.rand(6, 2, generator=g) + 0.1
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT, config, poison=True)
+    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
+    assert (y[2] == 0).all()
 
 
 @pytest.mark.parametrize("programs,block_k,tma", [(1, 64, False), (3, 64, False), (3, 32, False),
@@ -106,17 +120,10 @@ def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k
     """`LaunchConfig.programs`: a few programs looping over every task (K2's loops) give the
     reference's result too; under the interpreter the programs run one after another. K steps
     of 32: two of w1 / w3 and one of w2; with `tma`, the codes through tensor descriptors."""
-    g = torch.Generator().manual_seed(40 + programs)
-    ids = picks(g, 6, 2, 8, "bias")
-    ids[2] = -1  # a pad row
-    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
-    weights = torch.rand(6, 2, generator=g) + 0.1
     fast = device == "cuda" and bank.supports_fast_decode()
     config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma)
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
-    cpu_bank = X.ExpertWeights(*((c.cpu(), s.cpu()) for c, s in (bank.w1, bank.w2, bank.w3)))
-    assert_close(y, X.reference(x, ids, weights, cpu_bank, LIMIT))
-    assert (y[2] == 0).all()
+    assert_rows_and_a_pad_match(torch.Generator().manual_seed(40 + programs), bank, on_device(bank, "cpu"), config,
+                                device)
 
 
 def test_group_picks():
@@ -148,44 +155,28 @@ def test_prepare_round_trips(fragments):
 
 
 @pytest.mark.parametrize("programs,block_k,tma", [(0, 128, False), (3, 128, False), (0, 256, True), (3, 128, True)])
-def test_experts_in_the_fragment_order_match_the_reference(device, programs, block_k, tma):
+def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device, programs, block_k, tma):
     """The same experts in the fragment order give the reference's result: a program a task and
     persistent programs, the codes loaded as pointers or through tensor descriptors, over two K
-    steps of 128 (w1 / w3: hidden 256; w2: intermediate 128, one step)."""
-    g = torch.Generator().manual_seed(50 + programs + block_k)
-    checkpoint = random_bank(g, num_experts=8, hidden=256, inter=128, device="cpu")
-    bank = X.prepare(X.unprepare(checkpoint), fragments=True)
-    bank = X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (bank.w1, bank.w2, bank.w3)), fragments=True)
-    ids = picks(g, 6, 2, 8, "bias")
-    ids[2] = -1  # a pad row
-    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
-    weights = torch.rand(6, 2, generator=g) + 0.1
+    steps of 128 (w1 / w3: hidden 256; w2: intermediate 128, one step). K steps that split a
+    fragment group are refused."""
+    bank, checkpoint = fragment_bank
     fast = device == "cuda" and bank.supports_fast_decode()
     config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma)
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
-    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
-    assert (y[2] == 0).all()
+    assert_rows_and_a_pad_match(torch.Generator().manual_seed(50 + programs + block_k), bank, checkpoint, config,
+                                device)
     with pytest.raises(ValueError, match=r"fragment order need expert K steps of a multiple of 128 \(here \[64\]\)"):
-        X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT,
-                         X.LaunchConfig(fast=fast, block_n=32, block_k=64))
+        assert_rows_and_a_pad_match(torch.Generator(), bank, checkpoint, X.LaunchConfig(fast, 32, 64), device)
 
 
-def test_the_default_launch_follows_the_layout_and_the_rows(device):
+def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, device):
     """`default_config`: the H200's fastest measured tiles, 128 x 256 with 2 stages for steps of
     4+ rows in the fragment order; with it (None) the launcher still gives the reference's result."""
-    g = torch.Generator().manual_seed(61)
-    checkpoint = random_bank(g, num_experts=8, hidden=256, inter=128, device="cpu")
-    fragments = X.prepare(X.unprepare(checkpoint), fragments=True)
-    assert (X.default_config(fragments, 6, True).block_n, X.default_config(fragments, 6, True).num_stages) == (128, 2)
-    assert X.default_config(fragments, 1, True) == X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
-    assert X.default_config(fragments, 6, False) == X.LaunchConfig(False)
-    bank = X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (fragments.w1, fragments.w2, fragments.w3)),
-                           fragments=True)
-    ids = picks(g, 6, 2, 8, "hash")
-    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
-    weights = torch.rand(6, 2, generator=g) + 0.1
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, poison=True)
-    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
+    bank, checkpoint = fragment_bank
+    assert (X.default_config(bank, 6, True).block_n, X.default_config(bank, 6, True).num_stages) == (128, 2)
+    assert X.default_config(bank, 1, True) == X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
+    assert X.default_config(bank, 6, False) == X.LaunchConfig(False)
+    assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)
 
 
 def test_launch_stages_runs_the_kernels_asked_for(bank, device):
@@ -194,10 +185,9 @@ def test_launch_stages_runs_the_kernels_asked_for(bank, device):
     g = torch.Generator().manual_seed(71)
     ids = picks(g, 3, 2, 8, "bias").to(device)
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(device)
-    weights = X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (bank.w1, bank.w2, bank.w3)))
-    buffers = X.StageBuffers(6, weights, device, poison=True)
-    config = X.LaunchConfig(fast=device == "cuda" and weights.supports_fast_decode(), block_n=32, block_k=32)
-    X.launch_stages(x, X.group_picks(ids), torch.rand(6, generator=g).to(device), weights, LIMIT, config, buffers,
+    buffers = X.StageBuffers(6, bank, device, poison=True)
+    config = X.LaunchConfig(fast=device == "cuda" and bank.supports_fast_decode(), block_n=32, block_k=32)
+    X.launch_stages(x, X.group_picks(ids), torch.rand(6, generator=g).to(device), bank, LIMIT, config, buffers,
                     ("up",))
     assert not buffers.gate_up.isnan().any()
     assert buffers.h.isnan().all() and buffers.per_pick.isnan().all()
