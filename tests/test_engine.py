@@ -167,7 +167,8 @@ def test_the_warm_up_steps_every_decode_width_and_touches_nothing(model, monkeyp
     assert widths == [n * (6 if speculative else 1) for n in (1, 2, 3)]  # max_num_seqs 3; 1 + 5 rows a request
     target, before = (eng.caches.target, caches.target) if speculative else (eng.caches, caches)
     for now, then in zip(target.layers, before.layers):
-        assert torch.equal(now.window.pos, then.window.pos) and torch.equal(now.window.data["kv"], then.window.data["kv"])
+        assert torch.equal(now.window.pos, then.window.pos)
+        assert torch.equal(now.window.data["kv"], then.window.data["kv"])
     assert sum(eng.metrics.steps.values()) == 0
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert eng.generate(PROMPTS[:2], params) == engine(model, speculative=spec).generate(PROMPTS[:2], params)

@@ -201,7 +201,8 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     from monodecode.mono import experts_bench as B
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(multi_processor_count=132))
-    found = {name: (layout, config) for name, layout, config in B.variants(False, [0, 1], ["interleave", "fragments+tma"])}
+    found = {name: (layout, config)
+             for name, layout, config in B.variants(False, [0, 1], ["interleave", "fragments+tma"])}
     assert found.pop("portable")[1].fast is False
     assert all(config.tma == (layout == "fragments+tma") for layout, config in found.values())
     assert len(found) == 3 * 3 * 2 * 3 * 2 * 2  # BN, BK, warps, stages; two layouts; two launches

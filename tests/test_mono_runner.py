@@ -359,8 +359,9 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 def test_another_launch_shape_gives_the_same_step(model, spec):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, the
     expert codes (two K steps of w1 / w3) or the dense weights (K steps of 32) through tensor
-    descriptors: the same result up to fp32 summation order. The tiny model's experts (hidden 64, intermediate 32: not whole
-    fragment groups) stay in the checkpoint's order, which serves K steps below 128."""
+    descriptors: the same result up to fp32 summation order. The tiny model's experts (hidden
+    64, intermediate 32: not whole fragment groups) stay in the checkpoint's order, which serves
+    K steps below 128."""
     from monodecode.mono.runner import LaunchShape
 
     assert not model.mono.layers[0].experts.fragments and not model.blocks[0].moe.experts.fragments

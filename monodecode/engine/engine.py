@@ -36,7 +36,8 @@ class Engine:
                  mono: str = "auto", tokenizer=None, metrics: Metrics | None = None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        self.model, self.tokenizer, self.max_model_len, self.max_num_seqs = model, tokenizer, max_model_len, max_num_seqs
+        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        self.max_num_seqs = max_num_seqs
         self.metrics = metrics or Metrics()
         self.runner = StepRunner(model, mono, self.metrics)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)

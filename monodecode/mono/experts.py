@@ -409,7 +409,7 @@ class LaunchConfig:
     block_n: int = 64
     block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 1  # Triton's pipelining; in the checkpoint's order a loss, in the fragment order a gain (`default_config`)
+    num_stages: int = 1  # Triton's pipelining: a loss in the checkpoint's order, a gain in the fragment order
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
 

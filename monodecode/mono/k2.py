@@ -86,9 +86,11 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         n5 += 2 * i_tasks
     for t in range(pid, n5, grid):
         if t < e_tasks:
-            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0, 1, SB, BN_G, BK_D, BR, False, FAST, GNS, GTMA)
+            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0,
+                      1, SB, BN_G, BK_D, BR, False, FAST, GNS, GTMA)
         elif t < e_tasks + i_tasks:
-            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0, 0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
+            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0,
+                      0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
         else:
             gemv_task(t - e_tasks - i_tasks, x_ptr, d, R, sw3_ptr, sw3_s, sup_ptr, I, I, d, 0,
                       0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
@@ -112,7 +114,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         if t == 0:
             RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
         else:
-            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0, 0, SB, BN_S2, BK_I, BR, True, FAST, GNS, GTMA)
+            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0,
+                      0, SB, BN_S2, BK_I, BR, True, FAST, GNS, GTMA)
     grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK

@@ -52,17 +52,17 @@ class LaunchShape:
     allow, `weights.stack_experts`, and that order needs expert K steps of a multiple of 128);
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
     `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
-    bytes in flight without registers, for deeper `gemv_stages`; not timed yet); `compile_attention` 1: the `ffn` layers' per-op attention
-    sub-block (mHC collapse, norm, `BatchedAttention`, fold) under torch.compile, with the eager
-    path's rounding points (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500
-    small ones, `ffn` layers 1.2-2.1x faster on the H200, its agreement checked there at v4-flash
-    sizes); 0: eagerly; None (the default): compiled on a GPU, eager under Triton's interpreter
-    (where inductor's CPU build would cost minutes of a test run and the interpreted kernels
-    dominate anyway). `expert_tma` is opt-in: in the expert stage's persistent proxy it lost
-    (docs/PERFORMANCE.md), where the fragment order gained ~5 %.
-    The defaults are the fastest shape measured on the H200 at 6-48 rows (1.3-1.4x the 4-warp,
-    64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there for agreement
-    (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
+    bytes in flight without registers, for deeper `gemv_stages`; not timed yet);
+    `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
+    `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
+    (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
+    1.2-2.1x faster on the H200, its agreement checked there at v4-flash sizes); 0: eagerly; None
+    (the default): compiled on a GPU, eager under Triton's interpreter (where inductor's CPU build
+    would cost minutes of a test run and the interpreted kernels dominate anyway). `expert_tma` is
+    opt-in: in the expert stage's persistent proxy it lost (docs/PERFORMANCE.md), where the fragment
+    order gained ~5 %. The defaults are the fastest shape measured on the H200 at 6-48 rows
+    (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there
+    for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
 
     programs_per_sm: int = 1
     k1_warps: int = 4

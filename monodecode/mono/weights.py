@@ -9,9 +9,10 @@ What the kernels read, per layer:
   the checkpoint's format: e4m3 codes as uint8 [N, K] and UE8M0 block scales as uint8
   [ceil(N / b), ceil(K / b)]. The per-op path holds these dequantized to the compute dtype, so the
   codes are read again from the checkpoint: an extra copy, FP8-sized, counted by `nbytes`.
-- the routed experts stacked per matrix (`experts.ExpertWeights`). They are the checkpoint's MXFP4
-  bytes; the per-op path's per-expert tensors are rebound to views of the stacked copy, so the
-  experts are held once.
+- the routed experts stacked per matrix (`experts.ExpertWeights`): the checkpoint's MXFP4 bytes,
+  the codes permuted into the fragment order where the sizes allow (`stack_experts`); the per-op
+  path's per-expert tensors are rebound to views of the stack (its bank decodes that order), so
+  the experts are held once.
 - fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
   table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors.
 """
