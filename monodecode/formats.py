@@ -55,7 +55,15 @@ MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
     of the tensor cores' operand then finds its columns (2t, 2t + 1, 2t + 8,
     2t + 9 of every 16) in 16 contiguous bytes, paired as the expert kernels'
     fast decode packs them (``mono/experts.py``). Scales are not permuted.
-    ``from_fragment_order`` is the inverse.
+    Within each 16-bit half of a 32-bit word (2 bytes, little-endian; r
+    picks the half, q the code pair) the bits of its 4 codes are then placed
+    for that decode: code ``c = 2s + q`` of half r is column (q, r) of nibble
+    s above. The fast decode turns a word into 4 registers of 2 bf16 (code c of
+    half 0 and of half 1), each code's value times 2^-126 (bits 0..3 of a code,
+    mantissa, exponent, sign, at bf16 bits 6, 7, 8, 15), by shifting the word
+    left by ``FRAGMENT_CODE_SHIFTS[c][bit]`` (negative: right) and masking: a
+    shift and a mask a code for three of them; no bit crosses from one half
+    into the other's result. ``from_fragment_order`` is the inverse.
 
 Both scale rules divide amax by 448 or 6 in float32 before rounding up to a
 power of two. That division is safe: for these divisors a float32 ``amax``
@@ -231,12 +239,53 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype=torch.bfloat16) -> Ten
 FRAGMENT_GROUP = 128  # columns a fragment-order permutation stays within
 
 
-def _nibbles_of(codes: Tensor) -> Tensor:
-    """Codes [..., K / 2] -> nibbles [..., K / 2, 2] (low, high), after checking K."""
+# The left shifts (negative: right) that bring code c's bits (mantissa, exponent low, exponent high,
+# sign) of a 16-bit half to their bf16 places; code c = 2s + q. No four single shifts tile 16 bits,
+# so codes 1 and 3 take two each (the fewest instructions of any tiling: 5 shifts, 6 masks).
+FRAGMENT_CODE_SHIFTS = ((6, 6, 6, 6), (-5, -5, 5, 5), (2, 2, 2, 2), (-8, 0, 0, 0))
+E2M1_BF16_BITS = (6, 7, 8, 15)  # where an e2m1 code's bits go in the bf16 of its value times 2^-126
+
+
+def fragment_code_masks(code: int) -> dict[int, int]:
+    """{left shift (negative: right): the bits of a 16-bit half's code `code` it brings to their
+    bf16 places}."""
+    masks: dict[int, int] = {}
+    for bit, shift in zip(E2M1_BF16_BITS, FRAGMENT_CODE_SHIFTS[code]):
+        masks[shift] = masks.get(shift, 0) | 1 << bit
+    return masks
+
+
+def _shift(x: Tensor, shift: int) -> Tensor:
+    return x << shift if shift >= 0 else x >> -shift
+
+
+def _halves_of(nibbles: Tensor) -> Tensor:
+    """Codes [..., 2 (q), 2 (s)] of each 16-bit half -> the halves (int64)."""
+    n = nibbles.long()
+    halves = torch.zeros(n.shape[:-2], dtype=torch.long, device=n.device)
+    for code in range(4):
+        c = n[..., code % 2, code // 2]
+        placed = ((c & 7) << 6) | ((c & 8) << 12)  # the bf16 bits of the code's value times 2^-126
+        for shift, mask in fragment_code_masks(code).items():
+            halves |= _shift(placed & mask, -shift)
+    return halves
+
+
+def _codes_of_halves(halves: Tensor) -> Tensor:
+    """The inverse of `_halves_of`, the way the expert kernels decode: shift, mask, read the bf16
+    bits; -> codes [..., 2 (q), 2 (s)]."""
+    codes = []
+    for code in range(4):
+        placed = sum(_shift(halves, shift) & mask for shift, mask in fragment_code_masks(code).items())
+        codes.append(((placed >> 6) & 7) | ((placed >> 12) & 8))
+    return torch.stack(codes, dim=-1).reshape(*halves.shape, 2, 2).transpose(-1, -2)  # c = 2s + q
+
+
+def _bytes_in_groups(codes: Tensor) -> Tensor:
+    """Codes [..., K / 2] as uint8, after checking that K is whole fragment groups."""
     if codes.shape[-1] * 2 % FRAGMENT_GROUP:
         raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {codes.shape[-1] * 2}")
-    p = codes.view(torch.uint8)
-    return torch.stack((p & 15, p >> 4), dim=-1)
+    return codes.view(torch.uint8)
 
 
 def _bytes_of(nibbles: Tensor, shape) -> Tensor:
@@ -249,14 +298,18 @@ def to_fragment_order(codes: Tensor) -> Tensor:
     i) to the fragment order (module docstring), as uint8."""
     *lead, half = codes.shape
     # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
-    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)  # (g, m, s, q, t, r)
+    p = _bytes_in_groups(codes)
+    v = torch.stack((p & 15, p >> 4), dim=-1).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)  # (g, m, s, q, t, r)
     n = len(lead)
-    return _bytes_of(v.permute(*range(n), n, n + 4, n + 1, n + 3, n + 5, n + 2), codes.shape)  # (g, t, m, q, r, s)
+    v = v.permute(*range(n), n, n + 4, n + 1, n + 5, n + 3, n + 2)  # (g, t, m, r, q, s)
+    halves = _halves_of(v.reshape(*lead, half // 2, 2, 2))
+    return torch.stack((halves & 255, halves >> 8), dim=-1).to(torch.uint8).reshape(codes.shape)
 
 
 def from_fragment_order(codes: Tensor) -> Tensor:
     """MXFP4 codes [..., K / 2] from the fragment order back to the checkpoint's, as uint8."""
     *lead, half = codes.shape
-    v = _nibbles_of(codes).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (g, t, m, q, r, s)
-    n = len(lead)
-    return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 3, n + 1, n + 4), codes.shape)  # (g, m, s, q, t, r)
+    b = _bytes_in_groups(codes).long().reshape(*lead, half // 2, 2)
+    v = _codes_of_halves(b[..., 0] | (b[..., 1] << 8)).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)
+    n = len(lead)  # v: (g, t, m, r, q, s)
+    return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 4, n + 1, n + 3).to(torch.uint8), codes.shape)

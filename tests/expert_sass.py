@@ -1,13 +1,13 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--tma] [--fragments]`, in a process where TRITON_INTERPRET is unset. Records one gate/up launch of `experts.launch_stages` at
+[--tma] [--fragments] [--top 12] [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset. Records one gate/up launch of `experts.launch_stages` at
 v4-flash sizes (hidden 4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with
 `triton.compile` (the JIT's divisibility hints: tests/mono_compile.py), disassembles the cubin
 with Triton's bundled `nvdisasm`, and prints, for every loop (a label and the branch back to it),
 its length and its most frequent opcodes. The K loop is the long one: its length over the weights
 a thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
-(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~4.05 with --fragments).
+(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~3.0 with --fragments).
 """
 
 import argparse
@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
+    parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
+    parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
     args = parser.parse_args(argv)
 
     def matrix(n, k):
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     types, constants, attrs = signature(kernel, launch_args, kwargs)
     compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
+    if args.ttgir:
+        with open(args.ttgir, "w") as f:
+            f.write(compiled.asm["ttgir"])
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
           "weights a thread a K step")
     for length, opcodes in loops(sass):
         print(f"loop of {length} instructions ({length / per_thread:.2f} a weight if the K loop): "
-              + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
+              + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
     return 0
 
 

@@ -40,7 +40,7 @@ from monodecode.mono import k1, k2, plan
 from monodecode.mono import runner as runner_module
 
 POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64",
-           torch.uint8: "*u8"}
+           torch.uint8: "*u8", torch.int16: "*i16"}
 
 
 class Recorder:

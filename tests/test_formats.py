@@ -383,17 +383,26 @@ def test_error_paths():
 
 
 def test_the_fragment_order_places_each_column():
-    """Byte (t, m, q, r) of a 128-column group holds column m*32 + q*8 + 2t + r (low nibble) and
-    16 more (high nibble), whatever the rows before it; checked one nibble at a time."""
+    """Column m*32 + s*16 + q*8 + 2t + r of a 128-column group is code 2s + q of half r of word
+    (t, m): shifting that half by the code's shift of each code bit brings the bit to its bf16
+    place, whatever the rows before it; checked one bit at a time."""
     g = torch.Generator().manual_seed(8)
     codes = torch.randint(0, 256, (3, 128), dtype=torch.uint8, generator=g)  # K = 256: two groups
-    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(3, 256)  # column order
-    fragments = formats.to_fragment_order(codes)
-    for byte in range(128):
-        group, t, m, q, r = byte // 64, byte // 16 % 4, byte // 4 % 4, byte // 2 % 2, byte % 2
-        column = group * 128 + m * 32 + q * 8 + 2 * t + r
-        assert torch.equal(fragments[:, byte] & 15, nibbles[:, column])
-        assert torch.equal(fragments[:, byte] >> 4, nibbles[:, column + 16])
-    assert torch.equal(formats.from_fragment_order(fragments), codes)
+    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(3, 256).long()  # column order
+    b = formats.to_fragment_order(codes).long().reshape(3, 64, 2)
+    halves = b[..., 0] | b[..., 1] << 8
+    for column in range(256):
+        group, m, s, q, t, r = column // 128, column // 32 % 4, column // 16 % 2, column // 8 % 2, column // 2 % 4, column % 2
+        half = halves[:, group * 32 + t * 8 + m * 2 + r]
+        for bit, (place, shift) in enumerate(zip((6, 7, 8, 15), formats.FRAGMENT_CODE_SHIFTS[2 * s + q])):
+            assert torch.equal(half >> place - shift & 1, nibbles[:, column] >> bit & 1)
+    assert torch.equal(formats.from_fragment_order(formats.to_fragment_order(codes)), codes)
     with pytest.raises(ValueError, match="multiple of 128"):
         formats.to_fragment_order(codes[:, :32])
+
+
+def test_the_fragment_halves_bits_are_a_permutation():
+    """Every bit of a 16-bit half lands on exactly one bf16 bit of one code's value."""
+    sources = [place - shift for code in range(4) for shift, mask in formats.fragment_code_masks(code).items()
+               for place in range(16) if mask >> place & 1]
+    assert sorted(sources) == list(range(16))

@@ -33,8 +33,8 @@ def k_loop(*options: str) -> tuple[int, dict[str, int]]:
     tests/expert_sass.py prints for these options."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("expert_sass.py")
-    done = subprocess.run([sys.executable, str(script), *options], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--top", "100", *options], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "128 weights a thread a K step" in done.stdout
     loops = [re.match(r"loop of (\d+) instructions \([^)]*\): (.*)", line) for line in done.stdout.splitlines()]
@@ -46,9 +46,11 @@ def k_loop(*options: str) -> tuple[int, dict[str, int]]:
 def test_the_expert_k_loop_disassembles_for_sm90():
     """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops
     and its loads; in the fragment order (`experts.to_fragment_order`) the decoded pairs need no
-    byte shuffles: fewer PRMT and fewer instructions than the checkpoint's order."""
+    byte shuffles and a code is a shift and a mask: fewer PRMT, and at most 3.25 instructions a
+    weight (3.0 with this machine's Triton; the checkpoint's order takes 5.0)."""
     interleaved, interleaved_mix = k_loop()
     fragments, fragments_mix = k_loop("--fragments")
     for mix in (interleaved_mix, fragments_mix):
         assert mix["HGMMA"] > 0 and mix["LDG"] > 0, mix
-    assert fragments < interleaved and fragments_mix["PRMT"] < interleaved_mix["PRMT"], (interleaved_mix, fragments_mix)
+    assert fragments_mix.get("PRMT", 0) < interleaved_mix["PRMT"], (interleaved_mix, fragments_mix)
+    assert fragments <= 3.25 * 128 < interleaved, (fragments, interleaved)

@@ -154,6 +154,40 @@ def test_prepare_round_trips(fragments):
         X.launch_stages(None, None, None, bank, LIMIT, X.LaunchConfig(fast=True), None)
 
 
+def run_ptx(asm: str, registers: dict) -> dict:
+    """The fast decode's PTX (mov, shl, shr, and, or on .b32) executed here, on int64 tensors."""
+    regs = dict(registers)
+    for line in asm.strip("{}\n").splitlines():
+        op, *args = line.rstrip(";").replace(",", " ").split()
+        value = [regs[a] if a in regs else int(a, 0) for a in args[1:]] if op != ".reg" else []
+        if op == ".reg":
+            continue
+        regs[args[0]] = {"mov.b32": lambda a: a, "shl.b32": lambda a, n: (a << n) & 0xFFFFFFFF,
+                         "shr.b32": lambda a, n: a >> n, "and.b32": lambda a, b: a & b,
+                         "or.b32": lambda a, b: a | b}[op](*value)
+    return regs
+
+
+def test_the_fast_fragment_decode_places_each_code():
+    """The PTX of the fast decode of the fragment order, run op by op, turns a register of two
+    16-bit halves into code c of each as the bf16 bits of its value times 2^-126 (sign at 15,
+    exponent and mantissa at 8..6; +16 for the register's high half), each half on its own: any two
+    halves may share a register."""
+    g = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 256, (1, 64), dtype=torch.uint8, generator=g)  # one 128-column group
+    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(128).long()
+    b = X.to_fragment_order(codes).long().reshape(32, 2)
+    halves = b[:, 0] | b[:, 1] << 8  # half (t, m, r)
+    low, high = torch.arange(32), torch.randperm(32, generator=g)
+    out = run_ptx(X.HALVES_DECODE_ASM.value, {"$4": halves[low] | halves[high] << 16})
+    for code in range(4):
+        s, q = code // 2, code % 2
+        for part, index in ((0, low), (1, high)):
+            t, m, r = index // 8, index // 2 % 4, index % 2
+            n = nibbles[m * 32 + s * 16 + q * 8 + 2 * t + r]
+            assert torch.equal(out[f"${code}"] >> 16 * part & 0xFFFF, ((n & 7) << 6) | ((n & 8) << 12))
+
+
 @pytest.mark.parametrize("programs,block_k,tma", [(0, 128, False), (3, 128, False), (0, 256, True), (3, 128, True)])
 def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device, programs, block_k, tma):
     """The same experts in the fragment order give the reference's result: a program a task and

@@ -10,8 +10,9 @@ Contract
   at load; `unprepare` is its inverse (tests round-trip it). With `fragments`, the codes of each
   128 columns of a row are permuted into the fragment order (`to_fragment_order`): the order in
   which the tensor cores take the decoded weights from registers, so the decode's pairs need no
-  shuffling (K steps then a multiple of 128). The mono runner stacks the experts in that order
-  wherever their sizes allow (`weights.stack_experts`: every DeepSeek-V4 size).
+  shuffling (K steps then a multiple of 128), with the bits of each 16-bit half placed so that
+  a shift and a mask decode a code. The mono runner stacks the experts in that order wherever
+  their sizes allow (`weights.stack_experts`: every DeepSeek-V4 size).
 - Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
   Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not
@@ -31,16 +32,22 @@ Contract
   it straight into the natural column order (`_decode_fragments`). The same products both ways.
 
 Decode (constexpr FAST):
-- FAST (NVIDIA): a PTX block turns 4 packed bytes (8 e2m1 values) into 8 bf16 by bit placement
-  (`prmt` + shifts + masks, ~2.75 instructions a value): sign to bit 15, exponent and mantissa
-  to bits 8..6, which is the e2m1 value times 2^-126 (the e2m1 subnormal 0.5 lands on a bf16
-  subnormal, exact). The factor 2^126 is folded into the block scale, applied as one bf16
-  multiply: 2^(e - 127) * 2^126 = 2^(e - 1) must be a bf16 and the scaled values normal, so
-  scale codes are limited to [2, 128] (`ExpertWeights.supports_fast_decode`; real weights,
-  |w| < 12, are far inside; the launcher refuses others on the fast path). The products then go through the
-  tensor cores with the weights as the M operand (swap AB: M = weight rows, N = the rows of
-  the step padded to 16), accumulating in fp32.
-- Portable (interpreter, AMD): the nibbles decoded arithmetically to fp32, the scale applied in
+- FAST (NVIDIA): a PTX block places each e2m1 code's bits in a bf16: sign to bit 15, exponent
+  and mantissa to bits 8..6, which is the e2m1 value times 2^-126 (the e2m1 subnormal 0.5 lands
+  on a bf16 subnormal, exact). In the checkpoint's order 4 packed bytes (8 codes) go to 8 bf16
+  with `prmt`, shifts and masks (`_decode_fast`: 18 sm_90 instructions); in the fragment order a
+  register of two 16-bit halves (8 codes) goes to 4 bf16 pairs with 5 shifts and 6 masks
+  (`_decode_halves_fast`, generated from the layout's table `formats.fragment_code_masks`: 11).
+  Each decode is elementwise (a result depends on its own byte or half only), so it is right
+  however Triton groups the elements into registers. The factor 2^126 is folded into the block
+  scale, applied as one bf16 multiply: 2^(e - 127) * 2^126 = 2^(e - 1) must be a bf16 and the
+  scaled values normal, so scale codes are limited to [2, 128]
+  (`ExpertWeights.supports_fast_decode`; real weights, |w| < 12, are far inside; the launcher
+  refuses others on the fast path). The products then go through the tensor cores with the
+  weights as the M operand (swap AB: M = weight rows, N = the rows of the step padded to 16),
+  accumulating in fp32.
+- Portable (interpreter, AMD): the codes found as the fast decode finds them (nibbles; the same
+  shifts and masks in the fragment order), decoded arithmetically to fp32, the scale applied in
   fp32, an fp32 dot in IEEE precision, h rounded to bf16 by integer arithmetic (the interpreter's
   own bf16 cast truncates). (Triton's CPU interpreter computes bf16 dots wrongly and
   flushes bf16 subnormals: research in DESIGN.md section 7.)
@@ -56,7 +63,7 @@ import triton
 import triton.language as tl
 
 from .. import formats
-from ..formats import FRAGMENT_GROUP, from_fragment_order, to_fragment_order
+from ..formats import FRAGMENT_GROUP, fragment_code_masks, from_fragment_order, to_fragment_order
 from .rounding import bf16
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
@@ -170,65 +177,144 @@ def _e2m1_value(nibble):
     return tl.where((nibble & 8) != 0, -magnitude, magnitude)
 
 
+def _halves_decode_asm() -> str:
+    """PTX of `_decode_halves_fast`, from the layout's shifts and masks (`formats.fragment_code_masks`):
+    $4 holds two 16-bit halves; output $c holds code c of each as a bf16 (times 2^-126). The masks
+    keep each result's bits to those of its own half, so the op is elementwise however Triton pairs
+    the halves into registers."""
+    lines = ["{", ".reg .b32 w, t, u;", "mov.b32 w, $4;"]  # outputs may share the input's register
+    for code in range(4):
+        for i, (shift, mask) in enumerate(sorted(fragment_code_masks(code).items())):
+            source = "w"
+            if shift:
+                lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 t, w, {abs(shift)};")
+                source = "t"
+            both = mask | mask << 16  # the same bits of both halves
+            if i == 0:
+                lines.append(f"and.b32 ${code}, {source}, {both:#010x};")
+            else:
+                lines.append(f"and.b32 u, {source}, {both:#010x};")
+                lines.append(f"or.b32 ${code}, ${code}, u;")
+    return "\n".join(lines + ["}"])
+
+
+HALVES_DECODE_ASM = tl.constexpr(_halves_decode_asm())
+_CODES = [sorted(fragment_code_masks(code).items()) for code in range(4)]
+assert [len(c) for c in _CODES] == [1, 2, 1, 2], "the portable decode takes one shift for codes 0 and 2, two for 1, 3"
+_SHIFT0, _MASK0 = map(tl.constexpr, _CODES[0][0])
+(_SHIFT1, _MASK1), (_SHIFT1B, _MASK1B) = (map(tl.constexpr, term) for term in _CODES[1])
+_SHIFT2, _MASK2 = map(tl.constexpr, _CODES[2][0])
+(_SHIFT3, _MASK3), (_SHIFT3B, _MASK3B) = (map(tl.constexpr, term) for term in _CODES[3])
+
+
 @triton.jit
-def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+def _decode_halves_fast(halves):
+    """Fragment halves int16 [..] -> codes 0..3 of each, bf16 [..] times 2^-126: a shift and a mask
+    a code (codes 1 and 3: two), for two halves at a time (`formats.to_fragment_order`)."""
+    return tl.inline_asm_elementwise(
+        asm=HALVES_DECODE_ASM,
+        constraints="=r,=r,=r,=r,r",
+        args=[halves],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _shifted(h, shift: tl.constexpr):
+    if shift > 0:
+        h = h << shift
+    elif shift < 0:
+        h = h >> -shift
+    return h
+
+
+@triton.jit
+def _code_of(placed):
+    """The e2m1 value (fp32) of a code from its placed bf16 bits (uint32, the low 16)."""
+    return _e2m1_value((((placed >> 6) & 7) | ((placed >> 12) & 8)).to(tl.int32))
+
+
+@triton.jit
+def _decode_halves_portable(halves):
+    """`_decode_halves_fast` in plain Triton (the same shifts and masks), values in fp32."""
+    h = halves.to(tl.uint16, bitcast=True).to(tl.uint32)
+    c0 = _code_of(_shifted(h, _SHIFT0) & _MASK0)
+    c1 = _code_of((_shifted(h, _SHIFT1) & _MASK1) | (_shifted(h, _SHIFT1B) & _MASK1B))
+    c2 = _code_of(_shifted(h, _SHIFT2) & _MASK2)
+    c3 = _code_of((_shifted(h, _SHIFT3) & _MASK3) | (_shifted(h, _SHIFT3B) & _MASK3B))
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
+               FRAG: tl.constexpr):
     """Rows row0 .. row0 + BN of a stacked matrix ([E * N, K / 2] codes: expert e's row n is row
-    e * N + n), columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8, scale codes
-    [BN, BK / 32] int32). `codes`: a pointer, or (TMA) a tensor descriptor of blocks [BN, BK / 2],
-    whose loads the copy engine makes into shared memory, asynchronously and without registers."""
+    e * N + n), columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8, or with FRAG the
+    fragment halves [BN, BK / 4] int16 (`codes_operand`), scale codes [BN, BK / 32] int32).
+    `codes`: a pointer, or (TMA) a tensor descriptor of blocks of that shape, whose loads the copy
+    engine makes into shared memory, asynchronously and without registers."""
     rows = row0 + tl.arange(0, BN)
+    PER: tl.constexpr = 4 if FRAG else 2  # columns an element holds
+    VEC: tl.constexpr = 8 if FRAG else 16  # elements in 16 bytes
     if TMA:
-        tile = codes.load([row0.to(tl.int32), k0 // 2])
+        tile = codes.load([row0.to(tl.int32), k0 // PER])
     else:
         # Rows are K / 2 bytes apart, a multiple of 16 (K % 32 == 0): say so, for 16-byte loads.
-        rk = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), 16), BK // 2)
-        tile = tl.load(codes + tl.multiple_of(rows * (K // 2), 16)[:, None] + rk[None, :])
+        rk = tl.max_contiguous(tl.multiple_of(k0 // PER + tl.arange(0, BK // PER), VEC), BK // PER)
+        tile = tl.load(codes + tl.multiple_of(rows * (K // PER), VEC)[:, None] + rk[None, :])
     rg = k0 // 32 + tl.arange(0, BK // 32)
     return tile, tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
 
 
 @triton.jit
-def _nibbles(codes, scale_codes, FAST: tl.constexpr):
-    """(low-nibble values, high-nibble values) of a codes tile, bf16 (FAST, each times 2^-126) or
-    fp32, and its scales as the same type (FAST: times the 2^126 left out)."""
+def _scales(scale_codes, FAST: tl.constexpr):
+    """Block scales from their E8M0 codes: bf16 (FAST: times the 2^126 the bit placement left
+    out) or fp32."""
     if FAST:
-        low, high = _decode_fast(codes)
-        # 2^(e - 127) times the 2^126 the bit placement left out, as a bf16: exponent field e + 126
+        # 2^(e - 127) times 2^126, as a bf16: exponent field e + 126
         scale = ((scale_codes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        c = codes.to(tl.int32)
-        low, high = _e2m1_value(c & 15), _e2m1_value(c >> 4)
         # 2^(e - 127) built from its bits: exact, code 0 being the fp32 subnormal 2^-127
         scale = tl.where(scale_codes == 0, 0x00400000, scale_codes << 23).to(tl.float32, bitcast=True)
-    return low, high, scale
+    return scale
 
 
 @triton.jit
 def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
     """A tile from `_load_tile` (the checkpoint's order) decoded with its scales: [BN, BK] bf16
-    (FAST) or fp32 in K order. The nibbles give the even and the odd columns apart; joining them
-    back is a shuffle of every weight (the fragment order's reason to be)."""
+    (FAST, the nibbles times 2^-126 by `_decode_fast`) or fp32 in K order. The nibbles give the
+    even and the odd columns apart; joining them back is a shuffle of every weight (the fragment
+    order's reason to be)."""
     BN: tl.constexpr = codes.shape[0]
-    low, high, scale = _nibbles(codes, scale_codes, FAST)
-    scale = scale[:, :, None]  # a scale per 32 columns: per 16 of each half
+    if FAST:
+        low, high = _decode_fast(codes)
+    else:
+        c = codes.to(tl.int32)
+        low, high = _e2m1_value(c & 15), _e2m1_value(c >> 4)
+    scale = _scales(scale_codes, FAST)[:, :, None]  # a scale per 32 columns: per 16 of each half
     even = tl.reshape(tl.reshape(low, (BN, BK // 32, 16)) * scale, (BN, BK // 2))
     odd = tl.reshape(tl.reshape(high, (BN, BK // 32, 16)) * scale, (BN, BK // 2))
     return tl.reshape(tl.join(even, odd), (BN, BK))
 
 
 @triton.jit
-def _decode_fragments(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
-    """A tile in the fragment order (`to_fragment_order`) decoded with its scales: [BN, BK] in
-    the natural K order. Byte (g, t, m, q, r) of the tile holds columns g*128 + m*32 + q*8 + 2t + r
-    (low nibble) and 16 more (high nibble): the two columns of a bf16 pair the tensor cores take
-    from one register are the low (or high) nibbles of two neighbouring bytes, which is how the
-    fast decode packs them, and each thread's bytes of a group are contiguous."""
-    BN: tl.constexpr = codes.shape[0]
+def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
+    """Fragment halves from `_load_tile` decoded with their scales: [BN, BK] in the natural K order.
+    Half (g, t, m, r) of the tile holds codes 2s + q, columns g*128 + m*32 + s*16 + q*8 + 2t + r
+    (`formats.to_fragment_order`): a code of halves r = 0 and 1 is the pair of columns a thread of
+    the tensor cores' operand takes from one register, which is how the fast decode packs them,
+    and each thread's halves of a group are contiguous."""
+    BN: tl.constexpr = halves.shape[0]
     G: tl.constexpr = BK // 128
-    low, high, scale = _nibbles(codes, scale_codes, FAST)
-    w = tl.join(tl.reshape(low, (BN, G, 4, 4, 2, 2)), tl.reshape(high, (BN, G, 4, 4, 2, 2)))  # (n, g, t, m, q, r, s)
-    w = w * tl.reshape(scale, (BN, G, 1, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
-    return tl.reshape(tl.permute(w, (0, 1, 3, 6, 4, 2, 5)), (BN, BK))  # (n, g, m, s, q, t, r): column order
+    if FAST:
+        c0, c1, c2, c3 = _decode_halves_fast(halves)
+    else:
+        c0, c1, c2, c3 = _decode_halves_portable(halves)
+    w = tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), (BN, G, 4, 4, 2, 2, 2))  # (n, g, t, m, r, q, s)
+    w = w * tl.reshape(_scales(scale_codes, FAST), (BN, G, 1, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
+    return tl.reshape(tl.permute(w, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # (n, g, m, s, q, t, r): column order
 
 
 @triton.jit
@@ -257,7 +343,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
     (`ExpertWeights.fragments`)."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
-        tile, scale_codes = _load_tile(codes, scales_ptr, row0, k0, K, BN, BK, TMA)
+        tile, scale_codes = _load_tile(codes, scales_ptr, row0, k0, K, BN, BK, TMA, FRAG)
         if FRAG:
             w = _decode_fragments(tile, scale_codes, BK, FAST)
         else:
@@ -480,7 +566,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
                 num_stages=config.num_stages)
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
     down_meta = dict(BN=block_down, BK=min(config.block_k, inter), TMA=config.tma, **meta)
-    w1, w2, w3 = (codes_operand(m, config.tma, meta["BN"], meta["BK"]) for m, meta in
+    w1, w2, w3 = (codes_operand(m, weights.fragments, config.tma, meta["BN"], meta["BK"]) for m, meta in
                   ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
@@ -502,16 +588,21 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     return compiled
 
 
-def codes_operand(matrix: tuple[torch.Tensor, torch.Tensor], tma: bool, block_n: int, block_k: int):
-    """(codes, scales) as the kernels take them: the stacked codes [E, N, K / 2] as they are, or
-    (tma) a tensor descriptor of them viewed as [E * N, K / 2] in blocks [block_n, block_k / 2]."""
+def codes_operand(matrix: tuple[torch.Tensor, torch.Tensor], fragments: bool, tma: bool, block_n: int,
+                  block_k: int):
+    """(codes, scales) as the kernels take them: the stacked codes [E, N, K / 2], or in the
+    fragment order (`fragments`) their 16-bit halves [E, N, K / 4] int16 (a view), or (tma) a
+    tensor descriptor of either viewed as [E * N, columns] in blocks of block_n rows and block_k
+    columns of weights."""
     codes, scales = matrix
+    per = 4 if fragments else 2  # weights an element holds
+    codes = codes.view(torch.int16) if fragments else codes
     if not tma:
         return codes, scales
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    experts, n, half_k = codes.shape
-    return TensorDescriptor.from_tensor(codes.view(experts * n, half_k), [block_n, block_k // 2]), scales
+    experts, n, width = codes.shape
+    return TensorDescriptor.from_tensor(codes.view(experts * n, width), [block_n, block_k // per]), scales
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,

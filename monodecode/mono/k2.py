@@ -221,8 +221,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
     ex = lw.experts
     bne, bke_d, bke_i = min(shape.expert_block_n, inter, d), min(shape.expert_block_k, d), min(shape.expert_block_k, inter)
-    w1, w3 = (X.codes_operand(m, bool(shape.expert_tma), bne, bke_d) for m in (ex.w1, ex.w3))
-    w2 = X.codes_operand(ex.w2, bool(shape.expert_tma), bne, bke_i)
+    w1, w3 = (X.codes_operand(m, ex.fragments, bool(shape.expert_tma), bne, bke_d) for m in (ex.w1, ex.w3))
+    w2 = X.codes_operand(ex.w2, ex.fragments, bool(shape.expert_tma), bne, bke_i)
     kind = "k2" if attention else "ffn"
     runner.launch(_k2, "K2" if attention else "K2 (ffn)",
         runner.sync[kind].words, runner.max_polls, runner.timeline_buffer(kind), s.rows, s.tokens, s.positions, s.slots,
