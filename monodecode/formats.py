@@ -72,6 +72,8 @@ which cannot round down onto ``2^k``, so the float32 quotient is above a
 power of two exactly when the true quotient is.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -260,9 +262,9 @@ def _shift(x: Tensor, shift: int) -> Tensor:
 
 
 def _halves_of(nibbles: Tensor) -> Tensor:
-    """Codes [..., 2 (q), 2 (s)] of each 16-bit half -> the halves (int64)."""
-    n = nibbles.long()
-    halves = torch.zeros(n.shape[:-2], dtype=torch.long, device=n.device)
+    """Codes [..., 2 (q), 2 (s)] of each 16-bit half -> the halves (int32)."""
+    n = nibbles.int()
+    halves = torch.zeros(n.shape[:-2], dtype=torch.int32, device=n.device)
     for code in range(4):
         c = n[..., code % 2, code // 2]
         placed = ((c & 7) << 6) | ((c & 8) << 12)  # the bf16 bits of the code's value times 2^-126
@@ -281,35 +283,59 @@ def _codes_of_halves(halves: Tensor) -> Tensor:
     return torch.stack(codes, dim=-1).reshape(*halves.shape, 2, 2).transpose(-1, -2)  # c = 2s + q
 
 
-def _bytes_in_groups(codes: Tensor) -> Tensor:
-    """Codes [..., K / 2] as uint8, after checking that K is whole fragment groups."""
+@functools.cache
+def _half_tables() -> tuple[Tensor, Tensor]:
+    """(the stored half of each code word c0 | c1 << 4 | c2 << 8 | c3 << 12, the code word of each
+    stored half as the kernels decode it), int32 [65536] each: the layout of a half is a fixed
+    permutation of its 16 bits, so one gather converts it."""
+    words = torch.arange(1 << 16, dtype=torch.int32)
+    codes = torch.stack([(words >> 4 * c) & 15 for c in range(4)], dim=-1).reshape(-1, 2, 2).transpose(-1, -2)
+    decoded = _codes_of_halves(words).transpose(-1, -2).reshape(-1, 4)  # code c = 2s + q
+    return _halves_of(codes), sum(decoded[:, c] << 4 * c for c in range(4)).int()
+
+
+_CHUNK_BYTES = 1 << 24  # codes converted at a time: bounds the temporaries on a layer's experts
+
+
+def _by_row_chunks(convert, codes: Tensor) -> Tensor:
+    """`convert` (rows [n, K / 2] uint8 -> the same) over the rows of codes [..., K / 2], a chunk of
+    rows at a time, after checking that K is whole fragment groups."""
     if codes.shape[-1] * 2 % FRAGMENT_GROUP:
         raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {codes.shape[-1] * 2}")
-    return codes.view(torch.uint8)
+    flat = codes.view(torch.uint8).reshape(-1, codes.shape[-1])
+    out = torch.empty_like(flat)
+    step = max(1, _CHUNK_BYTES // flat.shape[1])
+    for row in range(0, flat.shape[0], step):
+        out[row:row + step] = convert(flat[row:row + step])
+    return out.reshape(codes.shape)
 
 
-def _bytes_of(nibbles: Tensor, shape) -> Tensor:
-    """Nibbles [..., 2] (low, high) -> uint8 codes of `shape`."""
-    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(shape).contiguous()
+def _rows_to_fragment_order(p: Tensor) -> Tensor:
+    rows, half = p.shape
+    # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
+    v = torch.stack((p & 15, p >> 4), dim=-1).reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)
+    v = v.permute(0, 1, 5, 2, 6, 3, 4).int()  # (row, g, m, s, q, t, r) -> (row, g, t, m, r, s, q)
+    words = v[..., 0, 0] | v[..., 0, 1] << 4 | v[..., 1, 0] << 8 | v[..., 1, 1] << 12  # code c = 2s + q at 4c
+    halves = _half_tables()[0].to(p.device)[words]
+    return torch.stack((halves & 255, halves >> 8), dim=-1).to(torch.uint8).reshape(rows, half)
+
+
+def _rows_from_fragment_order(p: Tensor) -> Tensor:
+    rows, half = p.shape
+    b = p.int().reshape(rows, half // 2, 2)
+    words = _half_tables()[1].to(p.device)[b[..., 0] | b[..., 1] << 8]
+    v = torch.stack([(words >> 4 * c) & 15 for c in range(4)], dim=-1).to(torch.uint8)
+    v = v.reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (row, g, t, m, r, s, q)
+    v = v.permute(0, 1, 3, 5, 6, 2, 4)  # -> (row, g, m, s, q, t, r)
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(rows, half)
 
 
 def to_fragment_order(codes: Tensor) -> Tensor:
     """MXFP4 codes [..., K / 2] from the checkpoint's order (column 2i in the low nibble of byte
     i) to the fragment order (module docstring), as uint8."""
-    *lead, half = codes.shape
-    # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
-    p = _bytes_in_groups(codes)
-    v = torch.stack((p & 15, p >> 4), dim=-1).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)  # (g, m, s, q, t, r)
-    n = len(lead)
-    v = v.permute(*range(n), n, n + 4, n + 1, n + 5, n + 3, n + 2)  # (g, t, m, r, q, s)
-    halves = _halves_of(v.reshape(*lead, half // 2, 2, 2))
-    return torch.stack((halves & 255, halves >> 8), dim=-1).to(torch.uint8).reshape(codes.shape)
+    return _by_row_chunks(_rows_to_fragment_order, codes)
 
 
 def from_fragment_order(codes: Tensor) -> Tensor:
     """MXFP4 codes [..., K / 2] from the fragment order back to the checkpoint's, as uint8."""
-    *lead, half = codes.shape
-    b = _bytes_in_groups(codes).long().reshape(*lead, half // 2, 2)
-    v = _codes_of_halves(b[..., 0] | (b[..., 1] << 8)).reshape(*lead, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)
-    n = len(lead)  # v: (g, t, m, r, q, s)
-    return _bytes_of(v.permute(*range(n), n, n + 2, n + 5, n + 4, n + 1, n + 3).to(torch.uint8), codes.shape)
+    return _by_row_chunks(_rows_from_fragment_order, codes)

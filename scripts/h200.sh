@@ -4,7 +4,7 @@
 #   tests         the mono kernels' tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
 #   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation, engine
 #                 (one call held both until the tests outgrew the 10 minutes of a call); for either,
-#                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm')
+#                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm'), FILES the test files
 #   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
@@ -29,13 +29,13 @@ export PYTHONPATH=$PWD
 case $part in
   tests)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
-      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} tests/test_mono_runner.py tests/test_mono_sync.py \
-      tests/test_mono_experts.py tests/test_mono_gemv.py >> "$out/$part.txt" 2>&1 ;;
+      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} ${FILES:-tests/test_mono_runner.py tests/test_mono_sync.py \
+      tests/test_mono_experts.py tests/test_mono_gemv.py} >> "$out/$part.txt" 2>&1 ;;
   tests-model)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
-      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} tests/test_mono_attention.py tests/test_mono_hc.py \
+      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py \
       tests/test_mono_router.py tests/test_bench_layer.py tests/test_model.py tests/test_speculative.py \
-      tests/test_engine.py >> "$out/$part.txt" 2>&1 ;;
+      tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
