@@ -48,22 +48,22 @@ MXFP4 (``quantize_mxfp4``)
     scale.
 
 MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
-    The same bytes permuted within each group of 128 columns (64 bytes) of a
-    row, ``K % 128 == 0``: the byte at (t, m, q, r) of a group (t 0..3, m 0..3,
-    q and r 0..1, row-major) holds column ``m*32 + q*8 + 2t + r`` of the group
-    in its low nibble and that column + 16 in its high one. Thread t of a quad
-    of the tensor cores' operand then finds its columns (2t, 2t + 1, 2t + 8,
-    2t + 9 of every 16) in 16 contiguous bytes, paired as the expert kernels'
-    fast decode packs them (``mono/experts.py``). Scales are not permuted.
-    Within each 16-bit half of a 32-bit word (2 bytes, little-endian; r
-    picks the half, q the code pair) the bits of its 4 codes are then placed
-    for that decode: code ``c = 2s + q`` of half r is column (q, r) of nibble
-    s above. The fast decode turns a word into 4 registers of 2 bf16 (code c of
-    half 0 and of half 1), each code's value times 2^-126 (bits 0..3 of a code,
-    mantissa, exponent, sign, at bf16 bits 6, 7, 8, 15), by shifting the word
-    left by ``FRAGMENT_CODE_SHIFTS[c][bit]`` (negative: right) and masking: a
-    shift and a mask a code for three of them; no bit crosses from one half
-    into the other's result. ``from_fragment_order`` is the inverse.
+    The same codes rearranged within each group of 128 columns (64 bytes) of
+    a row, ``K % 128 == 0``. The group's 32 16-bit halves (little-endian byte
+    pairs) are indexed (t, m, r) row-major (t, m 0..3, r 0..1); half (t, m, r)
+    holds the 4 codes of columns ``m*32 + s*16 + q*8 + 2t + r`` for q, s in
+    0..1, as its code ``c = 2s + q``. Thread t of a quad of the tensor cores'
+    operand then finds its columns (2t, 2t + 1, 2t + 8, 2t + 9 of every 16)
+    in 16 contiguous bytes, and code c of halves r = 0 and 1 is the pair of
+    columns it takes from one register. Within a half the codes' bits are
+    placed for the expert kernels' fast decode (``mono/experts.py``):
+    shifting the half left by ``FRAGMENT_CODE_SHIFTS[c][bit]`` (negative:
+    right) brings bit ``bit`` of code c (0..3: mantissa, exponent low,
+    exponent high, sign) to bf16 bit 6, 7, 8 or 15, which makes the bf16 of
+    the code's value times 2^-126. A register of two halves decodes both at
+    once, a shift and a mask a code (two for codes 1 and 3), and no bit
+    crosses from one half into the other's result. Scales are not permuted.
+    ``from_fragment_order`` is the inverse.
 
 Both scale rules divide amax by 448 or 6 in float32 before rounding up to a
 power of two. That division is safe: for these divisors a float32 ``amax``

@@ -30,13 +30,14 @@ export PYTHONPATH=$PWD
 case $part in
   tests)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
-      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} ${FILES:-tests/test_mono_runner.py tests/test_mono_sync.py \
-      tests/test_mono_experts.py tests/test_mono_gemv.py} >> "$out/$part.txt" 2>&1 ;;
+      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} \
+      ${FILES:-tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py} \
+      >> "$out/$part.txt" 2>&1 ;;
   tests-model)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -p no:logging \
-      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py \
-      tests/test_mono_router.py tests/test_bench_layer.py tests/test_model.py tests/test_speculative.py \
-      tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
+      -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} \
+      ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
+      tests/test_model.py tests/test_speculative.py tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;

@@ -1,10 +1,11 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--tma] [--fragments] [--top 12] [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset. Records one gate/up launch of `experts.launch_stages` at
-v4-flash sizes (hidden 4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with
-`triton.compile` (the JIT's divisibility hints: tests/mono_compile.py), disassembles the cubin
-with Triton's bundled `nvdisasm`, and prints, for every loop (a label and the branch back to it),
+[--tma] [--fragments] [--top 12] [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset.
+Records one gate/up launch of `experts.launch_stages` at v4-flash sizes (hidden 4096,
+intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the JIT's
+divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's bundled
+`nvdisasm`, and prints, for every loop (a label and the branch back to it),
 its length and its most frequent opcodes. The K loop is the long one: its length over the weights
 a thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
 (docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~3.0 with --fragments).

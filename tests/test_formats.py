@@ -392,7 +392,8 @@ def test_the_fragment_order_places_each_column():
     b = formats.to_fragment_order(codes).long().reshape(3, 64, 2)
     halves = b[..., 0] | b[..., 1] << 8
     for column in range(256):
-        group, m, s, q, t, r = column // 128, column // 32 % 4, column // 16 % 2, column // 8 % 2, column // 2 % 4, column % 2
+        group, m, s, q = column // 128, column // 32 % 4, column // 16 % 2, column // 8 % 2
+        t, r = column // 2 % 4, column % 2
         half = halves[:, group * 32 + t * 8 + m * 2 + r]
         for bit, (place, shift) in enumerate(zip((6, 7, 8, 15), formats.FRAGMENT_CODE_SHIFTS[2 * s + q])):
             assert torch.equal(half >> place - shift & 1, nibbles[:, column] >> bit & 1)
