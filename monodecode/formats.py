@@ -56,13 +56,14 @@ MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
     operand then finds its columns (2t, 2t + 1, 2t + 8, 2t + 9 of every 16)
     in 16 contiguous bytes, and code c of halves r = 0 and 1 is the pair of
     columns it takes from one register. Within a half the codes' bits are
-    placed for the expert kernels' fast decode (``mono/experts.py``):
-    shifting the half left by ``FRAGMENT_CODE_SHIFTS[c][bit]`` (negative:
-    right) brings bit ``bit`` of code c (0..3: mantissa, exponent low,
-    exponent high, sign) to bf16 bit 6, 7, 8 or 15, which makes the bf16 of
-    the code's value times 2^-126. A register of two halves decodes both at
-    once, a shift and a mask a code (two for codes 1 and 3), and no bit
-    crosses from one half into the other's result. Scales are not permuted.
+    placed for the expert kernels' fast decode (``mono/experts.py``): taking
+    the half with its two bytes swapped or not, and shifting it left by
+    ``shift`` (negative: right), as ``FRAGMENT_CODE_WAYS[c][bit]`` says,
+    brings bit ``bit`` of code c (0..3: mantissa, exponent low, exponent
+    high, sign) to bf16 bit 6, 7, 8 or 15, which makes the bf16 of the code's
+    value times 2^-126. A register of two halves decodes both at once: one
+    byte swap, three shifts, five masks for the 4 codes, and no bit crosses
+    from one half into the other's result. Scales are not permuted.
     ``from_fragment_order`` is the inverse.
 
 Both scale rules divide amax by 448 or 6 in float32 before rounding up to a
@@ -241,24 +242,30 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype=torch.bfloat16) -> Ten
 FRAGMENT_GROUP = 128  # columns a fragment-order permutation stays within
 
 
-# The left shifts (negative: right) that bring code c's bits (mantissa, exponent low, exponent high,
-# sign) of a 16-bit half to their bf16 places; code c = 2s + q. No four single shifts tile 16 bits,
-# so codes 1 and 3 take two each (the fewest instructions of any tiling: 5 shifts, 6 masks).
-FRAGMENT_CODE_SHIFTS = ((6, 6, 6, 6), (-5, -5, 5, 5), (2, 2, 2, 2), (-8, 0, 0, 0))
+# How each bit (mantissa, exponent low, exponent high, sign) of code c = 2s + q of a 16-bit half
+# reaches its bf16 place: (swap the half's two bytes first, then shift left by; negative: right).
+# No four single shifts tile 16 bits; with a byte swap the fewest instructions of any tiling are 9
+# for a register of two halves (1 swap, 3 shifts, 5 masks; shifts alone: 11), searched exhaustively.
+FRAGMENT_CODE_WAYS = (((False, 6),) * 4, ((True, 4),) * 4, ((False, 2),) * 4,
+                      ((True, 0), (False, 0), (False, 0), (False, 0)))
 E2M1_BF16_BITS = (6, 7, 8, 15)  # where an e2m1 code's bits go in the bf16 of its value times 2^-126
 
 
-def fragment_code_masks(code: int) -> dict[int, int]:
-    """{left shift (negative: right): the bits of a 16-bit half's code `code` it brings to their
-    bf16 places}."""
-    masks: dict[int, int] = {}
-    for bit, shift in zip(E2M1_BF16_BITS, FRAGMENT_CODE_SHIFTS[code]):
-        masks[shift] = masks.get(shift, 0) | 1 << bit
+def fragment_code_masks(code: int) -> dict[tuple[bool, int], int]:
+    """{(byte swap, left shift): the bits of a 16-bit half's code `code` it brings to their bf16
+    places}."""
+    masks: dict[tuple[bool, int], int] = {}
+    for bit, way in zip(E2M1_BF16_BITS, FRAGMENT_CODE_WAYS[code]):
+        masks[way] = masks.get(way, 0) | 1 << bit
     return masks
 
 
 def _shift(x: Tensor, shift: int) -> Tensor:
     return x << shift if shift >= 0 else x >> -shift
+
+
+def _swap_bytes(halves: Tensor) -> Tensor:
+    return ((halves & 255) << 8) | ((halves >> 8) & 255)
 
 
 def _halves_of(nibbles: Tensor) -> Tensor:
@@ -268,17 +275,19 @@ def _halves_of(nibbles: Tensor) -> Tensor:
     for code in range(4):
         c = n[..., code % 2, code // 2]
         placed = ((c & 7) << 6) | ((c & 8) << 12)  # the bf16 bits of the code's value times 2^-126
-        for shift, mask in fragment_code_masks(code).items():
-            halves |= _shift(placed & mask, -shift)
+        for (swap, shift), mask in fragment_code_masks(code).items():
+            part = _shift(placed & mask, -shift)
+            halves |= _swap_bytes(part) if swap else part
     return halves
 
 
 def _codes_of_halves(halves: Tensor) -> Tensor:
-    """The inverse of `_halves_of`, the way the expert kernels decode: shift, mask, read the bf16
-    bits; -> codes [..., 2 (q), 2 (s)]."""
-    codes = []
+    """The inverse of `_halves_of`, the way the expert kernels decode: swap the bytes or not,
+    shift, mask, read the bf16 bits; -> codes [..., 2 (q), 2 (s)]."""
+    codes, swapped = [], _swap_bytes(halves)
     for code in range(4):
-        placed = sum(_shift(halves, shift) & mask for shift, mask in fragment_code_masks(code).items())
+        placed = sum(_shift(swapped if swap else halves, shift) & mask
+                     for (swap, shift), mask in fragment_code_masks(code).items())
         codes.append(((placed >> 6) & 7) | ((placed >> 12) & 8))
     return torch.stack(codes, dim=-1).reshape(*halves.shape, 2, 2).transpose(-1, -2)  # c = 2s + q
 

@@ -8,7 +8,7 @@ divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's
 `nvdisasm`, and prints, for every loop (a label and the branch back to it),
 its length and its most frequent opcodes. The K loop is the long one: its length over the weights
 a thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
-(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~3.0 with --fragments).
+(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~2.8 with --fragments).
 """
 
 import argparse

@@ -384,8 +384,8 @@ def test_error_paths():
 
 def test_the_fragment_order_places_each_column():
     """Column m*32 + s*16 + q*8 + 2t + r of a 128-column group is code 2s + q of half r of word
-    (t, m): shifting that half by the code's shift of each code bit brings the bit to its bf16
-    place, whatever the rows before it; checked one bit at a time."""
+    (t, m): that half, its bytes swapped or not and shifted as the code's way for each code bit
+    says, has the bit at its bf16 place, whatever the rows before it; checked one bit at a time."""
     g = torch.Generator().manual_seed(8)
     codes = torch.randint(0, 256, (3, 128), dtype=torch.uint8, generator=g)  # K = 256: two groups
     nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(3, 256).long()  # column order
@@ -395,15 +395,18 @@ def test_the_fragment_order_places_each_column():
         group, m, s, q = column // 128, column // 32 % 4, column // 16 % 2, column // 8 % 2
         t, r = column // 2 % 4, column % 2
         half = halves[:, group * 32 + t * 8 + m * 2 + r]
-        for bit, (place, shift) in enumerate(zip((6, 7, 8, 15), formats.FRAGMENT_CODE_SHIFTS[2 * s + q])):
-            assert torch.equal(half >> place - shift & 1, nibbles[:, column] >> bit & 1)
+        for bit, (place, (swap, shift)) in enumerate(zip((6, 7, 8, 15), formats.FRAGMENT_CODE_WAYS[2 * s + q])):
+            source = (place - shift + 8 * swap) % 16  # the byte swap moves bit j of a half to j + 8 mod 16
+            assert torch.equal(half >> source & 1, nibbles[:, column] >> bit & 1)
     assert torch.equal(formats.from_fragment_order(formats.to_fragment_order(codes)), codes)
     with pytest.raises(ValueError, match="multiple of 128"):
         formats.to_fragment_order(codes[:, :32])
 
 
 def test_the_fragment_halves_bits_are_a_permutation():
-    """Every bit of a 16-bit half lands on exactly one bf16 bit of one code's value."""
-    sources = [place - shift for code in range(4) for shift, mask in formats.fragment_code_masks(code).items()
-               for place in range(16) if mask >> place & 1]
-    assert sorted(sources) == list(range(16))
+    """Every bit of a 16-bit half lands on exactly one bf16 bit of one code's value, and no shift
+    takes a bit from outside the half (the other half of a register)."""
+    terms = [(swap, place - shift) for code in range(4) for (swap, shift), mask in formats.fragment_code_masks(code).items()
+             for place in range(16) if mask >> place & 1]
+    assert all(0 <= j < 16 for _, j in terms), terms
+    assert sorted((j + 8 * swap) % 16 for swap, j in terms) == list(range(16))

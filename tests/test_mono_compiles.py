@@ -46,11 +46,11 @@ def k_loop(*options: str) -> tuple[int, dict[str, int]]:
 def test_the_expert_k_loop_disassembles_for_sm90():
     """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops
     and its loads; in the fragment order (`experts.to_fragment_order`) the decoded pairs need no
-    byte shuffles and a code is a shift and a mask: fewer PRMT, and at most 3.25 instructions a
-    weight (3.0 with this machine's Triton; the checkpoint's order takes 5.0)."""
+    byte shuffles and a code is a shift and a mask: fewer PRMT, and at most 3.0 instructions a
+    weight (2.8 with this machine's Triton; the checkpoint's order takes 5.0)."""
     interleaved, interleaved_mix = k_loop()
     fragments, fragments_mix = k_loop("--fragments")
     for mix in (interleaved_mix, fragments_mix):
         assert mix["HGMMA"] > 0 and mix["LDG"] > 0, mix
     assert fragments_mix.get("PRMT", 0) < interleaved_mix["PRMT"], (interleaved_mix, fragments_mix)
-    assert fragments <= 3.25 * 128 < interleaved, (fragments, interleaved)
+    assert fragments <= 3.0 * 128 < interleaved, (fragments, interleaved)

@@ -154,17 +154,24 @@ def test_prepare_round_trips(fragments):
         X.launch_stages(None, None, None, bank, LIMIT, X.LaunchConfig(fast=True), None)
 
 
+def permute_bytes(a, b, selector: int):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (selector >> 4i) & 7 of b:a."""
+    pool = [(a >> 8 * i) & 255 for i in range(4)] + [(b >> 8 * i) & 255 for i in range(4)]
+    assert all(selector >> 4 * i & 8 == 0 for i in range(4)), "sign-replicating selectors not emulated"
+    return sum(pool[selector >> 4 * i & 7] << 8 * i for i in range(4))
+
+
 def run_ptx(asm: str, registers: dict) -> dict:
-    """The fast decode's PTX (mov, shl, shr, and, or on .b32) executed here, on int64 tensors."""
+    """The fast decode's PTX (mov, prmt, shl, shr, and, or on .b32) executed here, on int64 tensors."""
     regs = dict(registers)
     for line in asm.strip("{}\n").splitlines():
         op, *args = line.rstrip(";").replace(",", " ").split()
         value = [regs[a] if a in regs else int(a, 0) for a in args[1:]] if op != ".reg" else []
         if op == ".reg":
             continue
-        regs[args[0]] = {"mov.b32": lambda a: a, "shl.b32": lambda a, n: (a << n) & 0xFFFFFFFF,
-                         "shr.b32": lambda a, n: a >> n, "and.b32": lambda a, b: a & b,
-                         "or.b32": lambda a, b: a | b}[op](*value)
+        regs[args[0]] = {"mov.b32": lambda a: a, "prmt.b32": permute_bytes,
+                         "shl.b32": lambda a, n: (a << n) & 0xFFFFFFFF, "shr.b32": lambda a, n: a >> n,
+                         "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b}[op](*value)
     return regs
 
 

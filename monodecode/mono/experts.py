@@ -11,7 +11,7 @@ Contract
   128 columns of a row are permuted into the fragment order (`to_fragment_order`): the order in
   which the tensor cores take the decoded weights from registers, so the decode's pairs need no
   shuffling (K steps then a multiple of 128), with the bits of each 16-bit half placed so that
-  a shift and a mask decode a code. The mono runner stacks the experts in that order wherever
+  a shift and a mask decode a code (after one byte swap for some). The mono runner stacks the experts in that order wherever
   their sizes allow (`weights.stack_experts`: every DeepSeek-V4 size).
 - Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
@@ -36,8 +36,8 @@ Decode (constexpr FAST):
   and mantissa to bits 8..6, which is the e2m1 value times 2^-126 (the e2m1 subnormal 0.5 lands
   on a bf16 subnormal, exact). In the checkpoint's order 4 packed bytes (8 codes) go to 8 bf16
   with `prmt`, shifts and masks (`_decode_fast`: 18 sm_90 instructions); in the fragment order a
-  register of two 16-bit halves (8 codes) goes to 4 bf16 pairs with 5 shifts and 6 masks
-  (`_decode_halves_fast`, generated from the layout's table `formats.fragment_code_masks`: 11).
+  register of two 16-bit halves (8 codes) goes to 4 bf16 pairs with a byte swap, 3 shifts and 5
+  masks (`_decode_halves_fast`, generated from the layout's table `formats.fragment_code_masks`: 9).
   Each decode is elementwise (a result depends on its own byte or half only), so it is right
   however Triton groups the elements into registers. The factor 2^126 is folded into the block
   scale, applied as one bf16 multiply: 2^(e - 127) * 2^126 = 2^(e - 1) must be a bf16 and the
@@ -47,7 +47,7 @@ Decode (constexpr FAST):
   weights as the M operand (swap AB: M = weight rows, N = the rows of the step padded to 16),
   accumulating in fp32.
 - Portable (interpreter, AMD): the codes found as the fast decode finds them (nibbles; the same
-  shifts and masks in the fragment order), decoded arithmetically to fp32, the scale applied in
+  byte swap, shifts and masks in the fragment order), decoded arithmetically to fp32, the scale applied in
   fp32, an fp32 dot in IEEE precision, h rounded to bf16 by integer arithmetic (the interpreter's
   own bf16 cast truncates). (Triton's CPU interpreter computes bf16 dots wrongly and
   flushes bf16 subnormals: research in DESIGN.md section 7.)
@@ -178,16 +178,17 @@ def _e2m1_value(nibble):
 
 
 def _halves_decode_asm() -> str:
-    """PTX of `_decode_halves_fast`, from the layout's shifts and masks (`formats.fragment_code_masks`):
-    $4 holds two 16-bit halves; output $c holds code c of each as a bf16 (times 2^-126). The masks
-    keep each result's bits to those of its own half, so the op is elementwise however Triton pairs
-    the halves into registers."""
-    lines = ["{", ".reg .b32 w, t, u;", "mov.b32 w, $4;"]  # outputs may share the input's register
+    """PTX of `_decode_halves_fast`, from the layout's ways and masks (`formats.fragment_code_masks`):
+    $4 holds two 16-bit halves; output $c holds code c of each as a bf16 (times 2^-126). The byte
+    swap stays within each half and the masks keep each result's bits to those of its own half, so
+    the op is elementwise however Triton pairs the halves into registers."""
+    lines = ["{", ".reg .b32 w, s, t, u;", "mov.b32 w, $4;",  # outputs may share the input's register
+             "prmt.b32 s, w, 0, 0x2301;"]  # each half's two bytes swapped
     for code in range(4):
-        for i, (shift, mask) in enumerate(sorted(fragment_code_masks(code).items())):
-            source = "w"
+        for i, ((swap, shift), mask) in enumerate(sorted(fragment_code_masks(code).items())):
+            source = "s" if swap else "w"
             if shift:
-                lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 t, w, {abs(shift)};")
+                lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 t, {source}, {abs(shift)};")
                 source = "t"
             both = mask | mask << 16  # the same bits of both halves
             if i == 0:
@@ -200,17 +201,18 @@ def _halves_decode_asm() -> str:
 
 HALVES_DECODE_ASM = tl.constexpr(_halves_decode_asm())
 _CODES = [sorted(fragment_code_masks(code).items()) for code in range(4)]
-assert [len(c) for c in _CODES] == [1, 2, 1, 2], "the portable decode takes one shift for codes 0 and 2, two for 1, 3"
-_SHIFT0, _MASK0 = map(tl.constexpr, _CODES[0][0])
-(_SHIFT1, _MASK1), (_SHIFT1B, _MASK1B) = (map(tl.constexpr, term) for term in _CODES[1])
-_SHIFT2, _MASK2 = map(tl.constexpr, _CODES[2][0])
-(_SHIFT3, _MASK3), (_SHIFT3B, _MASK3B) = (map(tl.constexpr, term) for term in _CODES[3])
+assert [len(c) for c in _CODES] == [1, 1, 1, 2], "the portable decode takes one way for codes 0-2, two for 3"
+(_SWAP0, _SHIFT0), _MASK0 = map(tl.constexpr, _CODES[0][0][0]), tl.constexpr(_CODES[0][0][1])
+(_SWAP1, _SHIFT1), _MASK1 = map(tl.constexpr, _CODES[1][0][0]), tl.constexpr(_CODES[1][0][1])
+(_SWAP2, _SHIFT2), _MASK2 = map(tl.constexpr, _CODES[2][0][0]), tl.constexpr(_CODES[2][0][1])
+(_SWAP3, _SHIFT3), _MASK3 = map(tl.constexpr, _CODES[3][0][0]), tl.constexpr(_CODES[3][0][1])
+(_SWAP3B, _SHIFT3B), _MASK3B = map(tl.constexpr, _CODES[3][1][0]), tl.constexpr(_CODES[3][1][1])
 
 
 @triton.jit
 def _decode_halves_fast(halves):
-    """Fragment halves int16 [..] -> codes 0..3 of each, bf16 [..] times 2^-126: a shift and a mask
-    a code (codes 1 and 3: two), for two halves at a time (`formats.to_fragment_order`)."""
+    """Fragment halves int16 [..] -> codes 0..3 of each, bf16 [..] times 2^-126: a byte swap, then a
+    shift and a mask a code (code 3: two masks), for two halves at a time (`formats.to_fragment_order`)."""
     return tl.inline_asm_elementwise(
         asm=HALVES_DECODE_ASM,
         constraints="=r,=r,=r,=r,r",
@@ -222,12 +224,14 @@ def _decode_halves_fast(halves):
 
 
 @triton.jit
-def _shifted(h, shift: tl.constexpr):
-    if shift > 0:
-        h = h << shift
-    elif shift < 0:
-        h = h >> -shift
-    return h
+def _way(h, swapped, SWAP: tl.constexpr, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """The bits MASK of a half (uint32, the low 16) reach by its bytes swapped or not, then shifted."""
+    x = swapped if SWAP else h
+    if SHIFT > 0:
+        x = x << SHIFT
+    elif SHIFT < 0:
+        x = x >> -SHIFT
+    return x & MASK
 
 
 @triton.jit
@@ -238,12 +242,13 @@ def _code_of(placed):
 
 @triton.jit
 def _decode_halves_portable(halves):
-    """`_decode_halves_fast` in plain Triton (the same shifts and masks), values in fp32."""
+    """`_decode_halves_fast` in plain Triton (the same byte swap, shifts and masks), values in fp32."""
     h = halves.to(tl.uint16, bitcast=True).to(tl.uint32)
-    c0 = _code_of(_shifted(h, _SHIFT0) & _MASK0)
-    c1 = _code_of((_shifted(h, _SHIFT1) & _MASK1) | (_shifted(h, _SHIFT1B) & _MASK1B))
-    c2 = _code_of(_shifted(h, _SHIFT2) & _MASK2)
-    c3 = _code_of((_shifted(h, _SHIFT3) & _MASK3) | (_shifted(h, _SHIFT3B) & _MASK3B))
+    s = ((h & 255) << 8) | (h >> 8)
+    c0 = _code_of(_way(h, s, _SWAP0, _SHIFT0, _MASK0))
+    c1 = _code_of(_way(h, s, _SWAP1, _SHIFT1, _MASK1))
+    c2 = _code_of(_way(h, s, _SWAP2, _SHIFT2, _MASK2))
+    c3 = _code_of(_way(h, s, _SWAP3, _SHIFT3, _MASK3) | _way(h, s, _SWAP3B, _SHIFT3B, _MASK3B))
     return c0, c1, c2, c3
 
 
