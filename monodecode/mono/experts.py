@@ -211,8 +211,8 @@ assert [len(c) for c in _CODES] == [1, 1, 1, 2], "the portable decode takes one 
 
 @triton.jit
 def _decode_halves_fast(halves):
-    """Fragment halves int16 [..] -> codes 0..3 of each, bf16 [..] times 2^-126: a byte swap, then a
-    shift and a mask a code (code 3: two masks), for two halves at a time (`formats.to_fragment_order`)."""
+    """Fragment halves int16 [..] -> codes 0..3 of each, bf16 [..] times 2^-126: a byte swap, then
+    a shift and a mask a code (code 3: two masks), two halves at a time (`formats.to_fragment_order`)."""
     return tl.inline_asm_elementwise(
         asm=HALVES_DECODE_ASM,
         constraints="=r,=r,=r,=r,r",
@@ -225,7 +225,8 @@ def _decode_halves_fast(halves):
 
 @triton.jit
 def _way(h, swapped, SWAP: tl.constexpr, SHIFT: tl.constexpr, MASK: tl.constexpr):
-    """The bits MASK of a half (uint32, the low 16) reach by its bytes swapped or not, then shifted."""
+    """The bits MASK of a half (uint32, the low 16; `swapped`: its two bytes swapped) after the
+    swap (SWAP) and a left shift by SHIFT (negative: right)."""
     x = swapped if SWAP else h
     if SHIFT > 0:
         x = x << SHIFT
