@@ -293,14 +293,14 @@ def _codes_of_halves(halves: Tensor) -> Tensor:
 
 
 @functools.cache
-def _half_tables() -> tuple[Tensor, Tensor]:
+def _half_tables(device: torch.device) -> tuple[Tensor, Tensor]:
     """(the stored half of each code word c0 | c1 << 4 | c2 << 8 | c3 << 12, the code word of each
-    stored half as the kernels decode it), int32 [65536] each: the layout of a half is a fixed
-    permutation of its 16 bits, so one gather converts it."""
+    stored half as the kernels decode it), int32 [65536] each, on `device`: the layout of a half
+    is a fixed permutation of its 16 bits, so one gather converts it."""
     words = torch.arange(1 << 16, dtype=torch.int32)
     codes = torch.stack([(words >> 4 * c) & 15 for c in range(4)], dim=-1).reshape(-1, 2, 2).transpose(-1, -2)
     decoded = _codes_of_halves(words).transpose(-1, -2).reshape(-1, 4)  # code c = 2s + q
-    return _halves_of(codes), sum(decoded[:, c] << 4 * c for c in range(4)).int()
+    return _halves_of(codes).to(device), sum(decoded[:, c] << 4 * c for c in range(4)).int().to(device)
 
 
 _CHUNK_BYTES = 1 << 24  # codes converted at a time: bounds the temporaries on a layer's experts
@@ -325,14 +325,14 @@ def _rows_to_fragment_order(p: Tensor) -> Tensor:
     v = torch.stack((p & 15, p >> 4), dim=-1).reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)
     v = v.permute(0, 1, 5, 2, 6, 3, 4).int()  # (row, g, m, s, q, t, r) -> (row, g, t, m, r, s, q)
     words = v[..., 0, 0] | v[..., 0, 1] << 4 | v[..., 1, 0] << 8 | v[..., 1, 1] << 12  # code c = 2s + q at 4c
-    halves = _half_tables()[0].to(p.device)[words]
+    halves = _half_tables(p.device)[0][words]
     return torch.stack((halves & 255, halves >> 8), dim=-1).to(torch.uint8).reshape(rows, half)
 
 
 def _rows_from_fragment_order(p: Tensor) -> Tensor:
     rows, half = p.shape
     b = p.int().reshape(rows, half // 2, 2)
-    words = _half_tables()[1].to(p.device)[b[..., 0] | b[..., 1] << 8]
+    words = _half_tables(p.device)[1][b[..., 0] | b[..., 1] << 8]
     v = torch.stack([(words >> 4 * c) & 15 for c in range(4)], dim=-1).to(torch.uint8)
     v = v.reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (row, g, t, m, r, s, q)
     v = v.permute(0, 1, 3, 5, 6, 2, 4)  # -> (row, g, m, s, q, t, r)

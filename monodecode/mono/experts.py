@@ -202,11 +202,19 @@ def _halves_decode_asm() -> str:
 HALVES_DECODE_ASM = tl.constexpr(_halves_decode_asm())
 _CODES = [sorted(fragment_code_masks(code).items()) for code in range(4)]
 assert [len(c) for c in _CODES] == [1, 1, 1, 2], "the portable decode takes one way for codes 0-2, two for 3"
-(_SWAP0, _SHIFT0), _MASK0 = map(tl.constexpr, _CODES[0][0][0]), tl.constexpr(_CODES[0][0][1])
-(_SWAP1, _SHIFT1), _MASK1 = map(tl.constexpr, _CODES[1][0][0]), tl.constexpr(_CODES[1][0][1])
-(_SWAP2, _SHIFT2), _MASK2 = map(tl.constexpr, _CODES[2][0][0]), tl.constexpr(_CODES[2][0][1])
-(_SWAP3, _SHIFT3), _MASK3 = map(tl.constexpr, _CODES[3][0][0]), tl.constexpr(_CODES[3][0][1])
-(_SWAP3B, _SHIFT3B), _MASK3B = map(tl.constexpr, _CODES[3][1][0]), tl.constexpr(_CODES[3][1][1])
+
+
+def _way_constants(code: int, term: int) -> tuple[tl.constexpr, ...]:
+    """(swap, shift, mask) of a code's term, as the portable decode's constants."""
+    (swap, shift), mask = _CODES[code][term]
+    return tl.constexpr(swap), tl.constexpr(shift), tl.constexpr(mask)
+
+
+_SWAP0, _SHIFT0, _MASK0 = _way_constants(0, 0)
+_SWAP1, _SHIFT1, _MASK1 = _way_constants(1, 0)
+_SWAP2, _SHIFT2, _MASK2 = _way_constants(2, 0)
+_SWAP3, _SHIFT3, _MASK3 = _way_constants(3, 0)
+_SWAP3B, _SHIFT3B, _MASK3B = _way_constants(3, 1)
 
 
 @triton.jit
