@@ -15,7 +15,7 @@
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
 #                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
-#                 (BN,BK,WARPS,STAGES;...) instead of the quick grid
+#                 (BN,BK,WARPS,STAGES;...) instead of the quick grid; FLAT=1 adds the flat loop to each persistent one
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
 # (TIMELINE= , empty, leaves its per-stage timeline out).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
@@ -55,7 +55,7 @@ case $part in
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" ${FLAT:+--flat} \
       --layouts "${LAYOUTS:-interleave,fragments}" --configs "${CONFIGS:-}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -1,7 +1,7 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--tma] [--fragments] [--top 12] [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset.
+[--tma] [--flat] [--fragments] [--top 12] [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset.
 Records one gate/up launch of `experts.launch_stages` at v4-flash sizes (hidden 4096,
 intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the JIT's
 divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's bundled
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--programs", type=int, default=0, help="0: a program a task; n: n persistent programs")
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
+    parser.add_argument("--flat", action="store_true", help="LaunchConfig.flat (with --programs)")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     X._up, X._up_persistent = Recorder(X._up, launches), Recorder(X._up_persistent, launches)
     X._swiglu, X._down, X._down_persistent = (Recorder(k, []) for k in (X._swiglu, X._down, X._down_persistent))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
-                            tma=args.tma)
+                            tma=args.tma, flat=args.flat)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
                     10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     per_thread = args.block_n * args.block_k // (32 * args.warps)
     print(f"{kernel.__name__}: BN {args.block_n}, BK {args.block_k}, {args.warps} warps, {args.stages} stages, "
-          f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}; {per_thread} "
+          f"programs {args.programs}, tma {args.tma}, flat {args.flat}, fragments {args.fragments}; {per_thread} "
           "weights a thread a K step")
     for length, opcodes in loops(sass):
         print(f"loop of {length} instructions ({length / per_thread:.2f} a weight if the K loop): "

@@ -394,8 +394,29 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
         else:
             acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
-        n = nb * BN + tl.arange(0, BN)
-        tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
+        _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN)
+
+
+@triton.jit
+def _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN: tl.constexpr):
+    n = nb * BN + tl.arange(0, BN)
+    tl.store(gu_ptr + picks[None, :] * (2 * I) + which * I + n[:, None], acc, mask=mask[None, :])
+
+
+@triton.jit
+def _task_ranks(counts_ptr, P, BP: tl.constexpr):
+    """The sorted picks that start a task (counts > 0), ranked: (rank [BP] int32, -1 where none
+    starts; the number of tasks). BP >= P, a power of two."""
+    j = tl.arange(0, BP)
+    starts = tl.load(counts_ptr + j, mask=j < P, other=0) > 0
+    rank = tl.where(starts, tl.cumsum(starts.to(tl.int32), 0) - 1, -1)
+    return rank, tl.sum(starts.to(tl.int32), 0)
+
+
+@triton.jit
+def _task_start(rank, g):
+    """The sorted pick that starts task g, from `_task_ranks`' ranks."""
+    return tl.sum(tl.where(rank == g, tl.arange(0, rank.shape[0]), 0), 0)
 
 
 @triton.jit
@@ -419,50 +440,79 @@ def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_code
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG)
-        n = nb * BN + tl.arange(0, BN)
-        tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
+        _store_down(y, nb, picks, mask, out_ptr, D, BN)
+
+
+@triton.jit
+def _store_down(y, nb, picks, mask, out_ptr, D, BN: tl.constexpr):
+    n = nb * BN + tl.arange(0, BN)
+    tl.store(out_ptr + picks[None, :] * D + n[:, None], y, mask=mask[None, :])
 
 
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
              NS: tl.constexpr = None, TMA: tl.constexpr = False,
-             FRAG: tl.constexpr = False):
+             FRAG: tl.constexpr = False, FLAT: tl.constexpr = False, BP: tl.constexpr = 1):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
-    block (t // 2) % blocks, gate or up t % 2."""
+    block (t // 2) % blocks, gate or up t % 2. FLAT: only the picks that start a task are
+    numbered (`_task_ranks`, BP >= P), and the loop over tasks and the K loop are one loop
+    (`tl.range(flatten=True)`), so the software pipeline loads the next task's first K steps
+    while this task ends instead of draining at every task (not with TMA: a descriptor cannot
+    be chosen at run time)."""
     blocks = I // BN
-    for t in range(pid, P * blocks * 2, grid):
-        up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+    if FLAT:
+        rank, tasks = _task_ranks(counts_ptr, P, BP)
+        for t in tl.range(pid, tasks * blocks * 2, grid, flatten=True):
+            nb, which = (t // 2) % blocks, t % 2
+            _, expert, picks, mask = _group(_task_start(rank, t // (2 * blocks)), counts_ptr, order_ptr,
+                                            experts_ptr, ROWS_)
+            acc = _matvec(tl.where(which == 0, w1_codes, w3_codes), tl.where(which == 0, w1_scales, w3_scales),
+                          expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
+            _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN)
+    else:
+        for t in range(pid, P * blocks * 2, grid):
+            up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
+                    w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
+               TMA: tl.constexpr = False, FRAG: tl.constexpr = False, FLAT: tl.constexpr = False,
+               BP: tl.constexpr = 1):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
-    t // blocks, hidden block t % blocks."""
+    t // blocks, hidden block t % blocks (FLAT: as in `up_stage`)."""
     blocks = D // BN
-    for t in range(pid, P * blocks, grid):
-        down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales,
-                  D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+    if FLAT:
+        rank, tasks = _task_ranks(counts_ptr, P, BP)
+        for t in tl.range(pid, tasks * blocks, grid, flatten=True):
+            _, expert, picks, mask = _group(_task_start(rank, t // blocks), counts_ptr, order_ptr, experts_ptr,
+                                            ROWS_)
+            y = _matvec(w2_codes, w2_scales, expert * D + (t % blocks) * BN, h_ptr, picks, mask, I, BN, BK, FAST,
+                        NS, TMA, FRAG)
+            _store_down(y, t % blocks, picks, mask, out_ptr, D, BN)
+    else:
+        for t in range(pid, P * blocks, grid):
+            down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
+                      w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   TMA: tl.constexpr, FRAG: tl.constexpr):
+                   TMA: tl.constexpr, FRAG: tl.constexpr, FLAT: tl.constexpr, BP: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG, FLAT, BP)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     TMA: tl.constexpr, FRAG: tl.constexpr):
+                     TMA: tl.constexpr, FRAG: tl.constexpr, FLAT: tl.constexpr, BP: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, FLAT, BP)
 
 
 @triton.jit
@@ -512,15 +562,16 @@ class LaunchConfig:
     num_stages: int = 1  # Triton's pipelining: a loss in the checkpoint's order, a gain in the fragment order
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
+    flat: bool = False  # persistent only: one loop over tasks and K steps (`up_stage`); not with tma
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
     """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
-    `experts_bench`): in the fragment order, tiles of 128 x 256 with Triton's 2-stage pipelining
-    from 4 rows (1.85-2.05 TB/s at 6-48 rows), of 64 x 256 with 1 stage below (1.48 TB/s at 1 row);
-    in the checkpoint's order 64 x 256, 1 stage."""
+    `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps and Triton's 2-stage
+    pipelining from 4 rows (2.33-2.60 TB/s at 6-48 rows; 4 warps 2.09-2.31), of 64 x 256 with 4
+    warps and 1 stage below (1.63 TB/s at 1 row); in the checkpoint's order 64 x 256, 1 stage."""
     if fast and weights.fragments and rows >= 4:
-        return LaunchConfig(fast, block_n=128, block_k=256, num_warps=4, num_stages=2)
+        return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, num_stages=2)
     return LaunchConfig(fast)
 
 
@@ -576,6 +627,9 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     refusal = weights.fragments and fragment_tiles_refusal(config.block_k, d, inter)
     if refusal:
         raise ValueError(f"experts in the fragment order need {refusal}")
+    if config.flat and (config.tma or not config.programs):
+        raise ValueError(f"{config}: flat is a loop of persistent programs (programs > 0) without tma")
+    flat_meta = dict(FLAT=config.flat, BP=triton.next_power_of_2(picks))
     meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
                 num_stages=config.num_stages)
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
@@ -587,7 +641,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     compiled = {}
     if "up" in kernels:
         if config.programs:
-            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta, **flat_meta)
         else:
             compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
     if "swiglu" in kernels:
@@ -596,7 +650,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
                                                 BLOCK=swiglu_block, FAST=config.fast)
     if "down" in kernels:
         if config.programs:
-            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
+            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta, **flat_meta)
         else:
             compiled["down"] = _down[(picks, d // block_down)](*down_args, **down_meta)
     return compiled

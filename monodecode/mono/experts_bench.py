@@ -1,7 +1,7 @@
 """Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
-[--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
+[--programs-per-sm 0,1,2] [--flat] [--layouts interleave,fragments,tma,fragments+tma]
 [--configs BN,BK,WARPS,STAGES;...] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
@@ -13,7 +13,8 @@ The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) 
 the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for the
 dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
 mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
-(`LaunchConfig.tma`). Every variant is first checked against the float64 reference at 6 rows; its line
+(`LaunchConfig.tma`). `--flat`: each persistent variant (pps > 0, without tma) also with the flat
+loop over tasks and K steps (`LaunchConfig.flat`, name ending in `flat`). Every variant is first checked against the float64 reference at 6 rows; its line
 ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
 `async` where Triton staged the codes through shared memory (its software pipelining).
 """
@@ -103,7 +104,8 @@ def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -
 LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma")
 
 
-def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None):
+def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None,
+             flat: bool = False):
     """(name, layout, LaunchConfig): the portable decode, then a grid of fast ones (or the
     (block_n, block_k, warps, stages) in `configs`), each with a program a task (pps 0) or pps
     persistent programs a SM running K2's task loops. The K loop: s1, s2, s3 (Triton's num_stages);
@@ -114,7 +116,10 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages), layout, pps in itertools.product(grid, layouts, programs_per_sm):
         name = f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
-        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"))
+        tma = layout.endswith("tma")
+        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=tma)
+        if flat and pps and not tma:
+            yield name + " flat", layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, flat=True)
 
 
 def main(argv=None) -> int:
@@ -125,6 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--programs-per-sm", default="0",
                         help="comma-separated: 0 = a program a task; n = n persistent programs a SM running K2's "
                              "task loops (the stage as it runs inside K2)")
+    parser.add_argument("--flat", action="store_true",
+                        help="each persistent variant also with the flat loop over tasks and K steps")
     parser.add_argument("--layouts", default="interleave,fragments",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
@@ -154,7 +161,7 @@ def main(argv=None) -> int:
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
     for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts,
-                                             configs):
+                                             configs, args.flat):
         bank = banks[layout.startswith("fragments")]
         try:
             err = check(bank, config, g)

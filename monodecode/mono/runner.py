@@ -51,7 +51,9 @@ class LaunchShape:
     default for the launch; the experts are stacked in the fragment order wherever their sizes
     allow, `weights.stack_experts`, and that order needs expert K steps of a multiple of 128);
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
-    `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
+    `LaunchConfig.tma`); `expert_flat` 1: one loop over the expert tasks and their K steps, whose
+    software pipeline does not drain between tasks (`experts.up_stage`; not with `expert_tma`; not
+    timed yet); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
     bytes in flight without registers, for deeper `gemv_stages`; not timed yet);
     `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
     `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
@@ -75,6 +77,7 @@ class LaunchShape:
     expert_block_k: int = 512
     expert_stages: int | None = None
     expert_tma: int = 0
+    expert_flat: int = 0
     compile_attention: int | None = None
 
     def spec(self) -> str:
@@ -194,14 +197,17 @@ class MonoRunner:
                 raise
 
     def _check_expert_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve is a caller's
-        error (ValueError)."""
+        """A shape whose expert tiles the experts' fragment order cannot serve, or whose flat
+        expert loop would need descriptors chosen at run time, is a caller's error (ValueError)."""
         c = self.config
         refusal = self.layers[0].experts.fragments and X.fragment_tiles_refusal(
             shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts are in the fragment order, which needs "
                              f"{refusal}")
+        if shape.expert_flat and shape.expert_tma:
+            raise ValueError(f"launch shape {shape.spec()}: expert_flat needs expert_tma=0 (the flat loop picks "
+                             "w1 or w3 at run time, which a tensor descriptor cannot)")
 
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
