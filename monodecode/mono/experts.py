@@ -25,7 +25,9 @@ Contract
   p + grid, ...). Standalone (`routed_experts`: the benchmark, and the DSpark draft's MoE while
   the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
-  `_down_persistent`), the stage as it runs inside K2.
+  `_down_persistent`), the stage as it runs inside K2. With `LaunchConfig.flat` (K2:
+  `LaunchShape.expert_flat`) a persistent loop visits only the tasks that exist and runs them
+  and their K steps as one software-pipelined loop (`up_stage`).
 - The K loop (`_matvec`): load a tile of codes (pointers, or with `LaunchConfig.tma` a tensor
   descriptor: the copy engine fills shared memory) and scales; in the checkpoint's order decode it
   into its even and odd K columns and interleave them for one dot; in the fragment order decode

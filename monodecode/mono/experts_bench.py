@@ -14,9 +14,10 @@ the same run. Layouts: the codes in the checkpoint's order, decoded halves inter
 dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
 mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
 (`LaunchConfig.tma`). `--flat`: each persistent variant (pps > 0, without tma) also with the flat
-loop over tasks and K steps (`LaunchConfig.flat`, name ending in `flat`). Every variant is first checked against the float64 reference at 6 rows; its line
-ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
-`async` where Triton staged the codes through shared memory (its software pipelining).
+loop over tasks and K steps (`LaunchConfig.flat`, name ending in `flat`). Every variant is first
+checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
+kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
+through shared memory (its software pipelining).
 """
 
 from __future__ import annotations
