@@ -55,9 +55,9 @@ case $part in
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 --programs-per-sm "${PPS:-0,1,2}" ${FLAT:+--flat} \
-      --layouts "${LAYOUTS:-interleave,fragments}" --configs "${CONFIGS:-}" \
-      --out "$out" >> "$out/$part.txt" 2>&1 ;;
+    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 \
+      --programs-per-sm "${PPS:-0,1,2}" ${FLAT:+--flat} --layouts "${LAYOUTS:-interleave,fragments}" \
+      --configs "${CONFIGS:-}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 status=$?

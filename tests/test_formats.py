@@ -406,7 +406,8 @@ def test_the_fragment_order_places_each_column():
 def test_the_fragment_halves_bits_are_a_permutation():
     """Every bit of a 16-bit half lands on exactly one bf16 bit of one code's value, and no shift
     takes a bit from outside the half (the other half of a register)."""
-    terms = [(swap, place - shift) for code in range(4) for (swap, shift), mask in formats.fragment_code_masks(code).items()
+    terms = [(swap, place - shift) for code in range(4)
+             for (swap, shift), mask in formats.fragment_code_masks(code).items()
              for place in range(16) if mask >> place & 1]
     assert all(0 <= j < 16 for _, j in terms), terms
     assert sorted((j + 8 * swap) % 16 for swap, j in terms) == list(range(16))

@@ -131,8 +131,9 @@ def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k
 
 @pytest.mark.parametrize("programs", [1, 4])
 def test_the_flat_loop_numbers_only_the_tasks_that_start_a_group(device, programs):
-    """40 rows on expert 3 (three tasks of up to 16 rows) and 2 on expert 0, most sorted picks
-    starting no task: the flat loop finds each task's first pick by its rank (`_task_ranks`)."""
+    """40 rows on expert 3, 38 on expert 1 (three tasks each, of up to 16 rows) and 2 on expert
+    0, most sorted picks starting no task: the flat loop finds each task's first pick by its rank
+    (`_task_ranks`)."""
     g = torch.Generator().manual_seed(7 + programs)
     bank = random_bank(g, num_experts=4, hidden=64, inter=32, device=device)
     ids = torch.tensor([[3, 1]] * 38 + [[3, 0], [0, 3]])

@@ -385,8 +385,8 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     """Hidden and intermediate 128 (one fragment group): the runner stacks the experts in the
     fragment order once, the per-op bank reading views of that stack (no second copy) and
     decoding the order back; the K2 step agrees with the per-op step, with and without
-    descriptor loads and with the flat expert loop; a shape whose tiles that order cannot serve is refused with the reason,
-    the old shape kept. (The tiny model's 64 / 32 stay in the checkpoint's order.)"""
+    descriptor loads and with the flat expert loop; a shape whose tiles that order cannot serve
+    is refused with the reason, the old shape kept. (The tiny model's 64 / 32 stay in the checkpoint's order.)"""
     from monodecode.mono.runner import LaunchShape
 
     m = Model.from_checkpoint(SyntheticCheckpoint(tiny(hidden_size=128, moe_intermediate_size=128,

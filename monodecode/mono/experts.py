@@ -11,8 +11,9 @@ Contract
   128 columns of a row are permuted into the fragment order (`to_fragment_order`): the order in
   which the tensor cores take the decoded weights from registers, so the decode's pairs need no
   shuffling (K steps then a multiple of 128), with the bits of each 16-bit half placed so that
-  a shift and a mask decode a code (after one byte swap for some). The mono runner stacks the experts in that order wherever
-  their sizes allow (`weights.stack_experts`: every DeepSeek-V4 size).
+  a shift and a mask decode a code (after one byte swap for some). The mono runner stacks the
+  experts in that order wherever their sizes allow (`weights.stack_experts`: every DeepSeek-V4
+  size).
 - Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
   Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not

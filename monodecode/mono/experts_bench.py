@@ -109,7 +109,8 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
              flat: bool = False):
     """(name, layout, LaunchConfig): the portable decode, then a grid of fast ones (or the
     (block_n, block_k, warps, stages) in `configs`), each with a program a task (pps 0) or pps
-    persistent programs a SM running K2's task loops. The K loop: s1, s2, s3 (Triton's num_stages);
+    persistent programs a SM running K2's task loops (`flat`: those also with the flat loop,
+    without tma). The K loop: s1, s2, s3 (Triton's num_stages);
     the layout as in the module docstring."""
     yield "portable", "interleave", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
     grid = configs or (itertools.product((64, 128), (256, 512), (4, 8), (1, 2)) if quick else

@@ -51,10 +51,10 @@ class LaunchShape:
     default for the launch; the experts are stacked in the fragment order wherever their sizes
     allow, `weights.stack_experts`, and that order needs expert K steps of a multiple of 128);
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
-    `LaunchConfig.tma`); `expert_flat` 1: one loop over the expert tasks and their K steps, whose
-    software pipeline does not drain between tasks (`experts.up_stage`; not with `expert_tma`; not
-    timed yet); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
-    bytes in flight without registers, for deeper `gemv_stages`; not timed yet);
+    `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
+    bytes in flight without registers, for deeper `gemv_stages`; timed at 1 row only);
+    `expert_flat` 1: one loop over the expert tasks and their K steps, whose software pipeline
+    does not drain between tasks (`experts.up_stage`; not with `expert_tma`; not timed yet);
     `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
     `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
     (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
