@@ -15,12 +15,15 @@
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
 #                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
-#                 (BN,BK,WARPS,STAGES;...) instead of the quick grid; FLAT=1 adds the flat loop to each persistent one
+#                 (BN,BK,WARPS,STAGES[,REGISTERS];...) instead of the quick grid
+#   experts-ncu   Nsight Compute's full report (hardware counters) of the expert stage's gate/up and down kernels
+#                 at ROWS rows (default 48), one variant (CONFIGS, PPS as for experts; caches flushed)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
 # (TIMELINE= , empty, leaves its per-stage timeline out).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|check|check-shape|bench-layer|compiled|bench-decode|experts}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|check|check-shape|bench-layer|compiled|bench-decode|experts|\
+experts-ncu}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -56,8 +59,16 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 \
-      --programs-per-sm "${PPS:-0,1,2}" ${FLAT:+--flat} --layouts "${LAYOUTS:-interleave,fragments}" \
+      --programs-per-sm "${PPS:-0,1,2}" --layouts "${LAYOUTS:-interleave,fragments}" \
       --configs "${CONFIGS:-}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+  experts-ncu)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
+    kernels=$([ "${PPS:-0}" = 0 ] && echo '^_(up|down)$' || echo '^_(up|down)_persistent$')
+    # skip the check's and the resource probe's launches and the warm-up: profile inside the graph's replay
+    timeout ${TIMEOUT:-560} "$ncu" --clock-control none --set full --kernel-name "regex:$kernels" \
+      --launch-skip 12 --launch-count 2 python3 -m monodecode.mono.experts_bench --rows "${ROWS:-48}" --steps 4 \
+      --programs-per-sm "${PPS:-0}" --no-portable --layouts fragments --configs "${CONFIGS:-128,256,8,1,128}" \
+      --out "$out" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 status=$?

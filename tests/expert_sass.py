@@ -1,14 +1,18 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--tma] [--flat] [--fragments] [--top 12] [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset.
+[--max-registers 0] [--tma] [--fragments] [--top 12] [--ttgir FILE]`, in a process where
+TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
+PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
 Records one gate/up launch of `experts.launch_stages` at v4-flash sizes (hidden 4096,
 intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the JIT's
 divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's bundled
 `nvdisasm`, and prints, for every loop (a label and the branch back to it),
-its length and its most frequent opcodes. The K loop is the long one: its length over the weights
-a thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
-(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile, ~2.8 with --fragments).
+its length and its most frequent opcodes, after the kernel's registers a thread and stack (spills,
+from cuobjdump). The K loop is the long one: its length over the weights a thread decodes a K
+step (BN * BK / (32 * warps)) is the instructions a weight (docs/PERFORMANCE.md: ~5.0 for the
+4-warp 64 x 256 tile in the checkpoint's order; 2.77-2.79 for the 8-warp 128 x 256 one in the
+fragment order with Triton 3.6).
 """
 
 import argparse
@@ -53,6 +57,14 @@ def loops(sass: str) -> list[tuple[int, collections.Counter]]:
     return found
 
 
+def registers(cubin_path: str) -> str:
+    """Registers a thread and stack bytes (spills) of the kernel, from cuobjdump's resource usage."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([cuobjdump, "-res-usage", cubin_path], capture_output=True, text=True, check=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return f"{regs[1] if regs else '?'} registers, stack {stack[1] if stack else '?'} bytes"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="the expert K loop's SASS instruction mix, for sm_90")
     parser.add_argument("--block-n", type=int, default=64)
@@ -60,7 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--programs", type=int, default=0, help="0: a program a task; n: n persistent programs")
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
-    parser.add_argument("--flat", action="store_true", help="LaunchConfig.flat (with --programs)")
+    parser.add_argument("--max-registers", type=int, default=0, help="LaunchConfig.max_registers")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
@@ -76,12 +88,12 @@ def main(argv=None) -> int:
     X._up, X._up_persistent = Recorder(X._up, launches), Recorder(X._up_persistent, launches)
     X._swiglu, X._down, X._down_persistent = (Recorder(k, []) for k in (X._swiglu, X._down, X._down_persistent))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
-                            tma=args.tma, flat=args.flat)
+                            tma=args.tma, max_registers=args.max_registers)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
                     10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))
     kernel, launch_args, kwargs = launches[0]
-    options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages")}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     types, constants, attrs = signature(kernel, launch_args, kwargs)
     compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
@@ -93,10 +105,11 @@ def main(argv=None) -> int:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        resources = registers(f.name)
     per_thread = args.block_n * args.block_k // (32 * args.warps)
     print(f"{kernel.__name__}: BN {args.block_n}, BK {args.block_k}, {args.warps} warps, {args.stages} stages, "
-          f"programs {args.programs}, tma {args.tma}, flat {args.flat}, fragments {args.fragments}; {per_thread} "
-          "weights a thread a K step")
+          f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}; {per_thread} "
+          f"weights a thread a K step; {resources}")
     for length, opcodes in loops(sass):
         print(f"loop of {length} instructions ({length / per_thread:.2f} a weight if the K loop): "
               + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))

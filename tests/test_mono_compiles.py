@@ -45,12 +45,15 @@ def k_loop(*options: str) -> tuple[int, dict[str, int]]:
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
 def test_the_expert_k_loop_disassembles_for_sm90():
     """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops
-    and its loads; in the fragment order (`experts.to_fragment_order`) the decoded pairs need no
-    byte shuffles and a code is a shift and a mask: fewer PRMT, and at most 3.0 instructions a
-    weight (2.8 with this machine's Triton; the checkpoint's order takes 5.0)."""
+    and its loads; in the fragment order (`experts.to_fragment_order`, the launcher's 8-warp
+    128 x 256 tile capped at 128 registers) the decoded pairs need no byte shuffles, a code is a
+    shift and a mask, and the codes come straight from global memory into the dot's registers
+    (`experts._load_fragments`: no shared-memory loads or async copies): fewer PRMT, at most 3.0
+    instructions a weight (2.95 with this machine's Triton; the checkpoint's order takes 5.0)."""
     interleaved, interleaved_mix = k_loop()
-    fragments, fragments_mix = k_loop("--fragments")
+    fragments, fragments_mix = k_loop("--fragments", "--block-n", "128", "--warps", "8", "--max-registers", "128")
     for mix in (interleaved_mix, fragments_mix):
         assert mix["HGMMA"] > 0 and mix["LDG"] > 0, mix
     assert fragments_mix.get("PRMT", 0) < interleaved_mix["PRMT"], (interleaved_mix, fragments_mix)
+    assert "LDS" not in fragments_mix and "LDGSTS" not in fragments_mix, fragments_mix
     assert fragments <= 3.0 * 128 < interleaved, (fragments, interleaved)

@@ -114,39 +114,16 @@ def assert_rows_and_a_pad_match(g, experts, checkpoint, config, device):
     assert (y[2] == 0).all()
 
 
-@pytest.mark.parametrize("programs,block_k,tma,flat", [(1, 64, False, False), (3, 64, False, False),
-                                                      (3, 32, False, False), (0, 64, True, False),
-                                                      (3, 32, True, False), (1, 32, False, True),
-                                                      (3, 64, False, True)])
-def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k, tma, flat):
+@pytest.mark.parametrize("programs,block_k,tma", [(1, 64, False), (3, 64, False), (3, 32, False), (0, 64, True),
+                                               (3, 32, True)])
+def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k, tma):
     """`LaunchConfig.programs`: a few programs looping over every task (K2's loops) give the
     reference's result too; under the interpreter the programs run one after another. K steps
-    of 32: two of w1 / w3 and one of w2; with `tma`, the codes through tensor descriptors; `flat`,
-    one loop over the tasks that start a group and their K steps."""
+    of 32: two of w1 / w3 and one of w2; with `tma`, the codes through tensor descriptors."""
     fast = device == "cuda" and bank.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma, flat=flat)
+    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma)
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(40 + programs), bank, on_device(bank, "cpu"), config,
                                 device)
-
-
-@pytest.mark.parametrize("programs", [1, 4])
-def test_the_flat_loop_numbers_only_the_tasks_that_start_a_group(device, programs):
-    """40 rows on expert 3, 38 on expert 1 (three tasks each, of up to 16 rows) and 2 on expert
-    0, most sorted picks starting no task: the flat loop finds each task's first pick by its rank
-    (`_task_ranks`)."""
-    g = torch.Generator().manual_seed(7 + programs)
-    bank = random_bank(g, num_experts=4, hidden=64, inter=32, device=device)
-    ids = torch.tensor([[3, 1]] * 38 + [[3, 0], [0, 3]])
-    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
-    weights = torch.rand(40, 2, generator=g)
-    fast = device == "cuda" and bank.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=16, block_k=32, programs=programs, flat=True)
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
-    assert_close(y, X.reference(x, ids, weights, on_device(bank, "cpu"), LIMIT))
-    for wrong in (X.LaunchConfig(fast, 16, 32, programs=0, flat=True), X.LaunchConfig(fast, 16, 32, programs=2,
-                                                                                       tma=True, flat=True)):
-        with pytest.raises(ValueError, match="flat is a loop of persistent programs"):
-            X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, wrong)
 
 
 def test_group_picks():
@@ -218,31 +195,35 @@ def test_the_fast_fragment_decode_places_each_code():
             assert torch.equal(out[f"${code}"] >> 16 * part & 0xFFFF, ((n & 7) << 6) | ((n & 8) << 12))
 
 
-@pytest.mark.parametrize("programs,block_k,tma,flat", [(0, 128, False, False), (3, 128, False, False),
-                                                      (0, 256, True, False), (3, 128, True, False),
-                                                      (3, 128, False, True)])
-def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device, programs, block_k, tma, flat):
+@pytest.mark.parametrize("programs,block_k,block_n,tma", [(0, 128, 32, False), (3, 128, 32, False),
+                                                       (0, 256, 16, False), (3, 128, 64, False),
+                                                       (0, 256, 32, True), (3, 128, 32, True)])
+def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device, programs, block_k, block_n, tma):
     """The same experts in the fragment order give the reference's result: a program a task and
-    persistent programs, the codes loaded as pointers or through tensor descriptors, over two K
-    steps of 128 (w1 / w3: hidden 256; w2: intermediate 128, one step). K steps that split a
-    fragment group are refused."""
+    persistent programs, the codes loaded as pointers one K step ahead (over tiles of 16, 32 and
+    64 rows: one to four 16-row blocks of the dot's operand) or through tensor descriptors, over
+    two K steps of 128 or one of 256 (w1 / w3: hidden 256; w2: intermediate 128, one step). K
+    steps that split a fragment group, and tiles that split a 16-row block, are refused."""
     bank, checkpoint = fragment_bank
     fast = device == "cuda" and bank.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=32, block_k=block_k, programs=programs, tma=tma, flat=flat)
-    assert_rows_and_a_pad_match(torch.Generator().manual_seed(50 + programs + block_k), bank, checkpoint, config,
-                                device)
+    config = X.LaunchConfig(fast=fast, block_n=block_n, block_k=block_k, programs=programs, tma=tma)
+    assert_rows_and_a_pad_match(torch.Generator().manual_seed(50 + programs + block_k + block_n), bank, checkpoint,
+                                config, device)
     with pytest.raises(ValueError, match=r"fragment order need expert K steps of a multiple of 128 \(here \[64\]\)"):
         assert_rows_and_a_pad_match(torch.Generator(), bank, checkpoint, X.LaunchConfig(fast, 32, 64), device)
+    with pytest.raises(ValueError, match=r"fragment order need expert tiles of a multiple of 16 rows \(here \[8\]\)"):
+        assert_rows_and_a_pad_match(torch.Generator(), bank, checkpoint, X.LaunchConfig(fast, 8, 128), device)
 
 
 def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, device):
-    """`default_config`: the H200's fastest measured tiles, 128 x 256 with 8 warps and 2 stages for
-    steps of 4+ rows in the fragment order; with it (None) the launcher still gives the reference's
-    result."""
+    """`default_config`: the H200's fastest measured tiles in the fragment order, 128 x 256 with 8
+    warps for steps of 4+ rows and 64 x 256 with 4 below, registers capped at 128; with it (None)
+    the launcher still gives the reference's result."""
     bank, checkpoint = fragment_bank
-    wide = X.default_config(bank, 6, True)
-    assert (wide.block_n, wide.block_k, wide.num_warps, wide.num_stages) == (128, 256, 8, 2)
-    assert X.default_config(bank, 1, True) == X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
+    wide, narrow = X.default_config(bank, 6, True), X.default_config(bank, 1, True)
+    assert (wide.block_n, wide.block_k, wide.num_warps, wide.max_registers) == (128, 256, 8, 128)
+    assert (narrow.block_n, narrow.block_k, narrow.num_warps, narrow.max_registers) == (64, 256, 4, 128)
+    assert X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
     assert X.default_config(bank, 6, False) == X.LaunchConfig(False)
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)
 
@@ -279,8 +260,8 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     chosen = {name: config for name, _, config in B.variants(True, [1], ["fragments"], [(128, 512, 8, 3)])}
     assert list(chosen) == ["portable", "fast bn128 bk512 w8 s3 fragments pps1"]
     assert chosen.popitem()[1].num_stages == 3
-    flat = {name: config for name, _, config in B.variants(True, [0, 1], ["fragments", "fragments+tma"],
-                                                           [(128, 256, 8, 2)], flat=True)}
-    assert [name for name, config in flat.items() if config.flat] == ["fast bn128 bk256 w8 s2 fragments pps1 flat"]
+    capped = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False))
+    assert [(name, config.max_registers) for name, _, config in capped] == [("fast bn128 bk256 w8 s1 fragments r128",
+                                                                             128)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])

@@ -355,14 +355,13 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 @pytest.mark.parametrize("spec", ["block_n=0,block_k=512,expert_block_n=16,expert_block_k=32",
                                   "expert_block_n=16,expert_block_k=32,expert_tma=1",
-                                  "expert_block_n=16,expert_block_k=32,expert_flat=1",
                                   "gemv_tma=1,block_k=32"])
 def test_another_launch_shape_gives_the_same_step(model, spec):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers), per-GEMV BN, the
     expert codes (two K steps of w1 / w3) or the dense weights (K steps of 32) through tensor
-    descriptors, the flat expert loop: the same result up to fp32 summation order. The tiny model's experts (hidden
-    64, intermediate 32: not whole fragment groups) stay in the checkpoint's order, which serves
-    K steps below 128."""
+    descriptors: the same result up to fp32 summation order. The tiny model's experts (hidden 64,
+    intermediate 32: not whole fragment groups) stay in the checkpoint's order, which serves K
+    steps below 128."""
     from monodecode.mono.runner import LaunchShape
 
     assert not model.mono.layers[0].experts.fragments and not model.blocks[0].moe.experts.fragments
@@ -384,9 +383,10 @@ def test_another_launch_shape_gives_the_same_step(model, spec):
 def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     """Hidden and intermediate 128 (one fragment group): the runner stacks the experts in the
     fragment order once, the per-op bank reading views of that stack (no second copy) and
-    decoding the order back; the K2 step agrees with the per-op step, with and without
-    descriptor loads and with the flat expert loop; a shape whose tiles that order cannot serve
-    is refused with the reason, the old shape kept. (The tiny model's 64 / 32 stay in the checkpoint's order.)"""
+    decoding the order back; the K2 step agrees with the per-op step, with tiles of 128 and of 32
+    rows (`experts._load_fragments`' 16-row blocks) and with descriptor loads; a shape whose tiles
+    that order cannot serve is refused with the reason, the old shape kept. (The tiny model's 64 /
+    32 stay in the checkpoint's order.)"""
     from monodecode.mono.runner import LaunchShape
 
     m = Model.from_checkpoint(SyntheticCheckpoint(tiny(hidden_size=128, moe_intermediate_size=128,
@@ -403,7 +403,7 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     tokens, positions, slots = step_rows(g, m.config.vocab_size, next_pos, *STEPS[6])
     ref = m.step_per_op(caches[0], tokens, positions, slots)
     live = torch.tensor(slots, device=ref.device) >= 0
-    for spec in ("default", "expert_tma=1,expert_block_k=128", "expert_flat=1,expert_block_k=128"):
+    for spec in ("default", "expert_block_n=32", "expert_tma=1,expert_block_k=128"):
         m.mono.configure(LaunchShape.parse(spec))
         out = m.step(copy.deepcopy(caches[1]), tokens, positions, slots)
         assert m.mono.last_path == "mono"
@@ -412,8 +412,9 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     with pytest.raises(ValueError, match=r"fragment order, which needs expert K steps of a multiple of 128 "
                                          r"\(here \[64\]\)"):
         m.mono.configure(LaunchShape(expert_block_k=64))
-    with pytest.raises(ValueError, match="expert_flat needs expert_tma=0"):
-        m.mono.configure(LaunchShape(expert_flat=1, expert_tma=1))
+    with pytest.raises(ValueError, match=r"fragment order, which needs expert tiles of a multiple of 16 rows "
+                                         r"\(here \[8\]\)"):
+        m.mono.configure(LaunchShape(expert_block_n=8))
     assert m.mono.shape == LaunchShape()
     m.use_mono("on")  # a second runner stacks the stacked bank again: still the fragment order, once
     assert m.mono.layers[0].experts.fragments and torch.equal(m.mono.layers[0].experts.w1[0], experts.w1[0])

@@ -26,13 +26,13 @@ Contract
   p + grid, ...). Standalone (`routed_experts`: the benchmark, and the DSpark draft's MoE while
   the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
-  `_down_persistent`), the stage as it runs inside K2. With `LaunchConfig.flat` (K2:
-  `LaunchShape.expert_flat`) a persistent loop visits only the tasks that exist and runs them
-  and their K steps as one software-pipelined loop (`up_stage`).
-- The K loop (`_matvec`): load a tile of codes (pointers, or with `LaunchConfig.tma` a tensor
-  descriptor: the copy engine fills shared memory) and scales; in the checkpoint's order decode it
-  into its even and odd K columns and interleave them for one dot; in the fragment order decode
-  it straight into the natural column order (`_decode_fragments`). The same products both ways.
+  `_down_persistent`), the stage as it runs inside K2.
+- The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
+  or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
+  into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
+  fragment order load it straight into the registers the dot takes it from (`_load_fragments`),
+  one K step ahead (`_fragment_matvec`), and decode it into the natural column order
+  (`_decode_fragments`). The same products both ways.
 
 Decode (constexpr FAST):
 - FAST (NVIDIA): a PTX block places each e2m1 code's bits in a bf16: sign to bit 15, exponent
@@ -124,12 +124,16 @@ def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Te
     return [(one(weights.w1, e), one(weights.w2, e), one(weights.w3, e)) for e in range(weights.num_experts)]
 
 
-def fragment_tiles_refusal(block_k: int, hidden: int, inter: int) -> str | None:
-    """What expert tiles of K steps `block_k` lack to read experts in the fragment order (whole
-    128-column groups a K step), or None."""
+def fragment_tiles_refusal(block_n: int, block_k: int, hidden: int, inter: int) -> str | None:
+    """What expert tiles of `block_n` outputs over K steps of `block_k` lack to read experts in the
+    fragment order (whole 128-column groups a K step, whole 16-row blocks of the dot's operand a
+    tile: `_load_fragments`), or None."""
     steps = sorted({min(block_k, hidden), min(block_k, inter)})
     if any(k % FRAGMENT_GROUP for k in steps):
         return f"expert K steps of a multiple of {FRAGMENT_GROUP} (here {steps})"
+    rows = sorted({min(block_n, hidden), min(block_n, inter)})
+    if any(n % 16 for n in rows):
+        return f"expert tiles of a multiple of 16 rows (here {rows})"
     return None
 
 
@@ -286,6 +290,34 @@ def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
+def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Like `_load_tile` for codes in the fragment order, but loaded straight into the registers
+    the tensor cores take them from: (halves [BN, BK / 4] int16, scale codes [BN, 4, BK / 32]
+    uint8, each row's scales once for each of the 4 lanes that share the row). The dot's operand
+    gives warp w rows 16 w .. 16 w + 15 (and 16 (w + warps) ..., and so on), lane l rows l / 4
+    and l / 4 + 8 of those and, of each 128-column group, the 16 bytes l % 4. The loads are shaped
+    so that Triton's coalesced layout for them is exactly that: the last dimension runs over (w,
+    row l / 4, 16-byte chunk l % 4, 8 halves), so lanes and then warps take it in that order
+    and the row offset 8 and the groups are left to registers; the result needs no shared memory
+    on its way to the dot (Triton picks the order of the other dimensions differently from one
+    version to the next, so they must not need lanes or warps)."""
+    tl.static_assert(BN % 16 == 0, "fragment tiles need a multiple of 16 rows")
+    G: tl.constexpr = BK // 128  # column groups
+    W: tl.constexpr = BN // 16
+    g = tl.arange(0, G)[:, None, None]
+    a = tl.arange(0, 2)[None, :, None]  # the row offset 8
+    f = tl.arange(0, W * 256)[None, None, :]  # (w, row i, 8 halves c): row 16 w + 8 a + i, half 32 g + c
+    rows = row0 + 16 * (f // 256) + 8 * a + f // 32 % 8
+    halves = tl.load(codes + tl.multiple_of(rows * (K // 4) + k0 // 4 + 32 * g, [1, 1, 8]) + f % 32)
+    tile = tl.reshape(tl.permute(tl.reshape(halves, (G, 2, W, 8, 32)), (2, 1, 3, 0, 4)), (BN, BK // 4))
+    S: tl.constexpr = BK // 32  # scales a row
+    f = tl.arange(0, W * 32 * S)[None, :]  # (w, row i, lane t, scale s)
+    rows = row0 + 16 * (f // (32 * S)) + 8 * tl.arange(0, 2)[:, None] + f // (4 * S) % 8
+    scale_codes = tl.load(scales_ptr + tl.multiple_of(rows * (K // 32) + k0 // 32, [1, S]) + f % S)
+    return tile, tl.reshape(tl.permute(tl.reshape(scale_codes, (2, W, 8, 4, S)), (1, 0, 2, 3, 4)), (BN, 4, S))
+
+
+@triton.jit
 def _scales(scale_codes, FAST: tl.constexpr):
     """Block scales from their E8M0 codes: bf16 (FAST: times the 2^126 the bit placement left
     out) or fp32."""
@@ -318,11 +350,12 @@ def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
 
 @triton.jit
 def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
-    """Fragment halves from `_load_tile` decoded with their scales: [BN, BK] in the natural K order.
-    Half (g, t, m, r) of the tile holds codes 2s + q, columns g*128 + m*32 + s*16 + q*8 + 2t + r
-    (`formats.to_fragment_order`): a code of halves r = 0 and 1 is the pair of columns a thread of
-    the tensor cores' operand takes from one register, which is how the fast decode packs them,
-    and each thread's halves of a group are contiguous."""
+    """Fragment halves from `_load_fragments` (or `_load_tile`) decoded with their scales (codes
+    [BN, 4, BK / 32]: a row's once for each lane t, as `_load_fragments` has them): [BN, BK] in
+    the natural K order. Half (g, t, m, r) of the tile holds codes 2s + q, columns
+    g*128 + m*32 + s*16 + q*8 + 2t + r (`formats.to_fragment_order`): a code of halves r = 0 and
+    1 is the pair of columns a thread of the tensor cores' operand takes from one register, which
+    is how the fast decode packs them, and each thread's halves of a group are contiguous."""
     BN: tl.constexpr = halves.shape[0]
     G: tl.constexpr = BK // 128
     if FAST:
@@ -330,7 +363,8 @@ def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr)
     else:
         c0, c1, c2, c3 = _decode_halves_portable(halves)
     w = tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), (BN, G, 4, 4, 2, 2, 2))  # (n, g, t, m, r, q, s)
-    w = w * tl.reshape(_scales(scale_codes, FAST), (BN, G, 1, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
+    scale = tl.permute(tl.reshape(_scales(scale_codes.to(tl.int32), FAST), (BN, 4, G, 4)), (0, 2, 1, 3))
+    w = w * tl.reshape(scale, (BN, G, 4, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
     return tl.reshape(tl.permute(w, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # (n, g, m, s, q, t, r): column order
 
 
@@ -355,17 +389,42 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
             FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
-    stacked matrix: `_load_tile`). NS: the loop's software-pipelining depth (`tl.range`
-    num_stages; None: the launch's). FRAG: the codes are in the fragment order
-    (`ExpertWeights.fragments`)."""
+    stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
+    (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
+    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's)."""
+    if FRAG and not TMA:
+        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST)
+    else:
+        acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=NS):
+            tile, scale_codes = _load_tile(codes, scales_ptr, row0, k0, K, BN, BK, TMA, FRAG)
+            if FRAG:  # the scales as `_load_fragments` gives them
+                w = _decode_fragments(tile, tl.broadcast_to(scale_codes[:, None, :], (BN, 4, BK // 32)), BK, FAST)
+            else:
+                w = _decode_tile(tile, scale_codes, BK, FAST)
+            acc = _dot(w, _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST), acc, FAST)
+    return acc
+
+
+@triton.jit
+def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
+                     FAST: tl.constexpr):
+    """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
+    multiplied, the codes, scales and x of step k + 1 are already on their way into registers
+    (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
+    Triton's own pipelining staged the codes through shared memory instead, one buffer a tile,
+    and waited for each step's copy before decoding it; this loop moves 10-13 % more bytes a
+    second on the H200 (docs/PERFORMANCE.md). It holds one more tile in registers, which is
+    why the launcher caps them (`LaunchConfig.max_registers`)."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=NS):
-        tile, scale_codes = _load_tile(codes, scales_ptr, row0, k0, K, BN, BK, TMA, FRAG)
-        if FRAG:
-            w = _decode_fragments(tile, scale_codes, BK, FAST)
-        else:
-            w = _decode_tile(tile, scale_codes, BK, FAST)
-        acc = _dot(w, _x_tile(x_ptr, x_rows, x_mask, k0, K, BK, FAST), acc, FAST)
+    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, 0, K, BN, BK)
+    x = _x_tile(x_ptr, x_rows, x_mask, 0, K, BK, FAST)
+    for k0 in tl.range(0, K, BK, num_stages=1):
+        ahead = tl.minimum(k0 + BK, K - BK)
+        next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK)
+        next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
+        acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
+        tile, scale_codes, x = next_tile, next_scales, next_x
     return acc
 
 
@@ -407,22 +466,6 @@ def _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN: tl.constexpr):
 
 
 @triton.jit
-def _task_ranks(counts_ptr, P, BP: tl.constexpr):
-    """The sorted picks that start a task (counts > 0), ranked: (rank [BP] int32, -1 where none
-    starts; the number of tasks). BP >= P, a power of two."""
-    j = tl.arange(0, BP)
-    starts = tl.load(counts_ptr + j, mask=j < P, other=0) > 0
-    rank = tl.where(starts, tl.cumsum(starts.to(tl.int32), 0) - 1, -1)
-    return rank, tl.sum(starts.to(tl.int32), 0)
-
-
-@triton.jit
-def _task_start(rank, g):
-    """The sorted pick that starts task g, from `_task_ranks`' ranks."""
-    return tl.sum(tl.where(rank == g, tl.arange(0, rank.shape[0]), 0), 0)
-
-
-@triton.jit
 def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """h[p, block] = (silu(min(gate, limit)) * clamp(up, -limit, limit) * weight) rounded to bf16."""
     i = ib * BLOCK + tl.arange(0, BLOCK)
@@ -455,67 +498,42 @@ def _store_down(y, nb, picks, mask, out_ptr, D, BN: tl.constexpr):
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, TMA: tl.constexpr = False,
-             FRAG: tl.constexpr = False, FLAT: tl.constexpr = False, BP: tl.constexpr = 1):
+             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
-    block (t // 2) % blocks, gate or up t % 2. FLAT: only the picks that start a task are
-    numbered (`_task_ranks`, BP >= P), and the loop over tasks and the K loop are one loop
-    (`tl.range(flatten=True)`), so the software pipeline loads the next task's first K steps
-    while this task ends instead of draining at every task (not with TMA: a descriptor cannot
-    be chosen at run time)."""
+    block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
-    if FLAT:
-        rank, tasks = _task_ranks(counts_ptr, P, BP)
-        for t in tl.range(pid, tasks * blocks * 2, grid, flatten=True):
-            nb, which = (t // 2) % blocks, t % 2
-            _, expert, picks, mask = _group(_task_start(rank, t // (2 * blocks)), counts_ptr, order_ptr,
-                                            experts_ptr, ROWS_)
-            acc = _matvec(tl.where(which == 0, w1_codes, w3_codes), tl.where(which == 0, w1_scales, w3_scales),
-                          expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
-            _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN)
-    else:
-        for t in range(pid, P * blocks * 2, grid):
-            up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                    w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+    for t in range(pid, P * blocks * 2, grid):
+        up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               TMA: tl.constexpr = False, FRAG: tl.constexpr = False, FLAT: tl.constexpr = False,
-               BP: tl.constexpr = 1):
+               TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
-    t // blocks, hidden block t % blocks (FLAT: as in `up_stage`)."""
+    t // blocks, hidden block t % blocks."""
     blocks = D // BN
-    if FLAT:
-        rank, tasks = _task_ranks(counts_ptr, P, BP)
-        for t in tl.range(pid, tasks * blocks, grid, flatten=True):
-            _, expert, picks, mask = _group(_task_start(rank, t // blocks), counts_ptr, order_ptr, experts_ptr,
-                                            ROWS_)
-            y = _matvec(w2_codes, w2_scales, expert * D + (t % blocks) * BN, h_ptr, picks, mask, I, BN, BK, FAST,
-                        NS, TMA, FRAG)
-            _store_down(y, t % blocks, picks, mask, out_ptr, D, BN)
-    else:
-        for t in range(pid, P * blocks, grid):
-            down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
-                      w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+    for t in range(pid, P * blocks, grid):
+        down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
+                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   TMA: tl.constexpr, FRAG: tl.constexpr, FLAT: tl.constexpr, BP: tl.constexpr):
+                   TMA: tl.constexpr, FRAG: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG, FLAT, BP)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     TMA: tl.constexpr, FRAG: tl.constexpr, FLAT: tl.constexpr, BP: tl.constexpr):
+                     TMA: tl.constexpr, FRAG: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, FLAT, BP)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
@@ -562,19 +580,23 @@ class LaunchConfig:
     block_n: int = 64
     block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 1  # Triton's pipelining: a loss in the checkpoint's order, a gain in the fragment order
+    num_stages: int = 1  # Triton's pipelining of the checkpoint order's K loop (and tma's); not the fragment order's
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
-    flat: bool = False  # persistent only: one loop over tasks and K steps (`up_stage`); not with tma
+    max_registers: int = 0  # registers a thread the compiler may use (Triton's maxnreg); 0: its own choice
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
     """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
-    `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps and Triton's 2-stage
-    pipelining from 4 rows (2.33-2.60 TB/s at 6-48 rows; 4 warps 2.09-2.31), of 64 x 256 with 4
-    warps and 1 stage below (1.63 TB/s at 1 row); in the checkpoint's order 64 x 256, 1 stage."""
-    if fast and weights.fragments and rows >= 4:
-        return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, num_stages=2)
+    `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps from 4 rows and of
+    64 x 256 with 4 warps below, both capped at 128 registers a thread so that two 8-warp
+    programs (four 4-warp ones) share an SM (1.82 / 2.65 / 2.84 / 2.91 TB/s at 1 / 6 / 16 / 48
+    rows; uncapped, one 8-warp program an SM: 2.13 at 48); in the checkpoint's order 64 x 256,
+    1 stage."""
+    if fast and weights.fragments:
+        if rows >= 4:
+            return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128)
+        return LaunchConfig(fast, block_n=64, block_k=256, num_warps=4, max_registers=128)
     return LaunchConfig(fast)
 
 
@@ -627,14 +649,13 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
-    refusal = weights.fragments and fragment_tiles_refusal(config.block_k, d, inter)
+    refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
     if refusal:
         raise ValueError(f"experts in the fragment order need {refusal}")
-    if config.flat and (config.tma or not config.programs):
-        raise ValueError(f"{config}: flat is a loop of persistent programs (programs > 0) without tma")
-    flat_meta = dict(FLAT=config.flat, BP=triton.next_power_of_2(picks))
     meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
                 num_stages=config.num_stages)
+    if config.max_registers:
+        meta["maxnreg"] = config.max_registers
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
     down_meta = dict(BN=block_down, BK=min(config.block_k, inter), TMA=config.tma, **meta)
     w1, w2, w3 = (codes_operand(m, weights.fragments, config.tma, meta["BN"], meta["BK"]) for m, meta in
@@ -644,7 +665,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     compiled = {}
     if "up" in kernels:
         if config.programs:
-            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta, **flat_meta)
+            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
         else:
             compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
     if "swiglu" in kernels:
@@ -653,7 +674,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
                                                 BLOCK=swiglu_block, FAST=config.fast)
     if "down" in kernels:
         if config.programs:
-            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta, **flat_meta)
+            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
         else:
             compiled["down"] = _down[(picks, d // block_down)](*down_args, **down_meta)
     return compiled

@@ -1,8 +1,8 @@
 """Benchmark of the routed-expert stage on a GPU: expert bytes per second against the copy floor.
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
-[--programs-per-sm 0,1,2] [--flat] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES;...] [--out DIR]`
+[--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
+[--configs BN,BK,WARPS,STAGES[,REGISTERS];...] [--no-portable] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -13,8 +13,9 @@ The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) 
 the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for the
 dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
 mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
-(`LaunchConfig.tma`). `--flat`: each persistent variant (pps > 0, without tma) also with the flat
-loop over tasks and K steps (`LaunchConfig.flat`, name ending in `flat`). Every variant is first
+(`LaunchConfig.tma`). STAGES is Triton's pipelining of the K loop, which the fragment order
+without tma does not use (it prefetches by itself); REGISTERS caps the registers a thread
+(`LaunchConfig.max_registers`, name ending in `rN`). Every variant is first
 checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
 kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
 through shared memory (its software pipelining).
@@ -106,22 +107,22 @@ LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma")
 
 
 def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None,
-             flat: bool = False):
-    """(name, layout, LaunchConfig): the portable decode, then a grid of fast ones (or the
-    (block_n, block_k, warps, stages) in `configs`), each with a program a task (pps 0) or pps
-    persistent programs a SM running K2's task loops (`flat`: those also with the flat loop,
-    without tma). The K loop: s1, s2, s3 (Triton's num_stages);
-    the layout as in the module docstring."""
-    yield "portable", "interleave", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
+             portable: bool = True):
+    """(name, layout, LaunchConfig): the portable decode (if `portable`), then a grid of fast ones
+    (or the (block_n, block_k, warps, stages[, max registers]) in `configs`), each with a program a
+    task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop: s1, s2, s3
+    (Triton's num_stages); the layout as in the module docstring."""
+    if portable:
+        yield "portable", "interleave", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
     grid = configs or (itertools.product((64, 128), (256, 512), (4, 8), (1, 2)) if quick else
                        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (bn, bk, nw, stages), layout, pps in itertools.product(grid, layouts, programs_per_sm):
-        name = f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
-        tma = layout.endswith("tma")
-        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=tma)
-        if flat and pps and not tma:
-            yield name + " flat", layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, flat=True)
+    for (bn, bk, nw, stages, *cap), layout, pps in itertools.product(grid, layouts, programs_per_sm):
+        registers = cap[0] if cap else 0
+        name = (f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
+                + (f" r{registers}" if registers else ""))
+        yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
+                                           max_registers=registers)
 
 
 def main(argv=None) -> int:
@@ -132,21 +133,22 @@ def main(argv=None) -> int:
     parser.add_argument("--programs-per-sm", default="0",
                         help="comma-separated: 0 = a program a task; n = n persistent programs a SM running K2's "
                              "task loops (the stage as it runs inside K2)")
-    parser.add_argument("--flat", action="store_true",
-                        help="each persistent variant also with the flat loop over tasks and K steps")
     parser.add_argument("--layouts", default="interleave,fragments",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
-                        help="semicolon-separated block_n,block_k,warps,stages (e.g. 128,512,8,3;64,256,4,3) "
-                             "instead of the grid")
+                        help="semicolon-separated block_n,block_k,warps,stages[,max registers] (e.g. "
+                             "128,256,8,1,128;64,256,4,3) instead of the grid")
+    parser.add_argument("--no-portable", action="store_true",
+                        help="leave out the portable decode (e.g. to profile one variant alone)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     try:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
         configs = [()]
-    if any(len(c) != 4 for c in configs):
-        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages separated by ';'")
+    if any(len(c) not in (4, 5) for c in configs):
+        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers] separated "
+                     "by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
     for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts,
-                                             configs, args.flat):
+                                             configs, not args.no_portable):
         bank = banks[layout.startswith("fragments")]
         try:
             err = check(bank, config, g)

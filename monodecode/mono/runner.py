@@ -46,15 +46,15 @@ class LaunchShape:
     `k1_warps` warps in K1 and `k2_warps` in K2 and the `ffn` launch; dense GEMV tasks of
     `block_n` outputs (0: chosen per GEMV by `gemv.default_blocks`, smaller where a GEMV has
     few outputs) over K steps of `block_k` (a multiple of the 128 scale block scales each weight
-    in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`;
-    `*_stages`: the software-pipelining depth of the GEMV and expert K loops (None: Triton's
-    default for the launch; the experts are stacked in the fragment order wherever their sizes
-    allow, `weights.stack_experts`, and that order needs expert K steps of a multiple of 128);
+    in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`
+    (the experts are stacked in the fragment order wherever their sizes allow,
+    `weights.stack_experts`, and that order needs expert K steps of a multiple of 128 and
+    prefetches one step into registers by itself, `experts._fragment_matvec`); `*_stages`: the
+    software-pipelining depth of the GEMV and (in the checkpoint's order, or with `expert_tma`)
+    expert K loops (None: Triton's default for the launch);
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
     `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
     bytes in flight without registers, for deeper `gemv_stages`; timed at 1 row only);
-    `expert_flat` 1: one loop over the expert tasks and their K steps, whose software pipeline
-    does not drain between tasks (`experts.up_stage`; not with `expert_tma`; not timed yet);
     `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
     `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
     (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
@@ -64,7 +64,8 @@ class LaunchShape:
     opt-in: in the expert stage's persistent proxy it lost (docs/PERFORMANCE.md), where the fragment
     order gained ~5 %. The defaults are the fastest shape measured on the H200 at 6-48 rows
     (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there
-    for agreement (`mono.check`); docs/PERFORMANCE.md has the alternatives."""
+    for agreement (`mono.check`); expert K steps of 256 since the fragment order's loop prefetches
+    into registers (with 512 it spills: K2 1.2-1.5x slower); docs/PERFORMANCE.md has the alternatives."""
 
     programs_per_sm: int = 1
     k1_warps: int = 4
@@ -74,10 +75,9 @@ class LaunchShape:
     gemv_stages: int | None = None
     gemv_tma: int = 0
     expert_block_n: int = 128
-    expert_block_k: int = 512
+    expert_block_k: int = 256
     expert_stages: int | None = None
     expert_tma: int = 0
-    expert_flat: int = 0
     compile_attention: int | None = None
 
     def spec(self) -> str:
@@ -197,17 +197,14 @@ class MonoRunner:
                 raise
 
     def _check_expert_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve, or whose flat
-        expert loop would need descriptors chosen at run time, is a caller's error (ValueError)."""
+        """A shape whose expert tiles the experts' fragment order cannot serve is a caller's error
+        (ValueError)."""
         c = self.config
         refusal = self.layers[0].experts.fragments and X.fragment_tiles_refusal(
-            shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
+            shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts are in the fragment order, which needs "
                              f"{refusal}")
-        if shape.expert_flat and shape.expert_tma:
-            raise ValueError(f"launch shape {shape.spec()}: expert_flat needs expert_tma=0 (the flat loop picks "
-                             "w1 or w3 at run time, which a tensor descriptor cannot)")
 
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
