@@ -17,7 +17,8 @@ stamps), and prints one line a kernel: shared memory, and registers and spills f
   This machine's Triton may allocate a little differently from the GPU's.
 - `--shape`: a `LaunchShape` spec (`runner.LaunchShape.parse`), default the default shape.
 - `--dump DIR`: also write each build's TTGIR there (its `ttg.local_alloc`s and their
-  `allocation.offset`s show what holds the shared memory).
+  `allocation.offset`s show what holds the shared memory) and its cubin (`nvdisasm -c` shows
+  the SASS: where the spills are).
 """
 
 import argparse
@@ -141,9 +142,11 @@ def main(argv=None) -> int:
               f"{registers(compiled.asm['ptx'])}", flush=True)
         if cli.dump:
             os.makedirs(cli.dump, exist_ok=True)
-            name = f"{kernel.__name__}{len(built)}{'_timeline' if kwargs['TIMELINE'] else ''}.ttgir"
-            with open(os.path.join(cli.dump, name), "w") as f:
+            name = f"{kernel.__name__}{len(built)}{'_timeline' if kwargs['TIMELINE'] else ''}"
+            with open(os.path.join(cli.dump, name + ".ttgir"), "w") as f:
                 f.write(compiled.asm["ttgir"])
+            with open(os.path.join(cli.dump, name + ".cubin"), "wb") as f:
+                f.write(compiled.asm["cubin"])
     print(f"{len(built)} kernels built")
     return 0
 
