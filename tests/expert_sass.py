@@ -8,8 +8,8 @@ Records one gate/up launch of `experts.launch_stages` at v4-flash sizes (hidden 
 intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the JIT's
 divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's bundled
 `nvdisasm`, and prints, for every loop (a label and the branch back to it),
-its length and its most frequent opcodes, after the kernel's registers a thread and stack (spills,
-from cuobjdump). The K loop is the long one: its length over the weights a thread decodes a K
+its length and its most frequent opcodes, after the kernel's registers a thread and spills
+(ptxas -v, as tests/mono_compile.py reads them). The K loop is the long one: its length over the weights a thread decodes a K
 step (BN * BK / (32 * warps)) is the instructions a weight (docs/PERFORMANCE.md: ~5.0 for the
 4-warp 64 x 256 tile in the checkpoint's order; 2.77-2.79 for the 8-warp 128 x 256 one in the
 fragment order with Triton 3.6).
@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from monodecode.mono import experts as X
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mono_compile import Recorder, signature  # noqa: E402
+from mono_compile import Recorder, registers, signature  # noqa: E402
 
 D, I, E, TOPK, ROWS = 4096, 2048, 8, 6, 6
 
@@ -55,14 +55,6 @@ def loops(sass: str) -> list[tuple[int, collections.Counter]]:
             found.append((len(body), collections.Counter(
                 re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)))
     return found
-
-
-def registers(cubin_path: str) -> str:
-    """Registers a thread and stack bytes (spills) of the kernel, from cuobjdump's resource usage."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([cuobjdump, "-res-usage", cubin_path], capture_output=True, text=True, check=True).stdout
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
-    return f"{regs[1] if regs else '?'} registers, stack {stack[1] if stack else '?'} bytes"
 
 
 def main(argv=None) -> int:
@@ -105,11 +97,10 @@ def main(argv=None) -> int:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-        resources = registers(f.name)
     per_thread = args.block_n * args.block_k // (32 * args.warps)
     print(f"{kernel.__name__}: BN {args.block_n}, BK {args.block_k}, {args.warps} warps, {args.stages} stages, "
           f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}; {per_thread} "
-          f"weights a thread a K step; {resources}")
+          f"weights a thread a K step; {registers(compiled.asm['ptx'])}")
     for length, opcodes in loops(sass):
         print(f"loop of {length} instructions ({length / per_thread:.2f} a weight if the K loop): "
               + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(args.top)))
