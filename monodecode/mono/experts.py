@@ -275,7 +275,8 @@ def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexp
     e * N + n), columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8, or with FRAG the
     fragment halves [BN, BK / 4] int16 (`codes_operand`), scale codes [BN, BK / 32] int32).
     `codes`: a pointer, or (TMA) a tensor descriptor of blocks of that shape, whose loads the copy
-    engine makes into shared memory, asynchronously and without registers."""
+    engine makes into shared memory, asynchronously and without registers. (`_matvec` reads
+    fragment-order codes through pointers with `_load_fragments` instead.)"""
     rows = row0 + tl.arange(0, BN)
     PER: tl.constexpr = 4 if FRAG else 2  # columns an element holds
     VEC: tl.constexpr = 8 if FRAG else 16  # elements in 16 bytes
