@@ -48,8 +48,9 @@ MXFP4 (``quantize_mxfp4``)
     scale.
 
 MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
-    The same codes rearranged within each group of 128 columns (64 bytes) of
-    a row, ``K % 128 == 0``. The group's 32 16-bit halves (little-endian byte
+    The same codes rearranged within each block of 16 rows and 128 columns
+    (``N % 16 == 0``, ``K % 128 == 0``). Within a row, a group of 128 columns
+    (64 bytes) is permuted as follows; the group's 32 16-bit halves (little-endian byte
     pairs) are indexed (t, m, r) row-major (t, m 0..3, r 0..1); half (t, m, r)
     holds the 4 codes of columns ``m*32 + s*16 + q*8 + 2t + r`` for q, s in
     0..1, as its code ``c = 2s + q``. Thread t of a quad of the tensor cores'
@@ -63,7 +64,15 @@ MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
     high, sign) to bf16 bit 6, 7, 8 or 15, which makes the bf16 of the code's
     value times 2^-126. A register of two halves decodes both at once: one
     byte swap, three shifts, five masks for the 4 codes, and no bit crosses
-    from one half into the other's result. Scales are not permuted.
+    from one half into the other's result. The blocks are stored one after
+    the other, row band (16 rows) by row band, and within a band group by
+    group, each a 1 KB run of its rows' 64 bytes in the order rows 0 and 8,
+    1 and 9, ..., 7 and 15 become 0..7 then 8..15 (row ``8a + i`` at ``a * 512
+    + i * 64`` bytes): the order in which the 32 lanes of a warp take the
+    tensor cores' operand, 16 bytes each, so that one load instruction of a
+    warp reads 512 contiguous bytes (whole 128-byte lines; rows K / 2 bytes
+    apart made it 8 half lines, which streamed 10 % slower on the H200:
+    ``tests/expert_load_probe.py``). Scales are not permuted.
     ``from_fragment_order`` is the inverse.
 
 Both scale rules divide amax by 448 or 6 in float32 before rounding up to a
@@ -239,7 +248,8 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype=torch.bfloat16) -> Ten
     return (values * e8m0_to_float(scale).unsqueeze(-1)).reshape(code.shape).to(dtype)
 
 
-FRAGMENT_GROUP = 128  # columns a fragment-order permutation stays within
+FRAGMENT_GROUP = 128  # columns a fragment-order block spans
+FRAGMENT_ROWS = 16  # rows a fragment-order block spans: the tensor cores' operand, rows 8a + i for a warp
 
 
 # How each bit (mantissa, exponent low, exponent high, sign) of code c = 2s + q of a 16-bit half
@@ -306,32 +316,61 @@ def _half_tables(device: torch.device) -> tuple[Tensor, Tensor]:
 _CHUNK_BYTES = 1 << 24  # codes converted at a time: bounds the temporaries on a layer's experts
 
 
-def _by_row_chunks(convert, codes: Tensor) -> Tensor:
-    """`convert` (rows [n, K / 2] uint8 -> the same) over the rows of codes [..., K / 2], a chunk of
-    rows at a time, after checking that K is whole fragment groups."""
-    if codes.shape[-1] * 2 % FRAGMENT_GROUP:
-        raise ValueError(f"the fragment order needs K a multiple of {FRAGMENT_GROUP}, got {codes.shape[-1] * 2}")
+def fragment_order_refusal(shape) -> str | None:
+    """What MXFP4 codes of `shape` [..., N, K / 2] lack for the fragment order, or None."""
+    if len(shape) < 2:
+        return f"codes [..., N, K / 2], got shape {tuple(shape)}"
+    if shape[-1] * 2 % FRAGMENT_GROUP:
+        return f"K a multiple of {FRAGMENT_GROUP}, got {shape[-1] * 2}"
+    if shape[-2] % FRAGMENT_ROWS:
+        return f"N (rows) a multiple of {FRAGMENT_ROWS}, got {shape[-2]}"
+    return None
+
+
+def _by_row_bands(convert, codes: Tensor) -> Tensor:
+    """`convert` (rows [n, K / 2] uint8 -> the same, n a multiple of 16) over the rows of codes
+    [..., N, K / 2], whole bands of 16 rows at a time, after checking the shape."""
+    refusal = fragment_order_refusal(codes.shape)
+    if refusal:
+        raise ValueError(f"the fragment order needs {refusal}")
     flat = codes.view(torch.uint8).reshape(-1, codes.shape[-1])
     out = torch.empty_like(flat)
-    step = max(1, _CHUNK_BYTES // flat.shape[1])
+    step = max(1, _CHUNK_BYTES // (FRAGMENT_ROWS * flat.shape[1])) * FRAGMENT_ROWS
     for row in range(0, flat.shape[0], step):
         out[row:row + step] = convert(flat[row:row + step])
     return out.reshape(codes.shape)
 
 
+def _blocks(rows: Tensor) -> Tensor:
+    """Rows [n, K / 2] (fragment-permuted within each row) to the blocks' order (module docstring)."""
+    n, half = rows.shape
+    # (band, a, i, g, byte) -> (band, g, a, i, byte)
+    bands = rows.reshape(n // FRAGMENT_ROWS, 2, 8, half * 2 // FRAGMENT_GROUP, FRAGMENT_GROUP // 2)
+    return bands.permute(0, 3, 1, 2, 4).reshape(n, half)
+
+
+def _unblocks(blocks: Tensor) -> Tensor:
+    """The inverse of `_blocks`."""
+    n, half = blocks.shape
+    # (band, g, a, i, byte) -> (band, a, i, g, byte)
+    bands = blocks.reshape(n // FRAGMENT_ROWS, half * 2 // FRAGMENT_GROUP, 2, 8, FRAGMENT_GROUP // 2)
+    return bands.permute(0, 2, 3, 1, 4).reshape(n, half)
+
+
 def _rows_to_fragment_order(p: Tensor) -> Tensor:
+    """Rows [n, K / 2] in the checkpoint's order to the fragment order, n a multiple of 16."""
     rows, half = p.shape
     # column g*128 + m*32 + s*16 + q*8 + 2t + r, s: which nibble of the fragment-order byte
     v = torch.stack((p & 15, p >> 4), dim=-1).reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 2, 2, 4, 2)
     v = v.permute(0, 1, 5, 2, 6, 3, 4).int()  # (row, g, m, s, q, t, r) -> (row, g, t, m, r, s, q)
     words = v[..., 0, 0] | v[..., 0, 1] << 4 | v[..., 1, 0] << 8 | v[..., 1, 1] << 12  # code c = 2s + q at 4c
     halves = _half_tables(p.device)[0][words]
-    return torch.stack((halves & 255, halves >> 8), dim=-1).to(torch.uint8).reshape(rows, half)
+    return _blocks(torch.stack((halves & 255, halves >> 8), dim=-1).to(torch.uint8).reshape(rows, half))
 
 
 def _rows_from_fragment_order(p: Tensor) -> Tensor:
     rows, half = p.shape
-    b = p.int().reshape(rows, half // 2, 2)
+    b = _unblocks(p).int().reshape(rows, half // 2, 2)
     words = _half_tables(p.device)[1][b[..., 0] | b[..., 1] << 8]
     v = torch.stack([(words >> 4 * c) & 15 for c in range(4)], dim=-1).to(torch.uint8)
     v = v.reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 4, 2, 2, 2)  # (row, g, t, m, r, s, q)
@@ -340,11 +379,11 @@ def _rows_from_fragment_order(p: Tensor) -> Tensor:
 
 
 def to_fragment_order(codes: Tensor) -> Tensor:
-    """MXFP4 codes [..., K / 2] from the checkpoint's order (column 2i in the low nibble of byte
+    """MXFP4 codes [..., N, K / 2] from the checkpoint's order (column 2i in the low nibble of byte
     i) to the fragment order (module docstring), as uint8."""
-    return _by_row_chunks(_rows_to_fragment_order, codes)
+    return _by_row_bands(_rows_to_fragment_order, codes)
 
 
 def from_fragment_order(codes: Tensor) -> Tensor:
-    """MXFP4 codes [..., K / 2] from the fragment order back to the checkpoint's, as uint8."""
-    return _by_row_chunks(_rows_from_fragment_order, codes)
+    """MXFP4 codes [..., N, K / 2] from the fragment order back to the checkpoint's, as uint8."""
+    return _by_row_bands(_rows_from_fragment_order, codes)

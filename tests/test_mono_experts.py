@@ -181,9 +181,9 @@ def test_the_fast_fragment_decode_places_each_code():
     exponent and mantissa at 8..6; +16 for the register's high half), each half on its own: any two
     halves may share a register."""
     g = torch.Generator().manual_seed(12)
-    codes = torch.randint(0, 256, (1, 64), dtype=torch.uint8, generator=g)  # one 128-column group
-    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(128).long()
-    b = X.to_fragment_order(codes).long().reshape(32, 2)
+    codes = torch.randint(0, 256, (16, 64), dtype=torch.uint8, generator=g)  # one block: 16 rows, 128 columns
+    nibbles = torch.stack((codes[0] & 15, codes[0] >> 4), dim=-1).reshape(128).long()
+    b = X.to_fragment_order(codes).long().reshape(-1, 2)[:32]  # row 0: the block's first 64 bytes
     halves = b[:, 0] | b[:, 1] << 8  # half (t, m, r)
     low, high = torch.arange(32), torch.randperm(32, generator=g)
     out = run_ptx(X.HALVES_DECODE_ASM.value, {"$4": halves[low] | halves[high] << 16})

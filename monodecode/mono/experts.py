@@ -8,12 +8,13 @@ Contract
 - Weights: `ExpertWeights`, the checkpoint's MXFP4 stacked per matrix: codes [E, N, K / 2] uint8
   (element 2i in the low nibble) and E8M0 scales [E, N, K / 32] uint8. `prepare` builds it once
   at load; `unprepare` is its inverse (tests round-trip it). With `fragments`, the codes of each
-  128 columns of a row are permuted into the fragment order (`to_fragment_order`): the order in
-  which the tensor cores take the decoded weights from registers, so the decode's pairs need no
-  shuffling (K steps then a multiple of 128), with the bits of each 16-bit half placed so that
-  a shift and a mask decode a code (after one byte swap for some). The mono runner stacks the
-  experts in that order wherever their sizes allow (`weights.stack_experts`: every DeepSeek-V4
-  size).
+  block of 16 rows and 128 columns are permuted into the fragment order (`to_fragment_order`):
+  the order in which the lanes of a warp load them and the tensor cores take the decoded
+  weights from registers, so loads are whole lines and the decode's pairs need no shuffling
+  (K steps then a multiple of 128, tiles a multiple of 16 rows), with the bits of each 16-bit
+  half placed so that a shift and a mask decode a code (after one byte swap for some). The mono
+  runner stacks the experts in that order wherever their sizes allow (`weights.stack_experts`:
+  every DeepSeek-V4 size).
 - Grouping: the step's R * k picks are sorted by expert; a task serves one expert and up to
   `ROWS` (16) of the rows that picked it, so rows sharing an expert read its weights once.
   Tasks are laid on a fixed grid (one per pick, times the N blocks) and the ones that do not
@@ -272,20 +273,26 @@ def _decode_halves_portable(halves):
 def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr,
                FRAG: tl.constexpr):
     """Rows row0 .. row0 + BN of a stacked matrix ([E * N, K / 2] codes: expert e's row n is row
-    e * N + n), columns k0 .. k0 + BK, as stored: (codes [BN, BK / 2] uint8, or with FRAG the
-    fragment halves [BN, BK / 4] int16 (`codes_operand`), scale codes [BN, BK / 32] int32).
-    `codes`: a pointer, or (TMA) a tensor descriptor of blocks of that shape, whose loads the copy
-    engine makes into shared memory, asynchronously and without registers. (`_matvec` reads
-    fragment-order codes through pointers with `_load_fragments` instead.)"""
+    e * N + n), columns k0 .. k0 + BK: (codes [BN, BK / 2] uint8 as stored, or with FRAG the
+    fragment halves [BN, BK / 4] int16, each row's in the order a row of the fragment order's
+    blocks holds them; scale codes [BN, BK / 32] int32). `codes`: a pointer (the checkpoint's
+    order), or (TMA) a tensor descriptor (`codes_operand`: tiles of that shape, or with FRAG the
+    [BN / 16, BK / 128, 2, 256] blocks of the fragment order that hold them), whose loads the
+    copy engine makes into shared memory, asynchronously and without registers. (`_matvec`
+    reads fragment-order codes through pointers with `_load_fragments`.)"""
     rows = row0 + tl.arange(0, BN)
-    PER: tl.constexpr = 4 if FRAG else 2  # columns an element holds
-    VEC: tl.constexpr = 8 if FRAG else 16  # elements in 16 bytes
     if TMA:
-        tile = codes.load([row0.to(tl.int32), k0 // PER])
+        if FRAG:  # blocks (w, g) of rows 16 w + 8 a + i: to rows
+            blocks = codes.load([(row0 // 16).to(tl.int32), k0 // 128, 0, 0])
+            tile = tl.reshape(tl.permute(tl.reshape(blocks, (BN // 16, BK // 128, 2, 8, 32)), (0, 2, 3, 1, 4)),
+                              (BN, BK // 4))
+        else:
+            tile = codes.load([row0.to(tl.int32), k0 // 2])
     else:
+        tl.static_assert(not FRAG, "fragment-order codes are read through pointers by _load_fragments")
         # Rows are K / 2 bytes apart, a multiple of 16 (K % 32 == 0): say so, for 16-byte loads.
-        rk = tl.max_contiguous(tl.multiple_of(k0 // PER + tl.arange(0, BK // PER), VEC), BK // PER)
-        tile = tl.load(codes + tl.multiple_of(rows * (K // PER), VEC)[:, None] + rk[None, :])
+        rk = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BK // 2), 16), BK // 2)
+        tile = tl.load(codes + tl.multiple_of(rows * (K // 2), 16)[:, None] + rk[None, :])
     rg = k0 // 32 + tl.arange(0, BK // 32)
     return tile, tl.load(scales_ptr + rows[:, None] * (K // 32) + rg[None, :]).to(tl.int32)
 
@@ -301,15 +308,17 @@ def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.con
     row l / 4, 16-byte chunk l % 4, 8 halves), so lanes and then warps take it in that order
     and the row offset 8 and the groups are left to registers; the result needs no shared memory
     on its way to the dot (Triton picks the order of the other dimensions differently from one
-    version to the next, so they must not need lanes or warps)."""
+    version to the next, so they must not need lanes or warps). The fragment order's blocks
+    (`formats.to_fragment_order`) store a warp's rows in that order too, so each load
+    instruction of a warp reads 512 contiguous bytes."""
     tl.static_assert(BN % 16 == 0, "fragment tiles need a multiple of 16 rows")
     G: tl.constexpr = BK // 128  # column groups
     W: tl.constexpr = BN // 16
     g = tl.arange(0, G)[:, None, None]
     a = tl.arange(0, 2)[None, :, None]  # the row offset 8
-    f = tl.arange(0, W * 256)[None, None, :]  # (w, row i, 8 halves c): row 16 w + 8 a + i, half 32 g + c
-    rows = row0 + 16 * (f // 256) + 8 * a + f // 32 % 8
-    halves = tl.load(codes + tl.multiple_of(rows * (K // 4) + k0 // 4 + 32 * g, [1, 1, 8]) + f % 32)
+    f = tl.arange(0, W * 256)[None, None, :]  # (w, row i, 32 halves c): row 16 w + 8 a + i, half 32 g + c
+    block = (row0 // 16 + f // 256) * (K // 128) + k0 // 128 + g  # 512 halves: (a, i, c)
+    halves = tl.load(codes + tl.multiple_of(block * 512 + 256 * a, [1, 1, 8]) + f % 256)
     tile = tl.reshape(tl.permute(tl.reshape(halves, (G, 2, W, 8, 32)), (2, 1, 3, 0, 4)), (BN, BK // 4))
     S: tl.constexpr = BK // 32  # scales a row
     f = tl.arange(0, W * 32 * S)[None, :]  # (w, row i, lane t, scale s)
@@ -591,9 +600,9 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
     `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps from 4 rows and of
     64 x 256 with 4 warps below, both capped at 128 registers a thread so that two 8-warp
-    programs (four 4-warp ones) share an SM (1.82 / 2.65 / 2.84 / 2.91 TB/s at 1 / 6 / 16 / 48
-    rows; uncapped, one 8-warp program an SM: 2.13 at 48); in the checkpoint's order 64 x 256,
-    1 stage."""
+    programs (four 4-warp ones) share an SM (1.92 / 2.76 / 2.98 / 3.05 TB/s at 1 / 6 / 16 / 48
+    rows; uncapped, one 8-warp program an SM: 2.13 at 48 before the 16-row blocks); in the
+    checkpoint's order 64 x 256, 1 stage."""
     if fast and weights.fragments:
         if rows >= 4:
             return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128)
@@ -685,17 +694,20 @@ def codes_operand(matrix: tuple[torch.Tensor, torch.Tensor], fragments: bool, tm
                   block_k: int):
     """(codes, scales) as the kernels take them: the stacked codes [E, N, K / 2], or in the
     fragment order (`fragments`) their 16-bit halves [E, N, K / 4] int16 (a view), or (tma) a
-    tensor descriptor of either viewed as [E * N, columns] in blocks of block_n rows and block_k
-    columns of weights."""
+    tensor descriptor: of the codes viewed as [E * N, K / 2] in tiles of block_n rows and block_k
+    columns of weights, or of the halves viewed as the fragment order's blocks [E * N / 16, K / 128,
+    2, 256] in [block_n / 16, block_k / 128, 2, 256] (the same tile)."""
     codes, scales = matrix
-    per = 4 if fragments else 2  # weights an element holds
     codes = codes.view(torch.int16) if fragments else codes
     if not tma:
         return codes, scales
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     experts, n, width = codes.shape
-    return TensorDescriptor.from_tensor(codes.view(experts * n, width), [block_n, block_k // per]), scales
+    if fragments:  # [row bands, 128-column groups, a, (i, 32 halves)]: a tile is whole blocks
+        blocks = codes.view(experts * n // 16, width // 32, 2, 256)
+        return TensorDescriptor.from_tensor(blocks, [block_n // 16, block_k // 128, 2, 256]), scales
+    return TensorDescriptor.from_tensor(codes.view(experts * n, width), [block_n, block_k // 2]), scales
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..formats import FRAGMENT_GROUP
+from ..formats import fragment_order_refusal
 from ..model.rope import layer_frequencies
 from ..model.weights import ExpertBank
 from . import experts as X
@@ -104,13 +104,13 @@ def read_fp8(checkpoint, names: list[str], device) -> dict[str, Fp8Matrix]:
 
 
 def stack_experts(bank: ExpertBank) -> X.ExpertWeights:
-    """Stack a layer's MXFP4 experts for the kernels, the codes in the fragment order where both
-    K (hidden and intermediate) are whole fragment groups (every DeepSeek-V4 size; the decode
-    then needs no shuffle: `formats.to_fragment_order`), and rebind the per-op bank to views of
+    """Stack a layer's MXFP4 experts for the kernels, the codes in the fragment order where the
+    sizes are whole fragment blocks (hidden and intermediate multiples of 128: every DeepSeek-V4
+    size; the decode then needs no shuffle: `formats.to_fragment_order`), and rebind the per-op bank to views of
     the stack (it decodes that order back), so the bytes are held once. Called again on a bank
     already stacked, it returns an equal stack."""
     already = bank.fragments  # stacked before, for an earlier runner
-    fragments = already or all(codes.shape[-1] * 2 % FRAGMENT_GROUP == 0 for codes, _ in (bank.w1[0], bank.w2[0]))
+    fragments = already or not any(fragment_order_refusal(codes.shape) for codes, _ in (bank.w1[0], bank.w2[0]))
     experts = X.prepare(list(zip(bank.w1, bank.w2, bank.w3)), fragments=fragments and not already)
     experts.fragments = fragments
     for matrix, stacked in (("w1", experts.w1), ("w2", experts.w2), ("w3", experts.w3)):
