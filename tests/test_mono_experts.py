@@ -126,6 +126,40 @@ def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k
                                 device)
 
 
+@pytest.mark.parametrize("programs,block_n", [(1, 32), (5, 32), (13, 16), (100, 64)])
+def test_stream_k_gate_up_matches_the_reference(bank, fragment_bank, device, programs, block_n):
+    """`LaunchConfig.up_stream_k`: gate/up on persistent programs, each an equal run of all the
+    tasks' K steps (two of 128 a task here), tasks cut between programs and their pieces added
+    by the SwiGLU pass in program order, give the reference's result: one program (no task
+    cut), 5 and 13 (tasks cut in two), 100 (more programs than steps: some idle, a task's two
+    steps in two programs). Experts in the checkpoint's order are refused."""
+    experts, checkpoint = fragment_bank
+    fast = device == "cuda" and experts.supports_fast_decode()
+    config = X.LaunchConfig(fast=fast, block_n=block_n, block_k=128, up_stream_k=programs)
+    assert_rows_and_a_pad_match(torch.Generator().manual_seed(90 + programs), experts, checkpoint, config, device)
+    with pytest.raises(ValueError, match="up_stream_k reads experts in the fragment order"):
+        X.routed_experts(torch.zeros(1, 64, dtype=torch.bfloat16, device=device), torch.zeros(1, 2, dtype=torch.long,
+                         device=device), torch.ones(1, 2, device=device), bank, LIMIT,
+                         X.LaunchConfig(fast, 32, 32, up_stream_k=programs))
+
+
+def test_stream_maps_place_every_pick():
+    """`stream_maps`: the picks that start groups in sorted order, their count, and each pick's
+    group and column (pads: -1), as a loop over `group_picks`' groups finds them."""
+    ids = torch.tensor([[2, 0], [-1, -1], [2, 1], [0, 2], [2, 3]])
+    order, _, counts = X.group_picks(ids, rows=2)
+    tasks, groups, pick_task, pick_column = X.stream_maps(order, counts)
+    starts = [j for j in range(len(counts)) if counts[j] > 0]
+    assert tasks[:len(starts)].tolist() == starts and groups.tolist() == [len(starts)]
+    expected_task, expected_column = [-1] * len(order), [None] * len(order)
+    for q, j in enumerate(starts):
+        for column in range(int(counts[j])):
+            expected_task[int(order[j + column])], expected_column[int(order[j + column])] = q, column
+    assert pick_task.tolist() == expected_task
+    live = [p for p in range(len(order)) if expected_task[p] >= 0]
+    assert [int(pick_column[p]) for p in live] == [expected_column[p] for p in live]
+
+
 def test_group_picks():
     ids = torch.tensor([[2, 0], [-1, -1], [2, 1], [0, 2]])
     order, experts, counts = X.group_picks(ids, rows=2)
@@ -263,5 +297,9 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     capped = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False))
     assert [(name, config.max_registers) for name, _, config in capped] == [("fast bn128 bk256 w8 s1 fragments r128",
                                                                              128)]
+    streamed = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False,
+                               stream_k_per_sm=(0, 2)))
+    assert [(name, config.up_stream_k) for name, _, config in streamed] == [
+        ("fast bn128 bk256 w8 s1 fragments r128", 0), ("fast bn128 bk256 w8 s1 fragments r128 sk2", 264)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])

@@ -27,7 +27,11 @@ Contract
   p + grid, ...). Standalone (`routed_experts`: the benchmark, and the DSpark draft's MoE while
   the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
-  `_down_persistent`), the stage as it runs inside K2.
+  `_down_persistent`), the stage as it runs inside K2; with `LaunchConfig.up_stream_k` the
+  gate/up stream-K (`up_stream_stage`: each program an equal run of all the tasks' K steps, the
+  pieces of a task cut between programs added in program order by the SwiGLU pass,
+  `swiglu_stream_task`), so that no program idles through a last wave of whole tasks (not yet
+  timed on a GPU: docs/PERFORMANCE.md).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -403,7 +407,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
     other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's)."""
     if FRAG and not TMA:
-        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST)
+        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, 0, K, BN, BK, FAST)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -417,9 +421,10 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 
 
 @triton.jit
-def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
-                     FAST: tl.constexpr):
-    """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
+def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, k_lo, k_hi, BN: tl.constexpr,
+                     BK: tl.constexpr, FAST: tl.constexpr):
+    """`_matvec` of fragment-order codes over columns k_lo .. k_hi (whole K steps: all of K, or a
+    stream-K piece, `up_stream_stage`), prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
     (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
     Triton's own pipelining staged the codes through shared memory instead, one buffer a tile,
@@ -427,10 +432,10 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
     second on the H200 (docs/PERFORMANCE.md). It holds one more tile in registers, which is
     why the launcher caps them (`LaunchConfig.max_registers`)."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
-    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, 0, K, BN, BK)
-    x = _x_tile(x_ptr, x_rows, x_mask, 0, K, BK, FAST)
-    for k0 in tl.range(0, K, BK, num_stages=1):
-        ahead = tl.minimum(k0 + BK, K - BK)
+    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK)
+    x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
+        ahead = tl.minimum(k0 + BK, k_hi - BK)
         next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK)
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
         acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
@@ -476,15 +481,111 @@ def _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN: tl.constexpr):
 
 
 @triton.jit
-def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """h[p, block] = (silu(min(gate, limit)) * clamp(up, -limit, limit) * weight) rounded to bf16."""
-    i = ib * BLOCK + tl.arange(0, BLOCK)
-    gate = tl.minimum(tl.load(gu_ptr + p * (2 * I) + i), limit)
-    up = tl.minimum(tl.maximum(tl.load(gu_ptr + p * (2 * I) + I + i), -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p)
+def _swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
+    """(silu(min(gate, limit)) * clamp(up, -limit, limit) * weight) rounded to bf16."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up * weight
     if not FAST:
         h = bf16(h)
-    tl.store(h_ptr + p * I + i, h.to(tl.bfloat16))
+    return h.to(tl.bfloat16)
+
+
+@triton.jit
+def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """h[p, block] from pick p's gate and up (`_swiglu_value`)."""
+    i = ib * BLOCK + tl.arange(0, BLOCK)
+    gate, up = tl.load(gu_ptr + p * (2 * I) + i), tl.load(gu_ptr + p * (2 * I) + I + i)
+    tl.store(h_ptr + p * I + i, _swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
+
+
+# --- stream-K gate/up: every program an equal share of all the tasks' K steps ----------------------
+@triton.jit
+def _stream_share(pid, grid, total):
+    """Steps first .. last of `total` that program pid of `grid` takes."""
+    return pid * total // grid, (pid + 1) * total // grid
+
+
+@triton.jit
+def _stream_owner(step, grid, total):
+    """The program whose share (`_stream_share`) holds `step`."""
+    return ((step + 1) * grid - 1) // total
+
+
+@triton.jit
+def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, counts_ptr, order_ptr, experts_ptr,
+                    w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr,
+                    ROWS_: tl.constexpr, FAST: tl.constexpr):
+    """Program pid's share of the gate/up work, stream-K: the tasks of the `groups_ptr` groups
+    (`tasks_ptr`: the picks that start them, `stream_maps`), task u = (group, block, gate or
+    up) row-major, are cut into their K steps, and each of the `grid` programs takes an equal
+    run of steps (`_stream_share`): no program idles while others finish a last wave of whole
+    tasks. A task one program covers whole goes to gu as `up_task` writes it; a piece of a task
+    goes to part[pid, 0] (the program's first piece) or part[pid, 1] (its last), [BN, ROWS]
+    fp32, and `swiglu_stream_task` adds a task's pieces in program order. Fragment order only."""
+    blocks = I // BN
+    steps = K // BK
+    total = tl.load(groups_ptr) * blocks * 2 * steps
+    first, last = _stream_share(pid, grid, total)
+    step = first
+    while step < last:
+        u = step // steps
+        end = tl.minimum(last, (u + 1) * steps)
+        _, expert, picks, mask = _group(tl.load(tasks_ptr + u // (2 * blocks)), counts_ptr, order_ptr, experts_ptr,
+                                        ROWS_)
+        nb = u // 2 % blocks
+        k_lo, k_hi = (step - u * steps) * BK, (end - u * steps) * BK
+        if u % 2 == 0:
+            acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
+                                   k_hi, BN, BK, FAST)
+        else:
+            acc = _fragment_matvec(w3_codes, w3_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
+                                   k_hi, BN, BK, FAST)
+        if k_hi - k_lo == K:
+            _store_gate_up(acc, nb, u % 2, picks, mask, gu_ptr, I, BN)
+        else:
+            slot = tl.where(step == first, 0, 1)
+            at = ((pid * 2 + slot) * BN + tl.arange(0, BN)[:, None]) * ROWS_ + tl.arange(0, ROWS_)[None, :]
+            tl.store(part_ptr + at, acc)
+        step = end
+
+
+@triton.jit
+def _stream_gate_up(q, which, column, p, i, groups, grid, gu_ptr, part_ptr, K, I, BN: tl.constexpr,
+                    BK: tl.constexpr, ROWS_: tl.constexpr):
+    """Gate (which = 0) or up of pick p at outputs i, p being column `column` of group q's tasks:
+    from gu where one program did the whole task, else its pieces added in program order."""
+    blocks = I // BN
+    steps = K // BK
+    total = groups * blocks * 2 * steps
+    task_first = ((q * blocks + i // BN) * 2 + which) * steps
+    p0 = _stream_owner(task_first, grid, total)
+    p1 = _stream_owner(task_first + steps - 1, grid, total)
+    whole = p0 == p1
+    value = tl.load(gu_ptr + p * (2 * I) + which * I + i, mask=whole, other=0.0)
+    for d in range(0, tl.max(p1 - p0) + 1):
+        program = p0 + d
+        start, end = _stream_share(program, grid, total)
+        slot = tl.where(start >= task_first, 0, 1)  # its first piece, or its last
+        at = ((program * 2 + slot) * BN + i % BN) * ROWS_ + column
+        value += tl.load(part_ptr + at, mask=~whole & (program <= p1) & (end > start), other=0.0)
+    return value
+
+
+@triton.jit
+def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, part_ptr, rw_ptr, h_ptr, grid, K,
+                       I, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr,
+                       FAST: tl.constexpr):
+    """`swiglu_task` after `up_stream_stage` on `grid` programs: gate and up summed from their
+    pieces where a task was split (`_stream_gate_up`); pad picks (no group) are skipped."""
+    q = tl.load(pick_task_ptr + p)
+    if q >= 0:
+        column = tl.load(pick_column_ptr + p)
+        groups = tl.load(groups_ptr)
+        i = ib * BLOCK + tl.arange(0, BLOCK)
+        gate = _stream_gate_up(q, 0, column, p, i, groups, grid, gu_ptr, part_ptr, K, I, BN, BK, ROWS_)
+        up = _stream_gate_up(q, 1, column, p, i, groups, grid, gu_ptr, part_ptr, K, I, BN, BK, ROWS_)
+        tl.store(h_ptr + p * I + i, _swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
 
 
 @triton.jit
@@ -560,6 +661,21 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 
 @triton.jit
+def _up_stream(groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
+               w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
+               FAST: tl.constexpr):
+    up_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, counts_ptr,
+                    order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST)
+
+
+@triton.jit
+def _swiglu_stream(groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, part_ptr, rw_ptr, h_ptr, grid, K, I, limit,
+                   BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    swiglu_stream_task(tl.program_id(0), tl.program_id(1), groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr,
+                       part_ptr, rw_ptr, h_ptr, grid, K, I, limit, BN, BK, ROWS_, BLOCK, FAST)
+
+
+@triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
           BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
           FRAG: tl.constexpr):
@@ -584,6 +700,23 @@ def group_picks(ids: torch.Tensor, rows: int = ROWS):
     return order.to(torch.int32), experts.to(torch.int32), counts.to(torch.int32)
 
 
+def stream_maps(order: torch.Tensor, counts: torch.Tensor):
+    """What the stream-K gate/up needs of `group_picks`' groups (device tensors, no host sync):
+    (the sorted picks that start a group, in order; how many groups [1]; each pick's group among
+    those, -1 for pads; each pick's column in its group's tasks), all int32."""
+    index = torch.arange(counts.numel(), device=counts.device)
+    starts = counts > 0
+    tasks = torch.argsort((~starts).to(torch.int8), stable=True).to(torch.int32)
+    start = torch.cummax(torch.where(starts, index, -1), 0).values.clamp(min=0)  # the group of each sorted pick
+    in_group = index - start < counts[start]
+    group = torch.where(in_group, (torch.cumsum(starts, 0) - 1)[start], -1)
+    pick_task = torch.empty_like(counts)
+    pick_column = torch.empty_like(counts)
+    pick_task[order.long()] = group.to(torch.int32)
+    pick_column[order.long()] = (index - start).to(torch.int32)
+    return tasks, starts.sum(dtype=torch.int32).reshape(1), pick_task, pick_column
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     fast: bool
@@ -594,6 +727,7 @@ class LaunchConfig:
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
     max_registers: int = 0  # registers a thread the compiler may use (Triton's maxnreg); 0: its own choice
+    up_stream_k: int = 0  # n > 0: gate/up on n persistent programs, stream-K (`up_stream_stage`; fragment order)
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
@@ -644,18 +778,28 @@ class StageBuffers:
         self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
         self.per_pick = torch.full((picks, d), fill, dtype=torch.float32, device=device)
+        self._partials: dict[tuple[int, int], torch.Tensor] = {}
+
+    def partials(self, programs: int, block_n: int) -> torch.Tensor:
+        """Stream-K pieces of gate/up tasks ([programs, 2, block_n, ROWS] fp32, `up_stream_stage`),
+        made once per shape (before any graph capture: the launcher's first call)."""
+        if (programs, block_n) not in self._partials:
+            self._partials[programs, block_n] = torch.empty(programs, 2, block_n, ROWS, dtype=torch.float32,
+                                                            device=self.h.device)
+        return self._partials[programs, block_n]
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
                   config: LaunchConfig, buffers: StageBuffers, kernels=("up", "swiglu", "down")) -> dict:
     """The stage's kernels alone (gate/up, SwiGLU, down; `kernels` picks some, for benchmarks of
-    one): x [R, d] bf16, `groups` from `group_picks`, flat routing weights [R * k]; fills
+    one): x [R, d] bf16, `groups` from `group_picks` (for `LaunchConfig.up_stream_k` optionally
+    followed by their `stream_maps`, else made here), flat routing weights [R * k]; fills
     `buffers`. Returns the compiled gate/up and down kernels launched ({"up": ..., "down": ...};
     None under the interpreter), for their resources."""
     if config.fast and not weights.supports_fast_decode():
         raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
                          "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
-    order, experts, counts = groups
+    order, experts, counts, *maps = groups
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
@@ -673,15 +817,31 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
     compiled = {}
-    if "up" in kernels:
-        if config.programs:
-            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
-        else:
-            compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
-    if "swiglu" in kernels:
-        swiglu_block = min(1024, inter)
-        _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
-                                                BLOCK=swiglu_block, FAST=config.fast)
+    swiglu_block = min(1024, inter)
+    if config.up_stream_k:
+        if not weights.fragments or config.tma:
+            raise ValueError("LaunchConfig.up_stream_k reads experts in the fragment order through pointers (no tma)")
+        tasks, num_groups, pick_task, pick_column = maps or stream_maps(order, counts)
+        part = buffers.partials(config.up_stream_k, block_up)
+        stream_meta = dict(BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps,
+                           **({"maxnreg": config.max_registers} if config.max_registers else {}))
+        if "up" in kernels:
+            compiled["up"] = _up_stream[(config.up_stream_k,)](
+                num_groups, tasks, x, buffers.gate_up, part, counts, order, experts, *w1, *w3, d, inter,
+                picks // x.shape[0], **stream_meta)
+        if "swiglu" in kernels:
+            _swiglu_stream[(picks, inter // swiglu_block)](
+                num_groups, pick_task, pick_column, buffers.gate_up, part, route_weights, buffers.h,
+                config.up_stream_k, d, inter, float(limit), BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, BLOCK=swiglu_block, FAST=config.fast)
+    else:
+        if "up" in kernels:
+            if config.programs:
+                compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+            else:
+                compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
+        if "swiglu" in kernels:
+            _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
+                                                    BLOCK=swiglu_block, FAST=config.fast)
     if "down" in kernels:
         if config.programs:
             compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
