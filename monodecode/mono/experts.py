@@ -513,7 +513,7 @@ def _stream_owner(step, grid, total):
 
 
 @triton.jit
-def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, counts_ptr, order_ptr, experts_ptr,
+def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr,
                     w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr,
                     ROWS_: tl.constexpr, FAST: tl.constexpr):
     """Program pid's share of the gate/up work, stream-K: the tasks of the `groups_ptr` groups
@@ -521,7 +521,7 @@ def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, c
     up) row-major, are cut into their K steps, and each of the `grid` programs takes an equal
     run of steps (`_stream_share`): no program idles while others finish a last wave of whole
     tasks. A task one program covers whole goes to gu as `up_task` writes it; a piece of a task
-    goes to part[pid, 0] (the program's first piece) or part[pid, 1] (its last), [BN, ROWS]
+    goes to pieces[pid, 0] (the program's first piece) or pieces[pid, 1] (its last), [BN, ROWS]
     fp32, and `swiglu_stream_task` adds a task's pieces in program order. Fragment order only."""
     blocks = I // BN
     steps = K // BK
@@ -546,12 +546,12 @@ def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, c
         else:
             slot = tl.where(step == first, 0, 1)
             at = ((pid * 2 + slot) * BN + tl.arange(0, BN)[:, None]) * ROWS_ + tl.arange(0, ROWS_)[None, :]
-            tl.store(part_ptr + at, acc)
+            tl.store(pieces_ptr + at, acc)
         step = end
 
 
 @triton.jit
-def _stream_gate_up(q, which, column, p, i, groups, grid, gu_ptr, part_ptr, K, I, BN: tl.constexpr,
+def _stream_gate_up(q, which, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN: tl.constexpr,
                     BK: tl.constexpr, ROWS_: tl.constexpr):
     """Gate (which = 0) or up of pick p at outputs i, p being column `column` of group q's tasks:
     from gu where one program did the whole task, else its pieces added in program order."""
@@ -568,12 +568,12 @@ def _stream_gate_up(q, which, column, p, i, groups, grid, gu_ptr, part_ptr, K, I
         start, end = _stream_share(program, grid, total)
         slot = tl.where(start >= task_first, 0, 1)  # its first piece, or its last
         at = ((program * 2 + slot) * BN + i % BN) * ROWS_ + column
-        value += tl.load(part_ptr + at, mask=~whole & (program <= p1) & (end > start), other=0.0)
+        value += tl.load(pieces_ptr + at, mask=~whole & (program <= p1) & (end > start), other=0.0)
     return value
 
 
 @triton.jit
-def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, part_ptr, rw_ptr, h_ptr, grid, K,
+def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, pieces_ptr, rw_ptr, h_ptr, grid, K,
                        I, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr,
                        FAST: tl.constexpr):
     """`swiglu_task` after `up_stream_stage` on `grid` programs: gate and up summed from their
@@ -583,8 +583,8 @@ def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr
         column = tl.load(pick_column_ptr + p)
         groups = tl.load(groups_ptr)
         i = ib * BLOCK + tl.arange(0, BLOCK)
-        gate = _stream_gate_up(q, 0, column, p, i, groups, grid, gu_ptr, part_ptr, K, I, BN, BK, ROWS_)
-        up = _stream_gate_up(q, 1, column, p, i, groups, grid, gu_ptr, part_ptr, K, I, BN, BK, ROWS_)
+        gate = _stream_gate_up(q, 0, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
+        up = _stream_gate_up(q, 1, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
         tl.store(h_ptr + p * I + i, _swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
 
 
@@ -661,18 +661,18 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 
 @triton.jit
-def _up_stream(groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
-               w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
+def _up_stream(groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes,
+               w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
                FAST: tl.constexpr):
-    up_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, x_ptr, gu_ptr, part_ptr, counts_ptr,
+    up_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr,
                     order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST)
 
 
 @triton.jit
-def _swiglu_stream(groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, part_ptr, rw_ptr, h_ptr, grid, K, I, limit,
+def _swiglu_stream(groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, pieces_ptr, rw_ptr, h_ptr, grid, K, I, limit,
                    BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     swiglu_stream_task(tl.program_id(0), tl.program_id(1), groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr,
-                       part_ptr, rw_ptr, h_ptr, grid, K, I, limit, BN, BK, ROWS_, BLOCK, FAST)
+                       pieces_ptr, rw_ptr, h_ptr, grid, K, I, limit, BN, BK, ROWS_, BLOCK, FAST)
 
 
 @triton.jit
@@ -707,7 +707,7 @@ def stream_maps(order: torch.Tensor, counts: torch.Tensor):
     index = torch.arange(counts.numel(), device=counts.device)
     starts = counts > 0
     tasks = torch.argsort((~starts).to(torch.int8), stable=True).to(torch.int32)
-    start = torch.cummax(torch.where(starts, index, -1), 0).values.clamp(min=0)  # the group of each sorted pick
+    start = torch.cummax(torch.where(starts, index, -1), 0).values.clamp(min=0)  # where each pick's group starts
     in_group = index - start < counts[start]
     group = torch.where(in_group, (torch.cumsum(starts, 0) - 1)[start], -1)
     pick_task = torch.empty_like(counts)
@@ -778,15 +778,15 @@ class StageBuffers:
         self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
         self.per_pick = torch.full((picks, d), fill, dtype=torch.float32, device=device)
-        self._partials: dict[tuple[int, int], torch.Tensor] = {}
+        self._pieces: dict[tuple[int, int], torch.Tensor] = {}
 
-    def partials(self, programs: int, block_n: int) -> torch.Tensor:
+    def pieces(self, programs: int, block_n: int) -> torch.Tensor:
         """Stream-K pieces of gate/up tasks ([programs, 2, block_n, ROWS] fp32, `up_stream_stage`),
         made once per shape (before any graph capture: the launcher's first call)."""
-        if (programs, block_n) not in self._partials:
-            self._partials[programs, block_n] = torch.empty(programs, 2, block_n, ROWS, dtype=torch.float32,
-                                                            device=self.h.device)
-        return self._partials[programs, block_n]
+        if (programs, block_n) not in self._pieces:
+            self._pieces[programs, block_n] = torch.empty(programs, 2, block_n, ROWS, dtype=torch.float32,
+                                                          device=self.h.device)
+        return self._pieces[programs, block_n]
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
@@ -822,17 +822,18 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         if not weights.fragments or config.tma:
             raise ValueError("LaunchConfig.up_stream_k reads experts in the fragment order through pointers (no tma)")
         tasks, num_groups, pick_task, pick_column = maps or stream_maps(order, counts)
-        part = buffers.partials(config.up_stream_k, block_up)
+        pieces = buffers.pieces(config.up_stream_k, block_up)
         stream_meta = dict(BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps,
                            **({"maxnreg": config.max_registers} if config.max_registers else {}))
         if "up" in kernels:
             compiled["up"] = _up_stream[(config.up_stream_k,)](
-                num_groups, tasks, x, buffers.gate_up, part, counts, order, experts, *w1, *w3, d, inter,
+                num_groups, tasks, x, buffers.gate_up, pieces, counts, order, experts, *w1, *w3, d, inter,
                 picks // x.shape[0], **stream_meta)
         if "swiglu" in kernels:
             _swiglu_stream[(picks, inter // swiglu_block)](
-                num_groups, pick_task, pick_column, buffers.gate_up, part, route_weights, buffers.h,
-                config.up_stream_k, d, inter, float(limit), BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, BLOCK=swiglu_block, FAST=config.fast)
+                num_groups, pick_task, pick_column, buffers.gate_up, pieces, route_weights, buffers.h,
+                config.up_stream_k, d, inter, float(limit), BN=block_up, BK=up_meta["BK"], ROWS_=ROWS,
+                BLOCK=swiglu_block, FAST=config.fast)
     else:
         if "up" in kernels:
             if config.programs:
