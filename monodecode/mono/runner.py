@@ -53,10 +53,10 @@ class LaunchShape:
     software-pipelining depth of the GEMV and (in the checkpoint's order, or with `expert_tma`)
     expert K loops (None: Triton's default for the launch);
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
-    `LaunchConfig.tma`); `expert_stream_k` 1: the experts' gate/up stream-K, each program an
-    equal run of all the tasks' K steps (`experts.up_stream_stage`; fragment order, pointers;
-    not yet timed on a GPU); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
+    `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
     bytes in flight without registers, for deeper `gemv_stages`; timed at 1 row only);
+    `expert_stream_k` 1: the experts' gate/up stream-K, each program an equal run of all the
+    tasks' K steps (`experts.up_stream_stage`; fragment order, pointers; not yet timed on a GPU);
     `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
     `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
     (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
