@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--programs", type=int, default=0, help="0: a program a task; n: n persistent programs")
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
     parser.add_argument("--max-registers", type=int, default=0, help="LaunchConfig.max_registers")
+    parser.add_argument("--l2-ahead", type=int, default=0, help="LaunchConfig.l2_ahead")
     parser.add_argument("--up-stream-k", type=int, default=0, help="LaunchConfig.up_stream_k (with --fragments)")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
     X._up_stream, X._swiglu_stream = Recorder(X._up_stream, launches), Recorder(X._swiglu_stream, [])
     X._swiglu, X._down, X._down_persistent = (Recorder(k, []) for k in (X._swiglu, X._down, X._down_persistent))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
-                            tma=args.tma, max_registers=args.max_registers, up_stream_k=args.up_stream_k)
+                            tma=args.tma, max_registers=args.max_registers, up_stream_k=args.up_stream_k,
+                            l2_ahead=args.l2_ahead)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
                     10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))

@@ -262,6 +262,23 @@ def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, devic
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)
 
 
+def test_l2_prefetch_needs_the_fast_decode_of_bands_a_warp(fragment_bank, device):
+    """`LaunchConfig.l2_ahead` (bulk L2 prefetches of a 16-row band a warp, NVIDIA PTX) is refused
+    with the reason where it cannot run: the portable decode, or tiles not a band a warp. (Its
+    results are checked on the GPU, where the fast decode runs: the same reference test.)"""
+    experts, checkpoint = fragment_bank
+    fast = device == "cuda" and experts.supports_fast_decode()
+    for config in (X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, l2_ahead=2),
+                   X.LaunchConfig(fast=True, block_n=32, block_k=128, num_warps=4, l2_ahead=2)):
+        with pytest.raises(ValueError, match="l2_ahead prefetches a 16-row band a warp"):
+            assert_rows_and_a_pad_match(torch.Generator(), experts, checkpoint, config, device)
+    if fast:
+        for programs in (0, 5):
+            config = X.LaunchConfig(fast=True, block_n=64, block_k=128, num_warps=4, l2_ahead=2, up_stream_k=programs)
+            assert_rows_and_a_pad_match(torch.Generator().manual_seed(95 + programs), experts, checkpoint, config,
+                                        device)
+
+
 def test_launch_stages_runs_the_kernels_asked_for(bank, device):
     """`launch_stages(..., kernels)`: the benchmark times the gate/up and the down kernel alone;
     what is not asked for is not written (poisoned buffers stay NaN)."""
@@ -297,9 +314,9 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     capped = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False))
     assert [(name, config.max_registers) for name, _, config in capped] == [("fast bn128 bk256 w8 s1 fragments r128",
                                                                              128)]
-    streamed = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False,
+    streamed = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128, 2)], portable=False,
                                stream_k_per_sm=(0, 2)))
-    assert [(name, config.up_stream_k) for name, _, config in streamed] == [
-        ("fast bn128 bk256 w8 s1 fragments r128", 0), ("fast bn128 bk256 w8 s1 fragments r128 sk2", 264)]
+    assert [(name, config.up_stream_k, config.l2_ahead) for name, _, config in streamed] == [
+        ("fast bn128 bk256 w8 s1 fragments r128 l2", 0, 2), ("fast bn128 bk256 w8 s1 fragments r128 l2 sk2", 264, 2)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])

@@ -31,7 +31,8 @@ Contract
   gate/up stream-K (`up_stream_stage`: each program an equal run of all the tasks' K steps, the
   pieces of a task cut between programs added in program order by the SwiGLU pass,
   `swiglu_stream_task`), so that no program idles through a last wave of whole tasks (not yet
-  timed on a GPU: docs/PERFORMANCE.md).
+  timed on a GPU: docs/PERFORMANCE.md); with `LaunchConfig.l2_ahead` the K loop also asks L2
+  for the codes a few steps ahead (`_prefetch_bands`; not yet timed either).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -401,13 +402,14 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 
 @triton.jit
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
-            FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr):
+            FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr = 0):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
-    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's)."""
+    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). L2AHEAD:
+    `_fragment_matvec`'s."""
     if FRAG and not TMA:
-        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, 0, K, BN, BK, FAST)
+        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, 0, K, BN, BK, FAST, L2AHEAD)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -422,7 +424,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 
 @triton.jit
 def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, k_lo, k_hi, BN: tl.constexpr,
-                     BK: tl.constexpr, FAST: tl.constexpr):
+                     BK: tl.constexpr, FAST: tl.constexpr, L2AHEAD: tl.constexpr = 0):
     """`_matvec` of fragment-order codes over columns k_lo .. k_hi (whole K steps: all of K, or a
     stream-K piece, `up_stream_stage`), prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
@@ -430,17 +432,66 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, k_lo, k_
     Triton's own pipelining staged the codes through shared memory instead, one buffer a tile,
     and waited for each step's copy before decoding it; this loop moves 10-13 % more bytes a
     second on the H200 (docs/PERFORMANCE.md). It holds one more tile in registers, which is
-    why the launcher caps them (`LaunchConfig.max_registers`)."""
+    why the launcher caps them (`LaunchConfig.max_registers`). L2AHEAD > 0 (NVIDIA; a warp
+    each 16-row band, `LaunchConfig.l2_ahead`): L2 is also asked for the tile's scales and, each
+    step, for the codes L2AHEAD steps beyond the next (`_prefetch_bands`), bytes on their way
+    that hold no registers."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
+    if L2AHEAD > 0:
+        _prefetch_run(scales_ptr + row0 * (K // 32), BN * (K // 32))
+        first = tl.minimum(k_lo + BK, k_hi - BK)  # the steps after the first, or the only one
+        _prefetch_bands(codes, row0, first, tl.minimum(L2AHEAD, (k_hi - first) // BK), K, BK)
     tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK)
     x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
         ahead = tl.minimum(k0 + BK, k_hi - BK)
+        if L2AHEAD > 0:
+            _prefetch_bands(codes, row0, tl.minimum(k0 + (L2AHEAD + 1) * BK, k_hi - BK), 1, K, BK)
         next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK)
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
         acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
         tile, scale_codes, x = next_tile, next_scales, next_x
     return acc
+
+
+# One bulk L2 prefetch ($3 bytes at $1 + (thread / 32) * $2) by lane 0 of each warp: an address
+# a warp shares (the copy engine's prefetch takes one), the other lanes idle. Output unused.
+_PREFETCH_BANDS_ASM = tl.constexpr("""{
+.reg .u32 t_; .reg .u64 a_; .reg .pred p_;
+mov.u32 t_, %tid.x;
+and.b32 t_, t_, 31;
+setp.eq.u32 p_, t_, 0;
+mov.u32 t_, %tid.x;
+shr.u32 t_, t_, 5;
+mad.wide.u32 a_, t_, $2, $1;
+@p_ cp.async.bulk.prefetch.L2.global [a_], $3;
+mov.u32 $0, 0;
+}""")
+# The same by thread 0 alone, at $1.
+_PREFETCH_RUN_ASM = tl.constexpr("""{
+.reg .u32 t_; .reg .pred p_;
+mov.u32 t_, %tid.x;
+setp.eq.u32 p_, t_, 0;
+@p_ cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def _prefetch_bands(codes, row0, k0, steps, K, BK: tl.constexpr):
+    """Ask L2 for `steps` K steps from column k0 of each 16-row band of the tile at row0: warp w
+    for band w (rows row0 + 16 w ..: the tile has a band a warp, `LaunchConfig.l2_ahead`), whose
+    steps are one contiguous run in the fragment order's blocks (8 BK bytes a step)."""
+    band = codes + (row0 // 16 * (K // 128) + k0 // 128) * 512
+    tl.inline_asm_elementwise(_PREFETCH_BANDS_ASM, "=r,l,r,r", [band, tl.cast(K * 8, tl.uint32),
+                              tl.cast(steps * BK * 8, tl.uint32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_run(start, nbytes):
+    """Ask L2 for `nbytes` (a multiple of 16) from `start` (16-byte aligned), by one thread."""
+    tl.inline_asm_elementwise(_PREFETCH_RUN_ASM, "=r,l,r", [start, tl.cast(nbytes, tl.uint32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -459,7 +510,7 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
             NS: tl.constexpr = None, TMA: tl.constexpr = False,
-            FRAG: tl.constexpr = False):
+            FRAG: tl.constexpr = False, L2AHEAD: tl.constexpr = 0):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
@@ -468,9 +519,11 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
     if active:
         row0 = expert * I + nb * BN
         if which == 0:
-            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
+            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG,
+                          L2AHEAD)
         else:
-            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
+            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG,
+                          L2AHEAD)
         _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN)
 
 
@@ -515,7 +568,7 @@ def _stream_owner(step, grid, total):
 @triton.jit
 def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr,
                     w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr,
-                    ROWS_: tl.constexpr, FAST: tl.constexpr):
+                    ROWS_: tl.constexpr, FAST: tl.constexpr, L2AHEAD: tl.constexpr = 0):
     """Program pid's share of the gate/up work, stream-K: the tasks of the `groups_ptr` groups
     (`tasks_ptr`: the picks that start them, `stream_maps`), task u = (group, block, gate or
     up) row-major, are cut into their K steps, and each of the `grid` programs takes an equal
@@ -537,10 +590,10 @@ def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr,
         k_lo, k_hi = (step - u * steps) * BK, (end - u * steps) * BK
         if u % 2 == 0:
             acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
-                                   k_hi, BN, BK, FAST)
+                                   k_hi, BN, BK, FAST, L2AHEAD)
         else:
             acc = _fragment_matvec(w3_codes, w3_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
-                                   k_hi, BN, BK, FAST)
+                                   k_hi, BN, BK, FAST, L2AHEAD)
         if k_hi - k_lo == K:
             _store_gate_up(acc, nb, u % 2, picks, mask, gu_ptr, I, BN)
         else:
@@ -592,11 +645,12 @@ def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
               NS: tl.constexpr = None, TMA: tl.constexpr = False,
-              FRAG: tl.constexpr = False):
+              FRAG: tl.constexpr = False, L2AHEAD: tl.constexpr = 0):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
-        y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG)
+        y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG,
+                    L2AHEAD)
         _store_down(y, nb, picks, mask, out_ptr, D, BN)
 
 
@@ -609,50 +663,52 @@ def _store_down(y, nb, picks, mask, out_ptr, D, BN: tl.constexpr):
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
+             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False,
+             L2AHEAD: tl.constexpr = 0):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
     block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG, L2AHEAD)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
+               TMA: tl.constexpr = False, FRAG: tl.constexpr = False, L2AHEAD: tl.constexpr = 0):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
-                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG, L2AHEAD)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   TMA: tl.constexpr, FRAG: tl.constexpr):
+                   TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG, L2AHEAD)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     TMA: tl.constexpr, FRAG: tl.constexpr):
+                     TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, L2AHEAD)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-        TMA: tl.constexpr, FRAG: tl.constexpr):
+        TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG,
+            L2AHEAD)
 
 
 @triton.jit
@@ -663,9 +719,10 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 @triton.jit
 def _up_stream(groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes,
                w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
-               FAST: tl.constexpr):
+               FAST: tl.constexpr, L2AHEAD: tl.constexpr):
     up_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr,
-                    order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST)
+                    order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST,
+                    L2AHEAD)
 
 
 @triton.jit
@@ -678,9 +735,9 @@ def _swiglu_stream(groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, pieces_pt
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
           BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
-          FRAG: tl.constexpr):
+          FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
     down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, L2AHEAD)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -728,6 +785,7 @@ class LaunchConfig:
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
     max_registers: int = 0  # registers a thread the compiler may use (Triton's maxnreg); 0: its own choice
     up_stream_k: int = 0  # n > 0: gate/up on n persistent programs, stream-K (`up_stream_stage`; fragment order)
+    l2_ahead: int = 0  # n > 0: L2 asked for the codes n K steps beyond the next (`_fragment_matvec`; fast, fragments)
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
@@ -806,8 +864,13 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
     if refusal:
         raise ValueError(f"experts in the fragment order need {refusal}")
-    meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
-                num_stages=config.num_stages)
+    if config.l2_ahead and not (config.fast and weights.fragments and not config.tma
+                                and config.block_n == 16 * config.num_warps):
+        raise ValueError("LaunchConfig.l2_ahead prefetches a 16-row band a warp of fragment-order codes read through "
+                         "pointers by the fast decode: it needs fast, the fragment order, no tma and block_n = 16 x "
+                         f"num_warps (here {config.block_n} rows, {config.num_warps} warps)")
+    meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, L2AHEAD=config.l2_ahead,
+                num_warps=config.num_warps, num_stages=config.num_stages)
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
@@ -823,7 +886,8 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
             raise ValueError("LaunchConfig.up_stream_k reads experts in the fragment order through pointers (no tma)")
         tasks, num_groups, pick_task, pick_column = maps or stream_maps(order, counts)
         pieces = buffers.pieces(config.up_stream_k, block_up)
-        stream_meta = dict(BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps,
+        stream_meta = dict(BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, FAST=config.fast, L2AHEAD=config.l2_ahead,
+                           num_warps=config.num_warps,
                            **({"maxnreg": config.max_registers} if config.max_registers else {}))
         if "up" in kernels:
             compiled["up"] = _up_stream[(config.up_stream_k,)](

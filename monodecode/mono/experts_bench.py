@@ -2,7 +2,7 @@
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
 [--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES[,REGISTERS];...] [--stream-k-per-sm 0,1,2] [--no-portable] [--out DIR]`
+[--configs BN,BK,WARPS,STAGES[,REGISTERS[,L2AHEAD]];...] [--stream-k-per-sm 0,1,2] [--no-portable] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -15,7 +15,8 @@ dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragme
 mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
 (`LaunchConfig.tma`). STAGES is Triton's pipelining of the K loop, which the fragment order
 without tma does not use (it prefetches by itself); REGISTERS caps the registers a thread
-(`LaunchConfig.max_registers`, name ending in `rN`); `--stream-k-per-sm` n > 0 runs gate/up
+(`LaunchConfig.max_registers`, name ending in `rN`); L2AHEAD the K steps beyond the next that
+each step asks L2 for (`LaunchConfig.l2_ahead`, `lN`); `--stream-k-per-sm` n > 0 runs gate/up
 stream-K on n programs a SM (`LaunchConfig.up_stream_k`, name ending in `skN`). Every variant is
 first checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
 kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
@@ -121,13 +122,14 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
     grid = configs or (itertools.product((64, 128), (256, 512), (4, 8), (1, 2)) if quick else
                        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (bn, bk, nw, stages, *cap), layout, pps, sk in itertools.product(grid, layouts, programs_per_sm,
-                                                                         stream_k_per_sm):
-        registers = cap[0] if cap else 0
+    for (bn, bk, nw, stages, *extra), layout, pps, sk in itertools.product(grid, layouts, programs_per_sm,
+                                                                           stream_k_per_sm):
+        registers, ahead = (list(extra) + [0, 0])[:2]
         name = (f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
-                + (f" r{registers}" if registers else "") + (f" sk{sk}" if sk else ""))
+                + (f" r{registers}" if registers else "") + (f" l{ahead}" if ahead else "")
+                + (f" sk{sk}" if sk else ""))
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
-                                           max_registers=registers, up_stream_k=sk * sms)
+                                           max_registers=registers, up_stream_k=sk * sms, l2_ahead=ahead)
 
 
 def main(argv=None) -> int:
@@ -141,8 +143,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="interleave,fragments",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
-                        help="semicolon-separated block_n,block_k,warps,stages[,max registers] (e.g. "
-                             "128,256,8,1,128;64,256,4,3) instead of the grid")
+                        help="semicolon-separated block_n,block_k,warps,stages[,max registers[,L2 ahead]] (e.g. "
+                             "128,256,8,1,128,2;64,256,4,3) instead of the grid (0 registers: uncapped)")
     parser.add_argument("--stream-k-per-sm", default="0",
                         help="comma-separated: 0 = gate/up as --programs-per-sm says; n = gate/up stream-K on n "
                              "programs a SM (LaunchConfig.up_stream_k; the fragment order)")
@@ -154,9 +156,9 @@ def main(argv=None) -> int:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
         configs = [()]
-    if any(len(c) not in (4, 5) for c in configs):
-        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers] separated "
-                     "by ';'")
+    if any(len(c) not in (4, 5, 6) for c in configs):
+        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,L2 ahead]] "
+                     "separated by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)
