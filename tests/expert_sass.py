@@ -1,13 +1,13 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--max-registers 0] [--tma] [--fragments [--up-stream-k N]] [--top 12] [--ttgir FILE]`, in a process where
-TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
-PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
-Records one gate/up launch of `experts.launch_stages` at v4-flash sizes (hidden 4096,
-intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the JIT's
-divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's bundled
-`nvdisasm`, and prints, for every loop (a label and the branch back to it), its length and its
+[--max-registers 0] [--tma] [--fragments [--stream-k N]] [--l2-ahead N] [--down] [--top 12]
+[--ttgir FILE]`, in a process where TRITON_INTERPRET is unset (the installed Triton compiles:
+put the GPU's version first on PYTHONPATH to see what it builds, e.g. `pip install --target DIR
+triton==3.6.0`). Records one gate/up (or `--down`) launch of `experts.launch_stages` at
+v4-flash sizes (hidden 4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with
+`triton.compile` (the JIT's divisibility hints: tests/mono_compile.py), disassembles the cubin
+with Triton's bundled `nvdisasm`, and prints, for every loop (a label and the branch back to it), its length and its
 most frequent opcodes, after the kernel's registers a thread and spills (ptxas -v, as
 tests/mono_compile.py reads them). The K loop is the long one: its length over the weights a
 thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
@@ -66,7 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
     parser.add_argument("--max-registers", type=int, default=0, help="LaunchConfig.max_registers")
     parser.add_argument("--l2-ahead", type=int, default=0, help="LaunchConfig.l2_ahead")
-    parser.add_argument("--up-stream-k", type=int, default=0, help="LaunchConfig.up_stream_k (with --fragments)")
+    parser.add_argument("--stream-k", type=int, default=0,
+                        help="LaunchConfig.up_stream_k and down_stream_k (with --fragments)")
+    parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
@@ -79,12 +81,13 @@ def main(argv=None) -> int:
 
     weights = X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D), fragments=args.fragments, _fast_decode=True)
     launches = []
-    X._up, X._up_persistent = Recorder(X._up, launches), Recorder(X._up_persistent, launches)
-    X._up_stream, X._swiglu_stream = Recorder(X._up_stream, launches), Recorder(X._swiglu_stream, [])
-    X._swiglu, X._down, X._down_persistent = (Recorder(k, []) for k in (X._swiglu, X._down, X._down_persistent))
+    for name in ("_up", "_up_persistent", "_up_stream", "_swiglu", "_swiglu_stream", "_down", "_down_persistent",
+                 "_down_stream", "_down_fixup"):  # record the launches of the kernel asked for, skip the others
+        asked = name.startswith("_down" if args.down else "_up") and name != "_down_fixup"
+        setattr(X, name, Recorder(getattr(X, name), launches if asked else []))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
-                            tma=args.tma, max_registers=args.max_registers, up_stream_k=args.up_stream_k,
-                            l2_ahead=args.l2_ahead)
+                            tma=args.tma, max_registers=args.max_registers, up_stream_k=args.stream_k,
+                            down_stream_k=args.stream_k, l2_ahead=args.l2_ahead)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
                     10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))

@@ -126,21 +126,30 @@ def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k
                                 device)
 
 
+@pytest.fixture(scope="module")
+def wide_bank(device):
+    """`fragment_bank` with hidden and intermediate swapped (128, 256): two K steps of 128 a down task."""
+    checkpoint = random_bank(torch.Generator().manual_seed(2), num_experts=8, hidden=128, inter=256, device="cpu")
+    return on_device(X.in_fragment_order(checkpoint), device), checkpoint
+
+
 @pytest.mark.parametrize("programs,block_n", [(1, 32), (5, 32), (13, 16), (100, 64)])
-def test_stream_k_gate_up_matches_the_reference(bank, fragment_bank, device, programs, block_n):
-    """`LaunchConfig.up_stream_k`: gate/up on persistent programs, each an equal run of all the
-    tasks' K steps (two of 128 a task here), tasks cut between programs and their pieces added
-    by the SwiGLU pass in program order, give the reference's result: one program (no task
-    cut), 5 and 13 (tasks cut in two), 100 (more programs than steps: some idle, a task's two
-    steps in two programs). Experts in the checkpoint's order are refused."""
-    experts, checkpoint = fragment_bank
+@pytest.mark.parametrize("stage", ["up", "down"])
+def test_stream_k_matches_the_reference(bank, fragment_bank, wide_bank, device, programs, block_n, stage):
+    """`LaunchConfig.up_stream_k` / `down_stream_k`: gate/up (or down) on persistent programs,
+    each an equal run of all the tasks' K steps (two of 128 a task here), tasks cut between
+    programs and their pieces added in program order (by the SwiGLU pass, or the fixup after
+    down), give the reference's result: one program (no task cut), 5 and 13 (tasks cut in two),
+    100 (more programs than steps: some idle, a task's two steps in two programs). Experts in
+    the checkpoint's order are refused."""
+    experts, checkpoint = fragment_bank if stage == "up" else wide_bank
     fast = device == "cuda" and experts.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=block_n, block_k=128, up_stream_k=programs)
+    config = X.LaunchConfig(fast=fast, block_n=block_n, block_k=128, **{f"{stage}_stream_k": programs})
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(90 + programs), experts, checkpoint, config, device)
-    with pytest.raises(ValueError, match="up_stream_k reads experts in the fragment order"):
+    with pytest.raises(ValueError, match="up_stream_k and down_stream_k read experts in the fragment order"):
         X.routed_experts(torch.zeros(1, 64, dtype=torch.bfloat16, device=device), torch.zeros(1, 2, dtype=torch.long,
                          device=device), torch.ones(1, 2, device=device), bank, LIMIT,
-                         X.LaunchConfig(fast, 32, 32, up_stream_k=programs))
+                         X.LaunchConfig(fast, 32, 32, **{f"{stage}_stream_k": programs}))
 
 
 def test_stream_maps_place_every_pick():
@@ -274,7 +283,8 @@ def test_l2_prefetch_needs_the_fast_decode_of_bands_a_warp(fragment_bank, device
             assert_rows_and_a_pad_match(torch.Generator(), experts, checkpoint, config, device)
     if fast:
         for programs in (0, 5):
-            config = X.LaunchConfig(fast=True, block_n=64, block_k=128, num_warps=4, l2_ahead=2, up_stream_k=programs)
+            config = X.LaunchConfig(fast=True, block_n=64, block_k=128, num_warps=4, l2_ahead=2, up_stream_k=programs,
+                                    down_stream_k=programs)
             assert_rows_and_a_pad_match(torch.Generator().manual_seed(95 + programs), experts, checkpoint, config,
                                         device)
 
@@ -316,7 +326,8 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
                                                                              128)]
     streamed = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128, 2)], portable=False,
                                stream_k_per_sm=(0, 2)))
-    assert [(name, config.up_stream_k, config.l2_ahead) for name, _, config in streamed] == [
-        ("fast bn128 bk256 w8 s1 fragments r128 l2", 0, 2), ("fast bn128 bk256 w8 s1 fragments r128 l2 sk2", 264, 2)]
+    assert [(name, config.up_stream_k, config.down_stream_k, config.l2_ahead) for name, _, config in streamed] == [
+        ("fast bn128 bk256 w8 s1 fragments r128 l2", 0, 0, 2),
+        ("fast bn128 bk256 w8 s1 fragments r128 l2 sk2", 264, 264, 2)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])

@@ -30,8 +30,9 @@ Contract
   `_down_persistent`), the stage as it runs inside K2; with `LaunchConfig.up_stream_k` the
   gate/up stream-K (`up_stream_stage`: each program an equal run of all the tasks' K steps, the
   pieces of a task cut between programs added in program order by the SwiGLU pass,
-  `swiglu_stream_task`), so that no program idles through a last wave of whole tasks (not yet
-  timed on a GPU: docs/PERFORMANCE.md); with `LaunchConfig.l2_ahead` the K loop also asks L2
+  `swiglu_stream_task`), so that no program idles through a last wave of whole tasks, and with
+  `down_stream_k` the down tasks likewise (`down_stream_stage`, the pieces added by a small pass
+  after it, `down_fixup_task`; not yet timed on a GPU: docs/PERFORMANCE.md); with `LaunchConfig.l2_ahead` the K loop also asks L2
   for the codes a few steps ahead (`_prefetch_bands`; not yet timed either).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
@@ -597,31 +598,47 @@ def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr,
         if k_hi - k_lo == K:
             _store_gate_up(acc, nb, u % 2, picks, mask, gu_ptr, I, BN)
         else:
-            slot = tl.where(step == first, 0, 1)
-            at = ((pid * 2 + slot) * BN + tl.arange(0, BN)[:, None]) * ROWS_ + tl.arange(0, ROWS_)[None, :]
-            tl.store(pieces_ptr + at, acc)
+            _store_piece(acc, pieces_ptr, pid, tl.where(step == first, 0, 1), BN, ROWS_)
         step = end
+
+
+@triton.jit
+def _store_piece(acc, pieces_ptr, pid, slot, BN: tl.constexpr, ROWS_: tl.constexpr):
+    """pieces[pid, slot] = acc [BN, ROWS_]: slot 0 a program's first piece of a task, 1 its last."""
+    at = ((pid * 2 + slot) * BN + tl.arange(0, BN)[:, None]) * ROWS_ + tl.arange(0, ROWS_)[None, :]
+    tl.store(pieces_ptr + at, acc)
+
+
+@triton.jit
+def _stream_sum(stored, task_first, steps, total, grid, pieces_ptr, row, column, BN: tl.constexpr,
+                ROWS_: tl.constexpr):
+    """(value, whole) of a stream-K task's output at its tile row `row` and column `column`, the
+    task's steps starting at `task_first` of `total` shared by `grid` programs: the output at
+    `stored` (pointers) where one program did the whole task (whole), else its pieces added in
+    program order."""
+    p0 = _stream_owner(task_first, grid, total)
+    p1 = _stream_owner(task_first + steps - 1, grid, total)
+    whole = p0 == p1
+    value = tl.load(stored, mask=whole, other=0.0)
+    for d in range(0, tl.max(p1 - p0) + 1):
+        program = p0 + d
+        start, end = _stream_share(program, grid, total)
+        slot = tl.where(start >= task_first, 0, 1)  # its first piece, or its last
+        at = ((program * 2 + slot) * BN + row) * ROWS_ + column
+        value += tl.load(pieces_ptr + at, mask=~whole & (program <= p1) & (end > start), other=0.0)
+    return value, whole
 
 
 @triton.jit
 def _stream_gate_up(q, which, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN: tl.constexpr,
                     BK: tl.constexpr, ROWS_: tl.constexpr):
-    """Gate (which = 0) or up of pick p at outputs i, p being column `column` of group q's tasks:
-    from gu where one program did the whole task, else its pieces added in program order."""
+    """Gate (which = 0) or up of pick p at outputs i, p being column `column` of group q's tasks
+    (`_stream_sum`)."""
     blocks = I // BN
     steps = K // BK
-    total = groups * blocks * 2 * steps
     task_first = ((q * blocks + i // BN) * 2 + which) * steps
-    p0 = _stream_owner(task_first, grid, total)
-    p1 = _stream_owner(task_first + steps - 1, grid, total)
-    whole = p0 == p1
-    value = tl.load(gu_ptr + p * (2 * I) + which * I + i, mask=whole, other=0.0)
-    for d in range(0, tl.max(p1 - p0) + 1):
-        program = p0 + d
-        start, end = _stream_share(program, grid, total)
-        slot = tl.where(start >= task_first, 0, 1)  # its first piece, or its last
-        at = ((program * 2 + slot) * BN + i % BN) * ROWS_ + column
-        value += tl.load(pieces_ptr + at, mask=~whole & (program <= p1) & (end > start), other=0.0)
+    value, _ = _stream_sum(gu_ptr + p * (2 * I) + which * I + i, task_first, steps, groups * blocks * 2 * steps, grid,
+                           pieces_ptr, i % BN, column, BN, ROWS_)
     return value
 
 
@@ -639,6 +656,48 @@ def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr
         gate = _stream_gate_up(q, 0, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
         up = _stream_gate_up(q, 1, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
         tl.store(h_ptr + p * I + i, _swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
+
+
+@triton.jit
+def down_stream_stage(pid, grid, groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr,
+                      w2_codes, w2_scales, D, I, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
+                      FAST: tl.constexpr, L2AHEAD: tl.constexpr = 0):
+    """`up_stream_stage` for the down tasks (u = (group, hidden block) row-major): whole tasks'
+    per-pick outputs as `down_task` writes them, pieces for `down_fixup_task` to add."""
+    blocks = D // BN
+    steps = I // BK
+    total = tl.load(groups_ptr) * blocks * steps
+    first, last = _stream_share(pid, grid, total)
+    step = first
+    while step < last:
+        u = step // steps
+        end = tl.minimum(last, (u + 1) * steps)
+        _, expert, picks, mask = _group(tl.load(tasks_ptr + u // blocks), counts_ptr, order_ptr, experts_ptr, ROWS_)
+        k_lo, k_hi = (step - u * steps) * BK, (end - u * steps) * BK
+        y = _fragment_matvec(w2_codes, w2_scales, expert * D + u % blocks * BN, h_ptr, picks, mask, I, k_lo, k_hi, BN,
+                             BK, FAST, L2AHEAD)
+        if k_hi - k_lo == I:
+            _store_down(y, u % blocks, picks, mask, out_ptr, D, BN)
+        else:
+            _store_piece(y, pieces_ptr, pid, tl.where(step == first, 0, 1), BN, ROWS_)
+        step = end
+
+
+@triton.jit
+def down_fixup_task(p, nb, groups_ptr, pick_task_ptr, pick_column_ptr, out_ptr, pieces_ptr, grid, D, I,
+                    BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr):
+    """After `down_stream_stage` on `grid` programs: pick p's outputs, block nb of BLOCK, of the
+    tasks it cut, their pieces added in program order (`_stream_sum`); whole tasks' outputs and
+    pad picks are left as they are."""
+    q = tl.load(pick_task_ptr + p)
+    if q >= 0:
+        blocks = D // BN
+        steps = I // BK
+        n = nb * BLOCK + tl.arange(0, BLOCK)
+        value, whole = _stream_sum(out_ptr + p * D + n, (q * blocks + n // BN) * steps, steps,
+                                   tl.load(groups_ptr) * blocks * steps, grid, pieces_ptr, n % BN,
+                                   tl.load(pick_column_ptr + p), BN, ROWS_)
+        tl.store(out_ptr + p * D + n, value, mask=~whole)
 
 
 @triton.jit
@@ -726,6 +785,21 @@ def _up_stream(groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, ord
 
 
 @triton.jit
+def _down_stream(groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
+                 w2_scales, D, I, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+                 L2AHEAD: tl.constexpr):
+    down_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_ptr,
+                      counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, L2AHEAD)
+
+
+@triton.jit
+def _down_fixup(groups_ptr, pick_task_ptr, pick_column_ptr, out_ptr, pieces_ptr, grid, D, I, BN: tl.constexpr,
+                BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr):
+    down_fixup_task(tl.program_id(0), tl.program_id(1), groups_ptr, pick_task_ptr, pick_column_ptr, out_ptr,
+                    pieces_ptr, grid, D, I, BN, BK, ROWS_, BLOCK)
+
+
+@triton.jit
 def _swiglu_stream(groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, pieces_ptr, rw_ptr, h_ptr, grid, K, I, limit,
                    BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     swiglu_stream_task(tl.program_id(0), tl.program_id(1), groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr,
@@ -785,6 +859,7 @@ class LaunchConfig:
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
     max_registers: int = 0  # registers a thread the compiler may use (Triton's maxnreg); 0: its own choice
     up_stream_k: int = 0  # n > 0: gate/up on n persistent programs, stream-K (`up_stream_stage`; fragment order)
+    down_stream_k: int = 0  # n > 0: down likewise (`down_stream_stage`, then `down_fixup_task`)
     l2_ahead: int = 0  # n > 0: L2 asked for the codes n K steps beyond the next (`_fragment_matvec`; fast, fragments)
 
 
@@ -850,8 +925,8 @@ class StageBuffers:
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
                   config: LaunchConfig, buffers: StageBuffers, kernels=("up", "swiglu", "down")) -> dict:
     """The stage's kernels alone (gate/up, SwiGLU, down; `kernels` picks some, for benchmarks of
-    one): x [R, d] bf16, `groups` from `group_picks` (for `LaunchConfig.up_stream_k` optionally
-    followed by their `stream_maps`, else made here), flat routing weights [R * k]; fills
+    one): x [R, d] bf16, `groups` from `group_picks` (for `LaunchConfig.up_stream_k` or
+    `down_stream_k` optionally followed by their `stream_maps`, else made here), flat routing weights [R * k]; fills
     `buffers`. Returns the compiled gate/up and down kernels launched ({"up": ..., "down": ...};
     None under the interpreter), for their resources."""
     if config.fast and not weights.supports_fast_decode():
@@ -881,18 +956,19 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
     compiled = {}
     swiglu_block = min(1024, inter)
-    if config.up_stream_k:
+    if config.up_stream_k or config.down_stream_k:
         if not weights.fragments or config.tma:
-            raise ValueError("LaunchConfig.up_stream_k reads experts in the fragment order through pointers (no tma)")
+            raise ValueError("LaunchConfig.up_stream_k and down_stream_k read experts in the fragment order through "
+                             "pointers (no tma)")
         tasks, num_groups, pick_task, pick_column = maps or stream_maps(order, counts)
-        pieces = buffers.pieces(config.up_stream_k, block_up)
-        stream_meta = dict(BN=block_up, BK=up_meta["BK"], ROWS_=ROWS, FAST=config.fast, L2AHEAD=config.l2_ahead,
-                           num_warps=config.num_warps,
+        stream_meta = dict(ROWS_=ROWS, FAST=config.fast, L2AHEAD=config.l2_ahead, num_warps=config.num_warps,
                            **({"maxnreg": config.max_registers} if config.max_registers else {}))
+    if config.up_stream_k:
+        pieces = buffers.pieces(config.up_stream_k, block_up)
         if "up" in kernels:
             compiled["up"] = _up_stream[(config.up_stream_k,)](
                 num_groups, tasks, x, buffers.gate_up, pieces, counts, order, experts, *w1, *w3, d, inter,
-                picks // x.shape[0], **stream_meta)
+                picks // x.shape[0], BN=block_up, BK=up_meta["BK"], **stream_meta)
         if "swiglu" in kernels:
             _swiglu_stream[(picks, inter // swiglu_block)](
                 num_groups, pick_task, pick_column, buffers.gate_up, pieces, route_weights, buffers.h,
@@ -908,7 +984,16 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
             _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
                                                     BLOCK=swiglu_block, FAST=config.fast)
     if "down" in kernels:
-        if config.programs:
+        if config.down_stream_k:
+            pieces = buffers.pieces(config.down_stream_k, block_down)
+            compiled["down"] = _down_stream[(config.down_stream_k,)](
+                num_groups, tasks, buffers.h, buffers.per_pick, pieces, counts, order, experts, *w2, d, inter,
+                BN=block_down, BK=down_meta["BK"], **stream_meta)
+            fixup_block = min(1024, d)
+            _down_fixup[(picks, d // fixup_block)](num_groups, pick_task, pick_column, buffers.per_pick, pieces,
+                                                   config.down_stream_k, d, inter, BN=block_down,
+                                                   BK=down_meta["BK"], ROWS_=ROWS, BLOCK=fixup_block)
+        elif config.programs:
             compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
         else:
             compiled["down"] = _down[(picks, d // block_down)](*down_args, **down_meta)

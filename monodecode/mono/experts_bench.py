@@ -17,10 +17,10 @@ mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor d
 without tma does not use (it prefetches by itself); REGISTERS caps the registers a thread
 (`LaunchConfig.max_registers`, name ending in `rN`); L2AHEAD the K steps beyond the next that
 each step asks L2 for (`LaunchConfig.l2_ahead`, `lN`); `--stream-k-per-sm` n > 0 runs gate/up
-stream-K on n programs a SM (`LaunchConfig.up_stream_k`, name ending in `skN`). Every variant is
-first checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
-kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
-through shared memory (its software pipelining).
+and down stream-K on n programs a SM (`LaunchConfig.up_stream_k`, `down_stream_k`; name ending
+in `skN`). Every variant is first checked against the float64 reference at 6 rows; its line
+ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
+`async` where Triton staged the codes through shared memory (its software pipelining).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -
         w = torch.rand(rows * TOPK, device="cuda", generator=g)
         buffers = X.StageBuffers(rows * TOPK, bank, "cuda")
         groups = X.group_picks(ids)
-        if config.up_stream_k:  # made with the groups, outside the timed kernels
+        if config.up_stream_k or config.down_stream_k:  # made with the groups, outside the timed kernels
             groups = (*groups, *X.stream_maps(groups[0], groups[2]))
         plans.append((x, groups, w, buffers, ids.unique().numel()))
     run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers, kernels)  # noqa: E731
@@ -129,7 +129,8 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
                 + (f" r{registers}" if registers else "") + (f" l{ahead}" if ahead else "")
                 + (f" sk{sk}" if sk else ""))
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
-                                           max_registers=registers, up_stream_k=sk * sms, l2_ahead=ahead)
+                                           max_registers=registers, up_stream_k=sk * sms, down_stream_k=sk * sms,
+                                           l2_ahead=ahead)
 
 
 def main(argv=None) -> int:
@@ -146,8 +147,8 @@ def main(argv=None) -> int:
                         help="semicolon-separated block_n,block_k,warps,stages[,max registers[,L2 ahead]] (e.g. "
                              "128,256,8,1,128,2;64,256,4,3) instead of the grid (0 registers: uncapped)")
     parser.add_argument("--stream-k-per-sm", default="0",
-                        help="comma-separated: 0 = gate/up as --programs-per-sm says; n = gate/up stream-K on n "
-                             "programs a SM (LaunchConfig.up_stream_k; the fragment order)")
+                        help="comma-separated: 0 = gate/up and down as --programs-per-sm says; n = both stream-K "
+                             "on n programs a SM (LaunchConfig.up_stream_k, down_stream_k; the fragment order)")
     parser.add_argument("--no-portable", action="store_true",
                         help="leave out the portable decode (e.g. to profile one variant alone)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
