@@ -32,8 +32,9 @@ Contract
   pieces of a task cut between programs added in program order by the SwiGLU pass,
   `swiglu_stream_task`), so that no program idles through a last wave of whole tasks, and with
   `down_stream_k` the down tasks likewise (`down_stream_stage`, the pieces added by a small pass
-  after it, `down_fixup_task`; not yet timed on a GPU: docs/PERFORMANCE.md); with `LaunchConfig.l2_ahead` the K loop also asks L2
-  for the codes a few steps ahead (`_prefetch_bands`; not yet timed either).
+  after it, `down_fixup_task`; not yet timed on a GPU: docs/PERFORMANCE.md); with
+  `LaunchConfig.l2_ahead` the K loop also asks L2 for the codes a few steps ahead
+  (`_prefetch_bands`; not yet timed either).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
