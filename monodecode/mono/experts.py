@@ -536,8 +536,9 @@ def _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
-    """(silu(min(gate, limit)) * clamp(up, -limit, limit) * weight) rounded to bf16."""
+def swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
+    """(silu(min(gate, limit)) * clamp(up, -limit, limit) * weight) in fp32, rounded to bf16 (the
+    routed experts' h; the shared expert's with weight 1, `router.shared_swiglu_task`)."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up * weight
@@ -548,10 +549,10 @@ def _swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
 
 @triton.jit
 def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """h[p, block] from pick p's gate and up (`_swiglu_value`)."""
+    """h[p, block] from pick p's gate and up (`swiglu_value`)."""
     i = ib * BLOCK + tl.arange(0, BLOCK)
     gate, up = tl.load(gu_ptr + p * (2 * I) + i), tl.load(gu_ptr + p * (2 * I) + I + i)
-    tl.store(h_ptr + p * I + i, _swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
+    tl.store(h_ptr + p * I + i, swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
 
 
 # --- stream-K gate/up: every program an equal share of all the tasks' K steps ----------------------
@@ -565,6 +566,15 @@ def _stream_share(pid, grid, total):
 def _stream_owner(step, grid, total):
     """The program whose share (`_stream_share`) holds `step`."""
     return ((step + 1) * grid - 1) // total
+
+
+@triton.jit
+def _stream_piece(step, last, steps, BK: tl.constexpr):
+    """The piece of work a stream-K program does from `step` (its share ending at `last`): (task
+    u, the step after the piece, its columns k_lo .. k_hi of the task's `steps` K steps)."""
+    u = step // steps
+    end = tl.minimum(last, (u + 1) * steps)
+    return u, end, (step - u * steps) * BK, (end - u * steps) * BK
 
 
 @triton.jit
@@ -584,12 +594,10 @@ def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr,
     first, last = _stream_share(pid, grid, total)
     step = first
     while step < last:
-        u = step // steps
-        end = tl.minimum(last, (u + 1) * steps)
+        u, end, k_lo, k_hi = _stream_piece(step, last, steps, BK)
         _, expert, picks, mask = _group(tl.load(tasks_ptr + u // (2 * blocks)), counts_ptr, order_ptr, experts_ptr,
                                         ROWS_)
         nb = u // 2 % blocks
-        k_lo, k_hi = (step - u * steps) * BK, (end - u * steps) * BK
         if u % 2 == 0:
             acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
                                    k_hi, BN, BK, FAST, L2AHEAD)
@@ -656,7 +664,7 @@ def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr
         i = ib * BLOCK + tl.arange(0, BLOCK)
         gate = _stream_gate_up(q, 0, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
         up = _stream_gate_up(q, 1, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
-        tl.store(h_ptr + p * I + i, _swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
+        tl.store(h_ptr + p * I + i, swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
 
 
 @triton.jit
@@ -671,10 +679,8 @@ def down_stream_stage(pid, grid, groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_p
     first, last = _stream_share(pid, grid, total)
     step = first
     while step < last:
-        u = step // steps
-        end = tl.minimum(last, (u + 1) * steps)
+        u, end, k_lo, k_hi = _stream_piece(step, last, steps, BK)
         _, expert, picks, mask = _group(tl.load(tasks_ptr + u // blocks), counts_ptr, order_ptr, experts_ptr, ROWS_)
-        k_lo, k_hi = (step - u * steps) * BK, (end - u * steps) * BK
         y = _fragment_matvec(w2_codes, w2_scales, expert * D + u % blocks * BN, h_ptr, picks, mask, I, k_lo, k_hi, BN,
                              BK, FAST, L2AHEAD)
         if k_hi - k_lo == I:

@@ -115,7 +115,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     for t in range(pid, n7, grid):
         if t == 0:
             RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr,
-                          pick_column_ptr, R * TOPK, BP, ROWS_E)
+                          pick_column_ptr, R * TOPK, BP, ROWS_E, ESK)
         else:
             gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0,
                       0, SB, BN_S2, BK_I, BR, True, FAST, GNS, GTMA)
@@ -245,7 +245,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         *lw.hc_ffn, lw.ffn_norm, s.post_ffn, s.comb_ffn, s.x,
         weight_operand(lw.gate, tma, bn_g, bk_d), routing, routing, s.logits, s.ids, s.route_weights, s.order,
         s.experts, s.counts, s.tasks, s.groups, s.pick_task, s.pick_column,
-        s.pieces(runner.grid, bne) if shape.expert_stream_k else s.per_pick, *shared,
+        s.pieces(runner.grid, bne) if shape.expert_stream_k else s.per_pick,  # unread without stream-K
+        *shared,
         s.shared_gate, s.shared_up, s.shared_h, s.shared_out,
         *w1, *w2, *w3, s.gate_up, s.h, s.per_pick, s.y,
         d, c.num_attention_heads, c.o_groups, c.o_lora_rank, c.n_routed_experts, inter, c.num_experts_per_tok,

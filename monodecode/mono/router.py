@@ -20,9 +20,10 @@ Stages
   expert stage starts (an expert's first sorted pick and every ROWS picks after it), then it is
   that task's number of picks (<= ROWS); experts[j] is the expert there, else 0. Built by one
   sort of unique keys (expert * BP + pick: stable by construction) and two scans that find each
-  sorted pick's run of equal experts; no P x P matrix. Also what `experts.stream_maps` gives
-  of them for the stream-K gate/up: the sorted picks that start a task (tasks[0 .. G - 1]),
-  G (groups [1]), and each pick's task among those (-1 for pads) and column in it.
+  sorted pick's run of equal experts; no P x P matrix. Also (in K2 only with the stream-K
+  gate/up; the standalone launch always) what `experts.stream_maps` gives of them: the sorted
+  picks that start a task (tasks[0 .. G - 1]), G (groups [1]), and each pick's task among those
+  (-1 for pads) and its column in it.
 - shared swiglu (`shared_swiglu_task`, `shared_swiglu_tasks(R, I, BLOCK)`, a task per (row,
   block of I)): h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from gate, up bf16
   [R, I] (the shared expert's w1 / w3 GEMV outputs, bf16 as F.linear in bf16 gives them; one row
@@ -52,7 +53,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .experts import ROWS
+from .experts import ROWS, swiglu_value
 from .rounding import bf16
 
 _PAD: tl.constexpr = tl.constexpr(1 << 16)  # the sort class of pad picks: after every expert id
@@ -141,10 +142,11 @@ def _run_end(a0, a1, a2, b0, b1, b2):
 
 @triton.jit
 def group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, P,
-               BP: tl.constexpr, ROWS_: tl.constexpr):
+               BP: tl.constexpr, ROWS_: tl.constexpr, STREAM: tl.constexpr):
     """`experts.group_picks` of the flat ids [P] (-1: pad) with ROWS_ rows a task: order, experts,
-    counts int32 [P]; and their `experts.stream_maps` (tasks [P], of which the first G are
-    written, groups [1], pick_task [P], pick_column [P]). One task; BP >= P a power of two."""
+    counts int32 [P]; with STREAM also their `experts.stream_maps` (tasks [P], of which the first
+    G are written, groups [1], pick_task [P], pick_column [P]; only the stream-K expert stages
+    read them). One task; BP >= P a power of two."""
     tl.static_assert(BP <= 16384)  # MAX_PICKS_BLOCK: keys below 2^31
     j = tl.arange(0, BP)
     e = tl.load(ids_ptr + j, mask=j < P, other=-1)
@@ -158,12 +160,13 @@ def group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_pt
     tl.store(order_ptr + j, key % BP, mask=j < P)
     tl.store(experts_ptr + j, tl.where(counts > 0, cls, 0), mask=j < P)
     tl.store(counts_ptr + j, counts, mask=j < P)
-    starts = (counts > 0).to(tl.int32)
-    task = tl.cumsum(starts, 0) - 1  # a sorted pick's task: the last start at or before it
-    tl.store(tasks_ptr + task, j, mask=starts > 0)
-    tl.store(groups_ptr, tl.sum(starts, 0))
-    tl.store(pick_task_ptr + key % BP, tl.where(cls != _PAD, task, -1), mask=j < P)
-    tl.store(pick_column_ptr + key % BP, (j - start) % ROWS_, mask=j < P)
+    if STREAM:
+        starts = (counts > 0).to(tl.int32)
+        task = tl.cumsum(starts, 0) - 1  # a sorted pick's task: the last start at or before it
+        tl.store(tasks_ptr + task, j, mask=starts > 0)
+        tl.store(groups_ptr, tl.sum(starts, 0))
+        tl.store(pick_task_ptr + key % BP, tl.where(cls != _PAD, task, -1), mask=j < P)
+        tl.store(pick_column_ptr + key % BP, (j - start) % ROWS_, mask=j < P)
 
 
 def group_tasks() -> int:
@@ -173,16 +176,14 @@ def group_tasks() -> int:
 # --- shared expert SwiGLU -------------------------------------------------------------------------
 @triton.jit
 def shared_swiglu_task(t, gate_ptr, up_ptr, in_stride, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """h[row, block] = silu(min(gate, limit)) * clamp(up, -limit, limit), rounded to bf16."""
+    """h[row, block] = silu(min(gate, limit)) * clamp(up, -limit, limit), rounded to bf16
+    (`experts.swiglu_value` with weight 1)."""
     blocks = tl.cdiv(I, BLOCK)
     row = t // blocks
     i = (t % blocks) * BLOCK + tl.arange(0, BLOCK)
-    gate = tl.minimum(tl.load(gate_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32), limit)
+    gate = tl.load(gate_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32)
-    h = gate / (1.0 + tl.exp(-gate)) * tl.minimum(tl.maximum(up, -limit), limit)
-    if not FAST:
-        h = bf16(h)
-    tl.store(h_ptr + row * I + i, h.to(tl.bfloat16), mask=i < I)
+    tl.store(h_ptr + row * I + i, swiglu_value(gate, up, 1.0, limit, FAST), mask=i < I)
 
 
 def shared_swiglu_tasks(rows: int, inter: int, block: int) -> int:
@@ -228,7 +229,7 @@ def _route(n, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, tid2ei
 def _group(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, P,
            BP: tl.constexpr, ROWS_: tl.constexpr):
     group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, P,
-               BP, ROWS_)
+               BP, ROWS_, True)
 
 
 @triton.jit
