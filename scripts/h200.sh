@@ -15,8 +15,7 @@
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
 #                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
-#                 (BN,BK,WARPS,STAGES[,REGISTERS[,L2AHEAD]];...) instead of the quick grid; SK (e.g. 0,1,2): gate/up
-#                 and down stream-K on that many programs a SM as well
+#                 (BN,BK,WARPS,STAGES[,REGISTERS[,PDL]];...) instead of the quick grid
 #   experts-ncu   Nsight Compute's full report (hardware counters) of the expert stage's gate/up and down kernels
 #                 at ROWS rows (default 48), one variant (CONFIGS, PPS as for experts; caches flushed)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
@@ -61,7 +60,7 @@ case $part in
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 \
       --programs-per-sm "${PPS:-0,1,2}" --layouts "${LAYOUTS:-interleave,fragments}" \
-      --configs "${CONFIGS:-}" --stream-k-per-sm "${SK:-0}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+      --configs "${CONFIGS:-}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts-ncu)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
     kernels=$([ "${PPS:-0}" = 0 ] && echo '^_(up|down)$' || echo '^_(up|down)_persistent$')

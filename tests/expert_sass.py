@@ -1,18 +1,18 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--max-registers 0] [--tma] [--fragments [--stream-k N]] [--l2-ahead N] [--down] [--top 12]
-[--ttgir FILE]`, in a process where TRITON_INTERPRET is unset (the installed Triton compiles:
-put the GPU's version first on PYTHONPATH to see what it builds, e.g. `pip install --target DIR
-triton==3.6.0`). Records one gate/up (or `--down`) launch of `experts.launch_stages` at
-v4-flash sizes (hidden 4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with
-`triton.compile` (the JIT's divisibility hints: tests/mono_compile.py), disassembles the cubin
-with Triton's bundled `nvdisasm`, and prints, for every loop (a label and the branch back to it), its length and its
-most frequent opcodes, after the kernel's registers a thread and spills (ptxas -v, as
-tests/mono_compile.py reads them). The K loop is the long one: its length over the weights a
-thread decodes a K step (BN * BK / (32 * warps)) is the instructions a weight
-(docs/PERFORMANCE.md: ~5.0 for the 4-warp 64 x 256 tile in the checkpoint's order; 2.77 for the
-8-warp 128 x 256 one in the fragment order with Triton 3.6).
+[--max-registers 0] [--tma] [--fragments] [--pdl] [--down] [--top 12] [--ttgir FILE]`, in a process where
+TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
+PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
+Records one gate/up (`--down`: down) launch of `experts.launch_stages` at v4-flash sizes (hidden 4096,
+intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the JIT's
+divisibility hints: tests/mono_compile.py), disassembles the cubin with Triton's bundled
+`nvdisasm`, and prints, for every loop (a label and the branch back to it),
+its length and its most frequent opcodes, after the kernel's registers a thread and spills
+(ptxas -v, as tests/mono_compile.py reads them). The K loop is the long one: its length over the weights a thread decodes a K
+step (BN * BK / (32 * warps)) is the instructions a weight (docs/PERFORMANCE.md: ~5.0 for the
+4-warp 64 x 256 tile in the checkpoint's order; 2.77-2.79 for the 8-warp 128 x 256 one in the
+fragment order with Triton 3.6).
 """
 
 import argparse
@@ -65,12 +65,10 @@ def main(argv=None) -> int:
     parser.add_argument("--programs", type=int, default=0, help="0: a program a task; n: n persistent programs")
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
     parser.add_argument("--max-registers", type=int, default=0, help="LaunchConfig.max_registers")
-    parser.add_argument("--l2-ahead", type=int, default=0, help="LaunchConfig.l2_ahead")
-    parser.add_argument("--stream-k", type=int, default=0,
-                        help="LaunchConfig.up_stream_k and down_stream_k (with --fragments)")
-    parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
+    parser.add_argument("--pdl", action="store_true", help="LaunchConfig.pdl")
+    parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
     parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
     args = parser.parse_args(argv)
@@ -80,19 +78,17 @@ def main(argv=None) -> int:
                 torch.randint(118, 130, (E, n, k // 32), dtype=torch.uint8))
 
     weights = X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D), fragments=args.fragments, _fast_decode=True)
-    launches = []
-    for name in ("_up", "_up_persistent", "_up_stream", "_swiglu", "_swiglu_stream", "_down", "_down_persistent",
-                 "_down_stream", "_down_fixup"):  # record the launches of the kernel asked for, skip the others
-        asked = name.startswith("_down" if args.down else "_up") and name != "_down_fixup"
-        setattr(X, name, Recorder(getattr(X, name), launches if asked else []))
+    launches, others = [], []
+    recorded = ("_down", "_down_persistent") if args.down else ("_up", "_up_persistent")
+    for name in ("_up", "_up_persistent", "_swiglu", "_down", "_down_persistent"):
+        setattr(X, name, Recorder(getattr(X, name), launches if name in recorded else others))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
-                            tma=args.tma, max_registers=args.max_registers, up_stream_k=args.stream_k,
-                            down_stream_k=args.stream_k, l2_ahead=args.l2_ahead)
+                            tma=args.tma, max_registers=args.max_registers, pdl=args.pdl)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
                     10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))
     kernel, launch_args, kwargs = launches[0]
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if key in kwargs}
     types, constants, attrs = signature(kernel, launch_args, kwargs)
     compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
@@ -106,7 +102,8 @@ def main(argv=None) -> int:
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     per_thread = args.block_n * args.block_k // (32 * args.warps)
     print(f"{kernel.__name__}: BN {args.block_n}, BK {args.block_k}, {args.warps} warps, {args.stages} stages, "
-          f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}; {per_thread} "
+          f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}, pdl {args.pdl}; "
+          f"{per_thread} "
           f"weights a thread a K step; {registers(compiled.asm['ptx'])}")
     for length, opcodes in loops(sass):
         print(f"loop of {length} instructions ({length / per_thread:.2f} a weight if the K loop): "

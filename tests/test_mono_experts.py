@@ -126,49 +126,6 @@ def test_persistent_programs_run_the_tasks_of_k2(bank, device, programs, block_k
                                 device)
 
 
-@pytest.fixture(scope="module")
-def wide_bank(device):
-    """`fragment_bank` with hidden and intermediate swapped (128, 256): two K steps of 128 a down task."""
-    checkpoint = random_bank(torch.Generator().manual_seed(2), num_experts=8, hidden=128, inter=256, device="cpu")
-    return on_device(X.in_fragment_order(checkpoint), device), checkpoint
-
-
-@pytest.mark.parametrize("programs,block_n", [(1, 32), (5, 32), (13, 16), (100, 64)])
-@pytest.mark.parametrize("stage", ["up", "down"])
-def test_stream_k_matches_the_reference(bank, fragment_bank, wide_bank, device, programs, block_n, stage):
-    """`LaunchConfig.up_stream_k` / `down_stream_k`: gate/up (or down) on persistent programs,
-    each an equal run of all the tasks' K steps (two of 128 a task here), tasks cut between
-    programs and their pieces added in program order (by the SwiGLU pass, or the fixup after
-    down), give the reference's result: one program (no task cut), 5 and 13 (tasks cut in two),
-    100 (more programs than steps: some idle, a task's two steps in two programs). Experts in
-    the checkpoint's order are refused."""
-    experts, checkpoint = fragment_bank if stage == "up" else wide_bank
-    fast = device == "cuda" and experts.supports_fast_decode()
-    config = X.LaunchConfig(fast=fast, block_n=block_n, block_k=128, **{f"{stage}_stream_k": programs})
-    assert_rows_and_a_pad_match(torch.Generator().manual_seed(90 + programs), experts, checkpoint, config, device)
-    with pytest.raises(ValueError, match="up_stream_k and down_stream_k read experts in the fragment order"):
-        X.routed_experts(torch.zeros(1, 64, dtype=torch.bfloat16, device=device), torch.zeros(1, 2, dtype=torch.long,
-                         device=device), torch.ones(1, 2, device=device), bank, LIMIT,
-                         X.LaunchConfig(fast, 32, 32, **{f"{stage}_stream_k": programs}))
-
-
-def test_stream_maps_place_every_pick():
-    """`stream_maps`: the picks that start groups in sorted order, their count, and each pick's
-    group and column (pads: -1), as a loop over `group_picks`' groups finds them."""
-    ids = torch.tensor([[2, 0], [-1, -1], [2, 1], [0, 2], [2, 3]])
-    order, _, counts = X.group_picks(ids, rows=2)
-    tasks, groups, pick_task, pick_column = X.stream_maps(order, counts)
-    starts = [j for j in range(len(counts)) if counts[j] > 0]
-    assert tasks[:len(starts)].tolist() == starts and groups.tolist() == [len(starts)]
-    expected_task, expected_column = [-1] * len(order), [None] * len(order)
-    for q, j in enumerate(starts):
-        for column in range(int(counts[j])):
-            expected_task[int(order[j + column])], expected_column[int(order[j + column])] = q, column
-    assert pick_task.tolist() == expected_task
-    live = [p for p in range(len(order)) if expected_task[p] >= 0]
-    assert [int(pick_column[p]) for p in live] == [expected_column[p] for p in live]
-
-
 def test_group_picks():
     ids = torch.tensor([[2, 0], [-1, -1], [2, 1], [0, 2]])
     order, experts, counts = X.group_picks(ids, rows=2)
@@ -258,35 +215,55 @@ def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device
         assert_rows_and_a_pad_match(torch.Generator(), bank, checkpoint, X.LaunchConfig(fast, 8, 128), device)
 
 
+@pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",
+                    reason="programmatic dependent launches need an NVIDIA GPU")
+@pytest.mark.parametrize("rows,block_n,warps", [(1, 32, 4), (48, 128, 8)])
+def test_dependent_launches_give_the_same_result(device, rows, block_n, warps):
+    """`LaunchConfig.pdl`: SwiGLU and down launched while gate/up still runs, down loading its first
+    weights before it waits for h, give bit for bit the result of ordinary launches (the same
+    arithmetic). The intermediates are poisoned, so a down task that read h before SwiGLU wrote it
+    would give NaN; at 1 row gate/up is one wave of long tasks (K 4096) and down's programs
+    launch at once beside it, so that a missing wait would show. At 1 row also against the
+    float64 reference."""
+    g = torch.Generator().manual_seed(90 + rows)
+    checkpoint = random_bank(g, num_experts=8, hidden=4096, inter=512, device="cpu")
+    experts = on_device(X.in_fragment_order(checkpoint), device)
+    ids = picks(g, rows, 4, 8, "bias")
+    x = torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
+    weights = torch.rand(rows, 4, generator=g) + 0.1
+    results = [X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT,
+                                X.LaunchConfig(True, block_n, 256, warps, max_registers=128, pdl=pdl), poison=True)
+               for pdl in (False, True)]
+    assert torch.isfinite(results[1]).all()
+    assert torch.equal(results[0], results[1])
+    if rows == 1:
+        assert_close(results[1], X.reference(x, ids, weights, checkpoint, LIMIT))
+
+
+def test_dependent_launches_are_refused_where_they_cannot_run(fragment_bank, bank):
+    """`LaunchConfig.pdl` waits inside the fragment order's own K loop, a program a task, with the
+    fast decode: anything else is refused before a launch."""
+    fragments, _ = fragment_bank
+    for experts, config in ((fragments, X.LaunchConfig(True, 32, 128, programs=4, pdl=True)),
+                            (fragments, X.LaunchConfig(True, 32, 128, tma=True, pdl=True)),
+                            (fragments, X.LaunchConfig(False, 32, 128, pdl=True)),
+                            (bank, X.LaunchConfig(True, 32, 32, pdl=True))):
+        with pytest.raises(ValueError, match="it needs the fast decode, the fragment order, no tma and programs = 0"):
+            X.launch_stages(None, (None, None, None), None, experts, LIMIT, config, None)
+
+
 def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, device):
     """`default_config`: the H200's fastest measured tiles in the fragment order, 128 x 256 with 8
-    warps for steps of 4+ rows and 64 x 256 with 4 below, registers capped at 128; with it (None)
-    the launcher still gives the reference's result."""
+    warps for steps of 4+ rows and 64 x 256 with 4 below, registers capped at 128, dependent
+    launches; with it (None) the launcher still gives the reference's result."""
     bank, checkpoint = fragment_bank
     wide, narrow = X.default_config(bank, 6, True), X.default_config(bank, 1, True)
-    assert (wide.block_n, wide.block_k, wide.num_warps, wide.max_registers) == (128, 256, 8, 128)
-    assert (narrow.block_n, narrow.block_k, narrow.num_warps, narrow.max_registers) == (64, 256, 4, 128)
+    assert (wide.block_n, wide.block_k, wide.num_warps, wide.max_registers, wide.pdl) == (128, 256, 8, 128, True)
+    assert (narrow.block_n, narrow.block_k, narrow.num_warps, narrow.max_registers, narrow.pdl) == (64, 256, 4, 128,
+                                                                                                     True)
     assert X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
     assert X.default_config(bank, 6, False) == X.LaunchConfig(False)
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)
-
-
-def test_l2_prefetch_needs_the_fast_decode_of_bands_a_warp(fragment_bank, device):
-    """`LaunchConfig.l2_ahead` (bulk L2 prefetches of a 16-row band a warp, NVIDIA PTX) is refused
-    with the reason where it cannot run: the portable decode, or tiles not a band a warp. (Its
-    results are checked on the GPU, where the fast decode runs: the same reference test.)"""
-    experts, checkpoint = fragment_bank
-    fast = device == "cuda" and experts.supports_fast_decode()
-    for config in (X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, l2_ahead=2),
-                   X.LaunchConfig(fast=True, block_n=32, block_k=128, num_warps=4, l2_ahead=2)):
-        with pytest.raises(ValueError, match="l2_ahead prefetches a 16-row band a warp"):
-            assert_rows_and_a_pad_match(torch.Generator(), experts, checkpoint, config, device)
-    if fast:
-        for programs in (0, 5):
-            config = X.LaunchConfig(fast=True, block_n=64, block_k=128, num_warps=4, l2_ahead=2, up_stream_k=programs,
-                                    down_stream_k=programs)
-            assert_rows_and_a_pad_match(torch.Generator().manual_seed(95 + programs), experts, checkpoint, config,
-                                        device)
 
 
 def test_launch_stages_runs_the_kernels_asked_for(bank, device):
@@ -324,10 +301,5 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     capped = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False))
     assert [(name, config.max_registers) for name, _, config in capped] == [("fast bn128 bk256 w8 s1 fragments r128",
                                                                              128)]
-    streamed = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128, 2)], portable=False,
-                               stream_k_per_sm=(0, 2)))
-    assert [(name, config.up_stream_k, config.down_stream_k, config.l2_ahead) for name, _, config in streamed] == [
-        ("fast bn128 bk256 w8 s1 fragments r128 l2", 0, 0, 2),
-        ("fast bn128 bk256 w8 s1 fragments r128 l2 sk2", 264, 264, 2)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])

@@ -90,19 +90,11 @@ def test_route_ties_go_to_the_lowest_expert(device):
 
 
 def assert_groups_equal(ids, device):
-    """Bit for bit what group_picks returns, and its stream_maps where they are defined (the
-    first `groups` tasks, live picks' columns); gives the kernel's (order, experts, counts)."""
+    """Bit for bit what group_picks returns; gives the kernel's (order, experts, counts)."""
     got = tuple(a.cpu() for a in M.group(ids.to(device), poison=True))
-    want = X.group_picks(ids)
-    for name, a, b in zip(("order", "experts", "counts"), got, want):
+    for name, a, b in zip(("order", "experts", "counts"), got, X.group_picks(ids)):
         assert torch.equal(a, b), f"{name} differs for ids {ids.tolist()}"
-    tasks, groups, pick_task, pick_column = got[3:]
-    want_tasks, want_groups, want_task, want_column = X.stream_maps(want[0], want[2])
-    live = want_task >= 0
-    assert torch.equal(groups, want_groups) and torch.equal(pick_task, want_task), ids.tolist()
-    assert torch.equal(tasks[:int(groups)], want_tasks[:int(groups)]), ids.tolist()
-    assert torch.equal(pick_column[live], want_column[live]), ids.tolist()
-    return got[:3]
+    return got
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 29, 48])

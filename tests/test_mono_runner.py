@@ -384,10 +384,9 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     """Hidden and intermediate 128 (one fragment group): the runner stacks the experts in the
     fragment order once, the per-op bank reading views of that stack (no second copy) and
     decoding the order back; the K2 step agrees with the per-op step, with tiles of 128 and of 32
-    rows (`experts._load_fragments`' 16-row blocks), with descriptor loads and with the gate/up
-    stream-K (under the interpreter K2 is one program, so no task is cut: test_mono_experts cuts
-    them); a shape that order cannot serve is refused with the reason, the old shape kept. (The
-    tiny model's 64 / 32 stay in the checkpoint's order.)"""
+    rows (`experts._load_fragments`' 16-row blocks) and with descriptor loads; a shape whose tiles
+    that order cannot serve is refused with the reason, the old shape kept. (The tiny model's 64 /
+    32 stay in the checkpoint's order.)"""
     from monodecode.mono.runner import LaunchShape
 
     m = Model.from_checkpoint(SyntheticCheckpoint(tiny(hidden_size=128, moe_intermediate_size=128,
@@ -404,8 +403,7 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     tokens, positions, slots = step_rows(g, m.config.vocab_size, next_pos, *STEPS[6])
     ref = m.step_per_op(caches[0], tokens, positions, slots)
     live = torch.tensor(slots, device=ref.device) >= 0
-    for spec in ("default", "expert_block_n=32", "expert_tma=1,expert_block_k=128", "expert_stream_k=1",
-                 "expert_stream_k=1,expert_block_n=32"):
+    for spec in ("default", "expert_block_n=32", "expert_tma=1,expert_block_k=128"):
         m.mono.configure(LaunchShape.parse(spec))
         out = m.step(copy.deepcopy(caches[1]), tokens, positions, slots)
         assert m.mono.last_path == "mono"
@@ -417,9 +415,6 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     with pytest.raises(ValueError, match=r"fragment order, which needs expert tiles of a multiple of 16 rows "
                                          r"\(here \[8\]\)"):
         m.mono.configure(LaunchShape(expert_block_n=8))
-    with pytest.raises(ValueError, match=r"expert_stream_k reads experts in the fragment order through pointers "
-                                         r"\(not expert_tma\); these experts are read through descriptors"):
-        m.mono.configure(LaunchShape(expert_stream_k=1, expert_tma=1))
     assert m.mono.shape == LaunchShape()
     m.use_mono("on")  # a second runner stacks the stacked bank again: still the fragment order, once
     assert m.mono.layers[0].experts.fragments and torch.equal(m.mono.layers[0].experts.w1[0], experts.w1[0])

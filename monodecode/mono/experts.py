@@ -27,14 +27,10 @@ Contract
   p + grid, ...). Standalone (`routed_experts`: the benchmark, and the DSpark draft's MoE while
   the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
-  `_down_persistent`), the stage as it runs inside K2; with `LaunchConfig.up_stream_k` the
-  gate/up stream-K (`up_stream_stage`: each program an equal run of all the tasks' K steps, the
-  pieces of a task cut between programs added in program order by the SwiGLU pass,
-  `swiglu_stream_task`), so that no program idles through a last wave of whole tasks, and with
-  `down_stream_k` the down tasks likewise (`down_stream_stage`, the pieces added by a small pass
-  after it, `down_fixup_task`; not yet timed on a GPU: docs/PERFORMANCE.md); with
-  `LaunchConfig.l2_ahead` the K loop also asks L2 for the codes a few steps ahead
-  (`_prefetch_bands`; not yet timed either).
+  `_down_persistent`), the stage as it runs inside K2.
+- Programmatic dependent launches (`LaunchConfig.pdl`, the default of the fast decode in the
+  fragment order): the SwiGLU and down kernels launch during gate/up's last wave, and down's
+  programs load their first weight tile before waiting for h (`launch_stages`).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -72,6 +68,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import formats
 from ..formats import FRAGMENT_GROUP, fragment_code_masks, from_fragment_order, to_fragment_order
@@ -404,14 +401,15 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 
 @triton.jit
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
-            FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr = 0):
+            FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr,
+            PDL: tl.constexpr = False):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
-    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). L2AHEAD:
-    `_fragment_matvec`'s."""
+    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). PDL:
+    `_fragment_matvec`'s (the other loops do not take it)."""
     if FRAG and not TMA:
-        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, 0, K, BN, BK, FAST, L2AHEAD)
+        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -425,75 +423,29 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 
 
 @triton.jit
-def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, k_lo, k_hi, BN: tl.constexpr,
-                     BK: tl.constexpr, FAST: tl.constexpr, L2AHEAD: tl.constexpr = 0):
-    """`_matvec` of fragment-order codes over columns k_lo .. k_hi (whole K steps: all of K, or a
-    stream-K piece, `up_stream_stage`), prefetched by hand: while K step k is decoded and
+def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
+                     FAST: tl.constexpr, PDL: tl.constexpr = False):
+    """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
     (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
     Triton's own pipelining staged the codes through shared memory instead, one buffer a tile,
     and waited for each step's copy before decoding it; this loop moves 10-13 % more bytes a
     second on the H200 (docs/PERFORMANCE.md). It holds one more tile in registers, which is
-    why the launcher caps them (`LaunchConfig.max_registers`). L2AHEAD > 0 (NVIDIA; a warp
-    each 16-row band, `LaunchConfig.l2_ahead`): L2 is also asked for the tile's scales and, each
-    step, for the codes L2AHEAD steps beyond the next (`_prefetch_bands`), bytes on their way
-    that hold no registers."""
+    why the launcher caps them (`LaunchConfig.max_registers`). PDL (NVIDIA; the kernel launched
+    as a programmatic dependent of the one that writes x, `LaunchConfig.pdl`): the first tile's
+    loads go out before waiting for that kernel (`griddepcontrol.wait`), x's after."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
-    if L2AHEAD > 0:
-        _prefetch_run(scales_ptr + row0 * (K // 32), BN * (K // 32))
-        first = tl.minimum(k_lo + BK, k_hi - BK)  # the steps after the first, or the only one
-        _prefetch_bands(codes, row0, first, tl.minimum(L2AHEAD, (k_hi - first) // BK), K, BK)
-    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK)
-    x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
-        ahead = tl.minimum(k0 + BK, k_hi - BK)
-        if L2AHEAD > 0:
-            _prefetch_bands(codes, row0, tl.minimum(k0 + (L2AHEAD + 1) * BK, k_hi - BK), 1, K, BK)
+    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, 0, K, BN, BK)
+    if PDL:
+        gdc_wait()
+    x = _x_tile(x_ptr, x_rows, x_mask, 0, K, BK, FAST)
+    for k0 in tl.range(0, K, BK, num_stages=1):
+        ahead = tl.minimum(k0 + BK, K - BK)
         next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK)
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
         acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
         tile, scale_codes, x = next_tile, next_scales, next_x
     return acc
-
-
-# One bulk L2 prefetch ($3 bytes at $1 + (thread / 32) * $2) by lane 0 of each warp: an address
-# a warp shares (the copy engine's prefetch takes one), the other lanes idle. Output unused.
-_PREFETCH_BANDS_ASM = tl.constexpr("""{
-.reg .u32 t_; .reg .u64 a_; .reg .pred p_;
-mov.u32 t_, %tid.x;
-and.b32 t_, t_, 31;
-setp.eq.u32 p_, t_, 0;
-mov.u32 t_, %tid.x;
-shr.u32 t_, t_, 5;
-mad.wide.u32 a_, t_, $2, $1;
-@p_ cp.async.bulk.prefetch.L2.global [a_], $3;
-mov.u32 $0, 0;
-}""")
-# The same by thread 0 alone, at $1.
-_PREFETCH_RUN_ASM = tl.constexpr("""{
-.reg .u32 t_; .reg .pred p_;
-mov.u32 t_, %tid.x;
-setp.eq.u32 p_, t_, 0;
-@p_ cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def _prefetch_bands(codes, row0, k0, steps, K, BK: tl.constexpr):
-    """Ask L2 for `steps` K steps from column k0 of each 16-row band of the tile at row0: warp w
-    for band w (rows row0 + 16 w ..: the tile has a band a warp, `LaunchConfig.l2_ahead`), whose
-    steps are one contiguous run in the fragment order's blocks (8 BK bytes a step)."""
-    band = codes + (row0 // 16 * (K // 128) + k0 // 128) * 512
-    tl.inline_asm_elementwise(_PREFETCH_BANDS_ASM, "=r,l,r,r", [band, tl.cast(K * 8, tl.uint32),
-                              tl.cast(steps * BK * 8, tl.uint32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_run(start, nbytes):
-    """Ask L2 for `nbytes` (a multiple of 16) from `start` (16-byte aligned), by one thread."""
-    tl.inline_asm_elementwise(_PREFETCH_RUN_ASM, "=r,l,r", [start, tl.cast(nbytes, tl.uint32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -512,7 +464,7 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
             NS: tl.constexpr = None, TMA: tl.constexpr = False,
-            FRAG: tl.constexpr = False, L2AHEAD: tl.constexpr = 0):
+            FRAG: tl.constexpr = False):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
@@ -521,11 +473,9 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
     if active:
         row0 = expert * I + nb * BN
         if which == 0:
-            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG,
-                          L2AHEAD)
+            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
         else:
-            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG,
-                          L2AHEAD)
+            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
         _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN)
 
 
@@ -555,168 +505,17 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
     tl.store(h_ptr + p * I + i, swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
 
 
-# --- stream-K gate/up: every program an equal share of all the tasks' K steps ----------------------
-@triton.jit
-def _stream_share(pid, grid, total):
-    """Steps first .. last of `total` that program pid of `grid` takes."""
-    return pid * total // grid, (pid + 1) * total // grid
-
-
-@triton.jit
-def _stream_owner(step, grid, total):
-    """The program whose share (`_stream_share`) holds `step`."""
-    return ((step + 1) * grid - 1) // total
-
-
-@triton.jit
-def _stream_piece(step, last, steps, BK: tl.constexpr):
-    """The piece of work a stream-K program does from `step` (its share ending at `last`): (task
-    u, the step after the piece, its columns k_lo .. k_hi of the task's `steps` K steps)."""
-    u = step // steps
-    end = tl.minimum(last, (u + 1) * steps)
-    return u, end, (step - u * steps) * BK, (end - u * steps) * BK
-
-
-@triton.jit
-def up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr,
-                    w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr,
-                    ROWS_: tl.constexpr, FAST: tl.constexpr, L2AHEAD: tl.constexpr = 0):
-    """Program pid's share of the gate/up work, stream-K: the tasks of the `groups_ptr` groups
-    (`tasks_ptr`: the picks that start them, `stream_maps`), task u = (group, block, gate or
-    up) row-major, are cut into their K steps, and each of the `grid` programs takes an equal
-    run of steps (`_stream_share`): no program idles while others finish a last wave of whole
-    tasks. A task one program covers whole goes to gu as `up_task` writes it; a piece of a task
-    goes to pieces[pid, 0] (the program's first piece) or pieces[pid, 1] (its last), [BN, ROWS]
-    fp32, and `swiglu_stream_task` adds a task's pieces in program order. Fragment order only."""
-    blocks = I // BN
-    steps = K // BK
-    total = tl.load(groups_ptr) * blocks * 2 * steps
-    first, last = _stream_share(pid, grid, total)
-    step = first
-    while step < last:
-        u, end, k_lo, k_hi = _stream_piece(step, last, steps, BK)
-        _, expert, picks, mask = _group(tl.load(tasks_ptr + u // (2 * blocks)), counts_ptr, order_ptr, experts_ptr,
-                                        ROWS_)
-        nb = u // 2 % blocks
-        if u % 2 == 0:
-            acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
-                                   k_hi, BN, BK, FAST, L2AHEAD)
-        else:
-            acc = _fragment_matvec(w3_codes, w3_scales, expert * I + nb * BN, x_ptr, picks // TOPK, mask, K, k_lo,
-                                   k_hi, BN, BK, FAST, L2AHEAD)
-        if k_hi - k_lo == K:
-            _store_gate_up(acc, nb, u % 2, picks, mask, gu_ptr, I, BN)
-        else:
-            _store_piece(acc, pieces_ptr, pid, tl.where(step == first, 0, 1), BN, ROWS_)
-        step = end
-
-
-@triton.jit
-def _store_piece(acc, pieces_ptr, pid, slot, BN: tl.constexpr, ROWS_: tl.constexpr):
-    """pieces[pid, slot] = acc [BN, ROWS_]: slot 0 a program's first piece of a task, 1 its last."""
-    at = ((pid * 2 + slot) * BN + tl.arange(0, BN)[:, None]) * ROWS_ + tl.arange(0, ROWS_)[None, :]
-    tl.store(pieces_ptr + at, acc)
-
-
-@triton.jit
-def _stream_sum(stored, task_first, steps, total, grid, pieces_ptr, row, column, BN: tl.constexpr,
-                ROWS_: tl.constexpr):
-    """(value, whole) of a stream-K task's output at its tile row `row` and column `column`, the
-    task's steps starting at `task_first` of `total` shared by `grid` programs: the output at
-    `stored` (pointers) where one program did the whole task (whole), else its pieces added in
-    program order."""
-    p0 = _stream_owner(task_first, grid, total)
-    p1 = _stream_owner(task_first + steps - 1, grid, total)
-    whole = p0 == p1
-    value = tl.load(stored, mask=whole, other=0.0)
-    for d in range(0, tl.max(p1 - p0) + 1):
-        program = p0 + d
-        start, end = _stream_share(program, grid, total)
-        slot = tl.where(start >= task_first, 0, 1)  # its first piece, or its last
-        at = ((program * 2 + slot) * BN + row) * ROWS_ + column
-        value += tl.load(pieces_ptr + at, mask=~whole & (program <= p1) & (end > start), other=0.0)
-    return value, whole
-
-
-@triton.jit
-def _stream_gate_up(q, which, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN: tl.constexpr,
-                    BK: tl.constexpr, ROWS_: tl.constexpr):
-    """Gate (which = 0) or up of pick p at outputs i, p being column `column` of group q's tasks
-    (`_stream_sum`)."""
-    blocks = I // BN
-    steps = K // BK
-    task_first = ((q * blocks + i // BN) * 2 + which) * steps
-    value, _ = _stream_sum(gu_ptr + p * (2 * I) + which * I + i, task_first, steps, groups * blocks * 2 * steps, grid,
-                           pieces_ptr, i % BN, column, BN, ROWS_)
-    return value
-
-
-@triton.jit
-def swiglu_stream_task(p, ib, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, pieces_ptr, rw_ptr, h_ptr, grid, K,
-                       I, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr,
-                       FAST: tl.constexpr):
-    """`swiglu_task` after `up_stream_stage` on `grid` programs: gate and up summed from their
-    pieces where a task was split (`_stream_gate_up`); pad picks (no group) are skipped."""
-    q = tl.load(pick_task_ptr + p)
-    if q >= 0:
-        column = tl.load(pick_column_ptr + p)
-        groups = tl.load(groups_ptr)
-        i = ib * BLOCK + tl.arange(0, BLOCK)
-        gate = _stream_gate_up(q, 0, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
-        up = _stream_gate_up(q, 1, column, p, i, groups, grid, gu_ptr, pieces_ptr, K, I, BN, BK, ROWS_)
-        tl.store(h_ptr + p * I + i, swiglu_value(gate, up, tl.load(rw_ptr + p), limit, FAST))
-
-
-@triton.jit
-def down_stream_stage(pid, grid, groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr,
-                      w2_codes, w2_scales, D, I, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
-                      FAST: tl.constexpr, L2AHEAD: tl.constexpr = 0):
-    """`up_stream_stage` for the down tasks (u = (group, hidden block) row-major): whole tasks'
-    per-pick outputs as `down_task` writes them, pieces for `down_fixup_task` to add."""
-    blocks = D // BN
-    steps = I // BK
-    total = tl.load(groups_ptr) * blocks * steps
-    first, last = _stream_share(pid, grid, total)
-    step = first
-    while step < last:
-        u, end, k_lo, k_hi = _stream_piece(step, last, steps, BK)
-        _, expert, picks, mask = _group(tl.load(tasks_ptr + u // blocks), counts_ptr, order_ptr, experts_ptr, ROWS_)
-        y = _fragment_matvec(w2_codes, w2_scales, expert * D + u % blocks * BN, h_ptr, picks, mask, I, k_lo, k_hi, BN,
-                             BK, FAST, L2AHEAD)
-        if k_hi - k_lo == I:
-            _store_down(y, u % blocks, picks, mask, out_ptr, D, BN)
-        else:
-            _store_piece(y, pieces_ptr, pid, tl.where(step == first, 0, 1), BN, ROWS_)
-        step = end
-
-
-@triton.jit
-def down_fixup_task(p, nb, groups_ptr, pick_task_ptr, pick_column_ptr, out_ptr, pieces_ptr, grid, D, I,
-                    BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr):
-    """After `down_stream_stage` on `grid` programs: pick p's outputs, block nb of BLOCK, of the
-    tasks it cut, their pieces added in program order (`_stream_sum`); whole tasks' outputs and
-    pad picks are left as they are."""
-    q = tl.load(pick_task_ptr + p)
-    if q >= 0:
-        blocks = D // BN
-        steps = I // BK
-        n = nb * BLOCK + tl.arange(0, BLOCK)
-        value, whole = _stream_sum(out_ptr + p * D + n, (q * blocks + n // BN) * steps, steps,
-                                   tl.load(groups_ptr) * blocks * steps, grid, pieces_ptr, n % BN,
-                                   tl.load(pick_column_ptr + p), BN, ROWS_)
-        tl.store(out_ptr + p * D + n, value, mask=~whole)
-
-
 @triton.jit
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
               NS: tl.constexpr = None, TMA: tl.constexpr = False,
-              FRAG: tl.constexpr = False, L2AHEAD: tl.constexpr = 0):
-    """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32."""
+              FRAG: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32. PDL:
+    h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`)."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG,
-                    L2AHEAD)
+                    PDL)
         _store_down(y, nb, picks, mask, out_ptr, D, BN)
 
 
@@ -729,96 +528,68 @@ def _store_down(y, nb, picks, mask, out_ptr, D, BN: tl.constexpr):
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False,
-             L2AHEAD: tl.constexpr = 0):
+             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
     block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG, L2AHEAD)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               TMA: tl.constexpr = False, FRAG: tl.constexpr = False, L2AHEAD: tl.constexpr = 0):
+               TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
-                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG, L2AHEAD)
+                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
+                   TMA: tl.constexpr, FRAG: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG, L2AHEAD)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
+                     TMA: tl.constexpr, FRAG: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, L2AHEAD)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-        TMA: tl.constexpr, FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
+        TMA: tl.constexpr, FRAG: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the SwiGLU's programs may launch once every gate/up program has started
+        gdc_launch_dependents()
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG,
-            L2AHEAD)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
 
 
 @triton.jit
-def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
+def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched during gate/up's last programs: let down's launch too, then wait for gate/up
+        gdc_launch_dependents()
+        gdc_wait()
     swiglu_task(tl.program_id(0), tl.program_id(1), gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK, FAST)
-
-
-@triton.jit
-def _up_stream(groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes,
-               w1_scales, w3_codes, w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
-               FAST: tl.constexpr, L2AHEAD: tl.constexpr):
-    up_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr,
-                    order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST,
-                    L2AHEAD)
-
-
-@triton.jit
-def _down_stream(groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
-                 w2_scales, D, I, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                 L2AHEAD: tl.constexpr):
-    down_stream_stage(tl.program_id(0), tl.num_programs(0), groups_ptr, tasks_ptr, h_ptr, out_ptr, pieces_ptr,
-                      counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, L2AHEAD)
-
-
-@triton.jit
-def _down_fixup(groups_ptr, pick_task_ptr, pick_column_ptr, out_ptr, pieces_ptr, grid, D, I, BN: tl.constexpr,
-                BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr):
-    down_fixup_task(tl.program_id(0), tl.program_id(1), groups_ptr, pick_task_ptr, pick_column_ptr, out_ptr,
-                    pieces_ptr, grid, D, I, BN, BK, ROWS_, BLOCK)
-
-
-@triton.jit
-def _swiglu_stream(groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr, pieces_ptr, rw_ptr, h_ptr, grid, K, I, limit,
-                   BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    swiglu_stream_task(tl.program_id(0), tl.program_id(1), groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr,
-                       pieces_ptr, rw_ptr, h_ptr, grid, K, I, limit, BN, BK, ROWS_, BLOCK, FAST)
 
 
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
           BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
-          FRAG: tl.constexpr, L2AHEAD: tl.constexpr):
+          FRAG: tl.constexpr, PDL: tl.constexpr):
     down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, L2AHEAD)
+              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -838,23 +609,6 @@ def group_picks(ids: torch.Tensor, rows: int = ROWS):
     return order.to(torch.int32), experts.to(torch.int32), counts.to(torch.int32)
 
 
-def stream_maps(order: torch.Tensor, counts: torch.Tensor):
-    """What the stream-K gate/up needs of `group_picks`' groups (device tensors, no host sync):
-    (the sorted picks that start a group, in order; how many groups [1]; each pick's group among
-    those, -1 for pads; each pick's column in its group's tasks), all int32."""
-    index = torch.arange(counts.numel(), device=counts.device)
-    starts = counts > 0
-    tasks = torch.argsort((~starts).to(torch.int8), stable=True).to(torch.int32)
-    start = torch.cummax(torch.where(starts, index, -1), 0).values.clamp(min=0)  # where each pick's group starts
-    in_group = index - start < counts[start]
-    group = torch.where(in_group, (torch.cumsum(starts, 0) - 1)[start], -1)
-    pick_task = torch.empty_like(counts)
-    pick_column = torch.empty_like(counts)
-    pick_task[order.long()] = group.to(torch.int32)
-    pick_column[order.long()] = (index - start).to(torch.int32)
-    return tasks, starts.sum(dtype=torch.int32).reshape(1), pick_task, pick_column
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     fast: bool
@@ -865,22 +619,20 @@ class LaunchConfig:
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
     max_registers: int = 0  # registers a thread the compiler may use (Triton's maxnreg); 0: its own choice
-    up_stream_k: int = 0  # n > 0: gate/up on n persistent programs, stream-K (`up_stream_stage`; fragment order)
-    down_stream_k: int = 0  # n > 0: down likewise (`down_stream_stage`, then `down_fixup_task`)
-    l2_ahead: int = 0  # n > 0: L2 asked for the codes n K steps beyond the next (`_fragment_matvec`; fast, fragments)
+    pdl: bool = False  # SwiGLU and down launched as programmatic dependents of gate/up (`launch_stages`)
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
     """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
     `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps from 4 rows and of
     64 x 256 with 4 warps below, both capped at 128 registers a thread so that two 8-warp
-    programs (four 4-warp ones) share an SM (1.92 / 2.76 / 2.98 / 3.05 TB/s at 1 / 6 / 16 / 48
-    rows; uncapped, one 8-warp program an SM: 2.13 at 48 before the 16-row blocks); in the
-    checkpoint's order 64 x 256, 1 stage."""
+    programs (four 4-warp ones) share an SM, SwiGLU and down launched as programmatic dependents
+    (`LaunchConfig.pdl`: 2.01 / 2.85 / 3.00 / 3.07 TB/s at 1 / 6 / 16 / 48 rows, against 1.91 /
+    2.77 / 2.99 / 3.08 without); in the checkpoint's order 64 x 256, 1 stage."""
     if fast and weights.fragments:
         if rows >= 4:
-            return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128)
-        return LaunchConfig(fast, block_n=64, block_k=256, num_warps=4, max_registers=128)
+            return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
+        return LaunchConfig(fast, block_n=64, block_k=256, num_warps=4, max_registers=128, pdl=True)
     return LaunchConfig(fast)
 
 
@@ -918,41 +670,38 @@ class StageBuffers:
         self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
         self.per_pick = torch.full((picks, d), fill, dtype=torch.float32, device=device)
-        self._pieces: dict[tuple[int, int], torch.Tensor] = {}
-
-    def pieces(self, programs: int, block_n: int) -> torch.Tensor:
-        """Stream-K pieces of gate/up tasks ([programs, 2, block_n, ROWS] fp32, `up_stream_stage`),
-        made once per shape (before any graph capture: the launcher's first call)."""
-        if (programs, block_n) not in self._pieces:
-            self._pieces[programs, block_n] = torch.empty(programs, 2, block_n, ROWS, dtype=torch.float32,
-                                                          device=self.h.device)
-        return self._pieces[programs, block_n]
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
                   config: LaunchConfig, buffers: StageBuffers, kernels=("up", "swiglu", "down")) -> dict:
     """The stage's kernels alone (gate/up, SwiGLU, down; `kernels` picks some, for benchmarks of
-    one): x [R, d] bf16, `groups` from `group_picks` (for `LaunchConfig.up_stream_k` or
-    `down_stream_k` optionally followed by their `stream_maps`, else made here), flat routing weights [R * k]; fills
+    one): x [R, d] bf16, `groups` from `group_picks`, flat routing weights [R * k]; fills
     `buffers`. Returns the compiled gate/up and down kernels launched ({"up": ..., "down": ...};
-    None under the interpreter), for their resources."""
+    None under the interpreter), for their resources.
+
+    With `LaunchConfig.pdl` the SwiGLU and down kernels are programmatic dependent launches
+    (NVIDIA, Hopper on): gate/up lets them launch once all its programs have started, so they
+    take the SM slots its last wave leaves idle; SwiGLU waits (`griddepcontrol.wait`) for gate/up
+    to finish before reading gate/up; down reads its group (written before gate/up was
+    launched, by an ordinary launch) and loads its first weight tile, then waits for SwiGLU
+    before reading h. gate/up itself is an ordinary launch, so the stage starts after whatever
+    came before it, as without."""
     if config.fast and not weights.supports_fast_decode():
         raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
                          "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
-    order, experts, counts, *maps = groups
+    if config.pdl and not (config.fast and weights.fragments and not config.tma and not config.programs):
+        raise ValueError("LaunchConfig.pdl (programmatic dependent launches, NVIDIA) waits inside the K loop of "
+                         "fragment-order codes read through pointers, a program a task: it needs the fast decode, "
+                         "the fragment order, no tma and programs = 0")
+    order, experts, counts = groups
     picks = order.numel()
     d, inter = weights.hidden, weights.intermediate
     block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
     refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
     if refusal:
         raise ValueError(f"experts in the fragment order need {refusal}")
-    if config.l2_ahead and not (config.fast and weights.fragments and not config.tma
-                                and config.block_n == 16 * config.num_warps):
-        raise ValueError("LaunchConfig.l2_ahead prefetches a 16-row band a warp of fragment-order codes read through "
-                         "pointers by the fast decode: it needs fast, the fragment order, no tma and block_n = 16 x "
-                         f"num_warps (here {config.block_n} rows, {config.num_warps} warps)")
-    meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, L2AHEAD=config.l2_ahead,
-                num_warps=config.num_warps, num_stages=config.num_stages)
+    meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
+                num_stages=config.num_stages)
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
@@ -962,48 +711,22 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
     compiled = {}
-    swiglu_block = min(1024, inter)
-    if config.up_stream_k or config.down_stream_k:
-        if not weights.fragments or config.tma:
-            raise ValueError("LaunchConfig.up_stream_k and down_stream_k read experts in the fragment order through "
-                             "pointers (no tma)")
-        tasks, num_groups, pick_task, pick_column = maps or stream_maps(order, counts)
-        stream_meta = dict(ROWS_=ROWS, FAST=config.fast, L2AHEAD=config.l2_ahead, num_warps=config.num_warps,
-                           **({"maxnreg": config.max_registers} if config.max_registers else {}))
-    if config.up_stream_k:
-        pieces = buffers.pieces(config.up_stream_k, block_up)
-        if "up" in kernels:
-            compiled["up"] = _up_stream[(config.up_stream_k,)](
-                num_groups, tasks, x, buffers.gate_up, pieces, counts, order, experts, *w1, *w3, d, inter,
-                picks // x.shape[0], BN=block_up, BK=up_meta["BK"], **stream_meta)
-        if "swiglu" in kernels:
-            _swiglu_stream[(picks, inter // swiglu_block)](
-                num_groups, pick_task, pick_column, buffers.gate_up, pieces, route_weights, buffers.h,
-                config.up_stream_k, d, inter, float(limit), BN=block_up, BK=up_meta["BK"], ROWS_=ROWS,
-                BLOCK=swiglu_block, FAST=config.fast)
-    else:
-        if "up" in kernels:
-            if config.programs:
-                compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
-            else:
-                compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, **up_meta)
-        if "swiglu" in kernels:
-            _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
-                                                    BLOCK=swiglu_block, FAST=config.fast)
+    dependent = {"launch_pdl": True} if config.pdl else {}  # a Triton launch option: NVIDIA only
+    if "up" in kernels:
+        if config.programs:
+            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+        else:
+            compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, PDL=config.pdl, **up_meta)
+    if "swiglu" in kernels:
+        swiglu_block = min(1024, inter)
+        _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
+                                                BLOCK=swiglu_block, FAST=config.fast, PDL=config.pdl, **dependent)
     if "down" in kernels:
-        if config.down_stream_k:
-            pieces = buffers.pieces(config.down_stream_k, block_down)
-            compiled["down"] = _down_stream[(config.down_stream_k,)](
-                num_groups, tasks, buffers.h, buffers.per_pick, pieces, counts, order, experts, *w2, d, inter,
-                BN=block_down, BK=down_meta["BK"], **stream_meta)
-            fixup_block = min(1024, d)
-            _down_fixup[(picks, d // fixup_block)](num_groups, pick_task, pick_column, buffers.per_pick, pieces,
-                                                   config.down_stream_k, d, inter, BN=block_down,
-                                                   BK=down_meta["BK"], ROWS_=ROWS, BLOCK=fixup_block)
-        elif config.programs:
+        if config.programs:
             compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
         else:
-            compiled["down"] = _down[(picks, d // block_down)](*down_args, **down_meta)
+            compiled["down"] = _down[(picks, d // block_down)](*down_args, PDL=config.pdl, **down_meta,
+                                                               **dependent)
     return compiled
 
 

@@ -2,7 +2,7 @@
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
 [--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES[,REGISTERS[,L2AHEAD]];...] [--stream-k-per-sm 0,1,2] [--no-portable] [--out DIR]`
+[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL]];...] [--no-portable] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -15,12 +15,11 @@ dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragme
 mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
 (`LaunchConfig.tma`). STAGES is Triton's pipelining of the K loop, which the fragment order
 without tma does not use (it prefetches by itself); REGISTERS caps the registers a thread
-(`LaunchConfig.max_registers`, name ending in `rN`); L2AHEAD the K steps beyond the next that
-each step asks L2 for (`LaunchConfig.l2_ahead`, `lN`); `--stream-k-per-sm` n > 0 runs gate/up
-and down stream-K on n programs a SM (`LaunchConfig.up_stream_k`, `down_stream_k`; name ending
-in `skN`). Every variant is first checked against the float64 reference at 6 rows; its line
-ends with what its gate/up and down kernels hold: registers a thread, spilled registers, and
-`async` where Triton staged the codes through shared memory (its software pipelining).
+(`LaunchConfig.max_registers`, name ending in `rN`); PDL 1 launches the SwiGLU and down kernels
+as programmatic dependents of gate/up (`LaunchConfig.pdl`, `pdl`). Every variant is first
+checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
+kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
+through shared memory (its software pipelining).
 """
 
 from __future__ import annotations
@@ -86,10 +85,7 @@ def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -
         x = torch.randn(rows, D, device="cuda", generator=g).to(torch.bfloat16)
         w = torch.rand(rows * TOPK, device="cuda", generator=g)
         buffers = X.StageBuffers(rows * TOPK, bank, "cuda")
-        groups = X.group_picks(ids)
-        if config.up_stream_k or config.down_stream_k:  # made with the groups, outside the timed kernels
-            groups = (*groups, *X.stream_maps(groups[0], groups[2]))
-        plans.append((x, groups, w, buffers, ids.unique().numel()))
+        plans.append((x, X.group_picks(ids), w, buffers, ids.unique().numel()))
     run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers, kernels)  # noqa: E731
                    for x, grp, w, buffers, _ in plans]
     run()
@@ -112,9 +108,9 @@ LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma")
 
 
 def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None,
-             portable: bool = True, stream_k_per_sm: tuple[int, ...] = (0,)):
+             portable: bool = True):
     """(name, layout, LaunchConfig): the portable decode (if `portable`), then a grid of fast ones
-    (or the (block_n, block_k, warps, stages[, max registers]) in `configs`), each with a program a
+    (or the (block_n, block_k, warps, stages[, max registers[, pdl]]) in `configs`), each with a program a
     task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop: s1, s2, s3
     (Triton's num_stages); the layout as in the module docstring."""
     if portable:
@@ -122,15 +118,12 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
     grid = configs or (itertools.product((64, 128), (256, 512), (4, 8), (1, 2)) if quick else
                        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (bn, bk, nw, stages, *extra), layout, pps, sk in itertools.product(grid, layouts, programs_per_sm,
-                                                                           stream_k_per_sm):
-        registers, ahead = (list(extra) + [0, 0])[:2]
+    for (bn, bk, nw, stages, *extra), layout, pps in itertools.product(grid, layouts, programs_per_sm):
+        registers, pdl = list(extra) + [0, 0][len(extra):]
         name = (f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
-                + (f" r{registers}" if registers else "") + (f" l{ahead}" if ahead else "")
-                + (f" sk{sk}" if sk else ""))
+                + (f" r{registers}" if registers else "") + (" pdl" if pdl else ""))
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
-                                           max_registers=registers, up_stream_k=sk * sms, down_stream_k=sk * sms,
-                                           l2_ahead=ahead)
+                                           max_registers=registers, pdl=bool(pdl))
 
 
 def main(argv=None) -> int:
@@ -144,11 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="interleave,fragments",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
-                        help="semicolon-separated block_n,block_k,warps,stages[,max registers[,L2 ahead]] (e.g. "
-                             "128,256,8,1,128,2;64,256,4,3) instead of the grid (0 registers: uncapped)")
-    parser.add_argument("--stream-k-per-sm", default="0",
-                        help="comma-separated: 0 = gate/up and down as --programs-per-sm says; n = both stream-K "
-                             "on n programs a SM (LaunchConfig.up_stream_k, down_stream_k; the fragment order)")
+                        help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1]] "
+                             "(e.g. 128,256,8,1,128,1;64,256,4,3) instead of the grid (0 registers: uncapped)")
     parser.add_argument("--no-portable", action="store_true",
                         help="leave out the portable decode (e.g. to profile one variant alone)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -158,7 +148,7 @@ def main(argv=None) -> int:
     except ValueError:
         configs = [()]
     if any(len(c) not in (4, 5, 6) for c in configs):
-        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,L2 ahead]] "
+        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,pdl 0/1]] "
                      "separated by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
@@ -176,8 +166,7 @@ def main(argv=None) -> int:
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
     for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts,
-                                             configs, not args.no_portable,
-                                             tuple(int(n) for n in args.stream_k_per_sm.split(","))):
+                                             configs, not args.no_portable):
         bank = banks[layout.startswith("fragments")]
         try:
             err = check(bank, config, g)

@@ -56,7 +56,6 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 tokens_ptr, slots_ptr, res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
                 fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
                 gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
-                tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, pieces_ptr,
                 sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
@@ -68,9 +67,8 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
                 TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-                ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr, ESK: tl.constexpr):
-    """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch. ESK: the
-    experts' gate/up stream-K (`experts.up_stream_stage`), its pieces added by the SwiGLU stage."""
+                ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr):
+    """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
                      HC_, MIXP, RB, CHUNK, FOLD)
@@ -114,30 +112,20 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
         n7 += tl.cdiv(d, BN_S2)
     for t in range(pid, n7, grid):
         if t == 0:
-            RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr,
-                          pick_column_ptr, R * TOPK, BP, ROWS_E, ESK)
+            RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
         else:
             gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0,
                       0, SB, BN_S2, BK_I, BR, True, FAST, GNS, GTMA)
     grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
 
     P = R * TOPK
-    if ESK:
-        X.up_stream_stage(pid, grid, groups_ptr, tasks_ptr, x_ptr, gu_ptr, pieces_ptr, counts_ptr, order_ptr,
-                          experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E,
-                          FAST_EXPERTS)
-    else:
-        X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
-                   w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG)
+    X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG)
     grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
     for t in range(pid, P * sw_blocks, grid):
-        if ESK:
-            X.swiglu_stream_task(t // sw_blocks, t % sw_blocks, groups_ptr, pick_task_ptr, pick_column_ptr, gu_ptr,
-                                 pieces_ptr, rw_ptr, h_ptr, grid, d, I, limit, BNE, BKE_D, ROWS_E, SWB_, FAST_EXPERTS)
-        else:
-            X.swiglu_task(t // sw_blocks, t % sw_blocks, gu_ptr, rw_ptr, h_ptr, I, limit, SWB_, FAST_EXPERTS)
+        X.swiglu_task(t // sw_blocks, t % sw_blocks, gu_ptr, rw_ptr, h_ptr, I, limit, SWB_, FAST_EXPERTS)
     grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
 
     X.down_stage(pid, grid, P, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, d, I,
@@ -156,7 +144,6 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
         fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
         gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
-        tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, pieces_ptr,
         sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
         w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
         d, heads, o_groups, o_lora, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
@@ -170,7 +157,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
         TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-        ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr, ESK: tl.constexpr):
+        ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -195,13 +182,12 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 tokens_ptr, slots_ptr, res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
                 fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
                 gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
-                tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, pieces_ptr,
                 sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
                 w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
                 BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ETMA,
-                EFRAG, GTMA, ESK)
+                EFRAG, GTMA)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
@@ -244,9 +230,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         res, s.attn_out, s.post_attn, s.comb_attn, streams, s.partials,
         *lw.hc_ffn, lw.ffn_norm, s.post_ffn, s.comb_ffn, s.x,
         weight_operand(lw.gate, tma, bn_g, bk_d), routing, routing, s.logits, s.ids, s.route_weights, s.order,
-        s.experts, s.counts, s.tasks, s.groups, s.pick_task, s.pick_column,
-        s.pieces(runner.grid, bne) if shape.expert_stream_k else s.per_pick,  # unread without stream-K
-        *shared,
+        s.experts, s.counts, *shared,
         s.shared_gate, s.shared_up, s.shared_h, s.shared_out,
         *w1, *w2, *w3, s.gate_up, s.h, s.per_pick, s.y,
         d, c.num_attention_heads, c.o_groups, c.o_lora_rank, c.n_routed_experts, inter, c.num_experts_per_tok,
@@ -262,6 +246,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BNE=bne, BKE_D=bke_d, BKE_I=bke_i, SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
-        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments, GTMA=tma, ESK=bool(shape.expert_stream_k),
+        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments, GTMA=tma,
     )
     return 1 - cur if attention else cur

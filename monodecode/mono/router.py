@@ -20,10 +20,7 @@ Stages
   expert stage starts (an expert's first sorted pick and every ROWS picks after it), then it is
   that task's number of picks (<= ROWS); experts[j] is the expert there, else 0. Built by one
   sort of unique keys (expert * BP + pick: stable by construction) and two scans that find each
-  sorted pick's run of equal experts; no P x P matrix. Also (in K2 only with the stream-K
-  gate/up; the standalone launch always) what `experts.stream_maps` gives of them: the sorted
-  picks that start a task (tasks[0 .. G - 1]), G (groups [1]), and each pick's task among those
-  (-1 for pads) and its column in it.
+  sorted pick's run of equal experts; no P x P matrix.
 - shared swiglu (`shared_swiglu_task`, `shared_swiglu_tasks(R, I, BLOCK)`, a task per (row,
   block of I)): h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from gate, up bf16
   [R, I] (the shared expert's w1 / w3 GEMV outputs, bf16 as F.linear in bf16 gives them; one row
@@ -141,12 +138,9 @@ def _run_end(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, P,
-               BP: tl.constexpr, ROWS_: tl.constexpr, STREAM: tl.constexpr):
+def group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP: tl.constexpr, ROWS_: tl.constexpr):
     """`experts.group_picks` of the flat ids [P] (-1: pad) with ROWS_ rows a task: order, experts,
-    counts int32 [P]; with STREAM also their `experts.stream_maps` (tasks [P], of which the first
-    G are written, groups [1], pick_task [P], pick_column [P]; only the stream-K expert stages
-    read them). One task; BP >= P a power of two."""
+    counts int32 [P]. One task; BP >= P a power of two."""
     tl.static_assert(BP <= 16384)  # MAX_PICKS_BLOCK: keys below 2^31
     j = tl.arange(0, BP)
     e = tl.load(ids_ptr + j, mask=j < P, other=-1)
@@ -160,13 +154,6 @@ def group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_pt
     tl.store(order_ptr + j, key % BP, mask=j < P)
     tl.store(experts_ptr + j, tl.where(counts > 0, cls, 0), mask=j < P)
     tl.store(counts_ptr + j, counts, mask=j < P)
-    if STREAM:
-        starts = (counts > 0).to(tl.int32)
-        task = tl.cumsum(starts, 0) - 1  # a sorted pick's task: the last start at or before it
-        tl.store(tasks_ptr + task, j, mask=starts > 0)
-        tl.store(groups_ptr, tl.sum(starts, 0))
-        tl.store(pick_task_ptr + key % BP, tl.where(cls != _PAD, task, -1), mask=j < P)
-        tl.store(pick_column_ptr + key % BP, (j - start) % ROWS_, mask=j < P)
 
 
 def group_tasks() -> int:
@@ -226,10 +213,8 @@ def _route(n, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, tid2ei
 
 
 @triton.jit
-def _group(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, P,
-           BP: tl.constexpr, ROWS_: tl.constexpr):
-    group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, tasks_ptr, groups_ptr, pick_task_ptr, pick_column_ptr, P,
-               BP, ROWS_, True)
+def _group(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP: tl.constexpr, ROWS_: tl.constexpr):
+    group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP, ROWS_)
 
 
 @triton.jit
@@ -284,20 +269,15 @@ def route(logits: torch.Tensor, slots: torch.Tensor, topk: int, route_scale: flo
     return ids, weights
 
 
-def group(ids: torch.Tensor, poison: bool = False) -> tuple[torch.Tensor, ...]:
-    """`experts.group_picks(ids)` on the device, in one program, followed by its
-    `experts.stream_maps`: (order, experts, counts, tasks, groups, pick_task, pick_column) int32
-    (tasks: its first `groups` entries)."""
+def group(ids: torch.Tensor, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`experts.group_picks(ids)` on the device, in one program: (order, experts, counts) int32 [P]."""
     flat = ids.flatten().to(torch.int32).contiguous()
     picks = flat.numel()
     block = max(16, triton.next_power_of_2(picks))
     assert block <= MAX_PICKS_BLOCK
-    order, experts, counts, tasks, pick_task, pick_column = (_empty((picks,), torch.int32, ids.device, poison)
-                                                             for _ in range(6))
-    groups = _empty((1,), torch.int32, ids.device, poison)
-    _group[(group_tasks(),)](flat, order, experts, counts, tasks, groups, pick_task, pick_column, picks, BP=block,
-                             ROWS_=ROWS)
-    return order, experts, counts, tasks, groups, pick_task, pick_column
+    order, experts, counts = (_empty((picks,), torch.int32, ids.device, poison) for _ in range(3))
+    _group[(group_tasks(),)](flat, order, experts, counts, picks, BP=block, ROWS_=ROWS)
+    return order, experts, counts
 
 
 def shared_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, block: int = 1024,

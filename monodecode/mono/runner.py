@@ -55,8 +55,6 @@ class LaunchShape:
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
     `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
     bytes in flight without registers, for deeper `gemv_stages`; timed at 1 row only);
-    `expert_stream_k` 1: the experts' gate/up stream-K, each program an equal run of all the
-    tasks' K steps (`experts.up_stream_stage`; fragment order, pointers; not yet timed on a GPU);
     `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
     `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
     (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
@@ -80,7 +78,6 @@ class LaunchShape:
     expert_block_k: int = 256
     expert_stages: int | None = None
     expert_tma: int = 0
-    expert_stream_k: int = 0
     compile_attention: int | None = None
 
     def spec(self) -> str:
@@ -203,13 +200,8 @@ class MonoRunner:
         """A shape whose expert tiles the experts' fragment order cannot serve is a caller's error
         (ValueError)."""
         c = self.config
-        fragments = self.layers[0].experts.fragments
-        refusal = fragments and X.fragment_tiles_refusal(
+        refusal = self.layers[0].experts.fragments and X.fragment_tiles_refusal(
             shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
-        if shape.expert_stream_k and (not fragments or shape.expert_tma):
-            raise ValueError(f"launch shape {shape.spec()}: expert_stream_k reads experts in the fragment order "
-                             "through pointers (not expert_tma); these experts are "
-                             + ("read through descriptors" if fragments else "in the checkpoint's order"))
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts are in the fragment order, which needs "
                              f"{refusal}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from . import experts as X
 from . import hc as HC
 
 
@@ -52,21 +51,10 @@ class Scratch:
         self.logits = f32(r, c.n_routed_experts)
         self.ids, self.route_weights = i32(r, k), f32(r, k)
         self.order, self.experts, self.counts = i32(picks), i32(picks), i32(picks)
-        # the groups' stream maps (`router.group_task`) and, made on first use, the stream-K pieces
-        self.tasks, self.groups, self.pick_task, self.pick_column = i32(picks), i32(1), i32(picks), i32(picks)
-        self.stream_pieces: dict[tuple[int, int], torch.Tensor] = {}
         self.shared_gate, self.shared_up, self.shared_h = bf16(r, inter), bf16(r, inter), bf16(r, inter)
         self.shared_out = bf16(r, d)
         self.gate_up, self.h, self.per_pick = f32(picks, 2, inter), bf16(picks, inter), f32(picks, d)
         self.y = bf16(r, d)  # the FFN output, owed to the next layer's fold
-
-    def pieces(self, programs: int, block_n: int) -> torch.Tensor:
-        """The stream-K gate/up's task pieces ([programs, 2, block_n, 16] fp32,
-        `experts.up_stream_stage`), made once a shape: at the width's first (eager) launch."""
-        if (programs, block_n) not in self.stream_pieces:
-            self.stream_pieces[programs, block_n] = torch.empty(programs, 2, block_n, X.ROWS, dtype=torch.float32,
-                                                                device=self.x.device)
-        return self.stream_pieces[programs, block_n]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
@@ -77,5 +65,3 @@ class Scratch:
                 yield value
             elif isinstance(value, tuple):
                 yield from value
-            elif isinstance(value, dict):
-                yield from value.values()
