@@ -219,12 +219,11 @@ def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device
                     reason="programmatic dependent launches need an NVIDIA GPU")
 @pytest.mark.parametrize("rows,block_n,warps", [(1, 32, 4), (48, 128, 8)])
 def test_dependent_launches_give_the_same_result(device, rows, block_n, warps):
-    """`LaunchConfig.pdl`: SwiGLU and down launched while gate/up still runs, down loading its first
-    weights before it waits for h, give bit for bit the result of ordinary launches (the same
-    arithmetic). The intermediates are poisoned, so a down task that read h before SwiGLU wrote it
-    would give NaN; at 1 row gate/up is one wave of long tasks (K 4096) and down's programs
-    launch at once beside it, so that a missing wait would show. At 1 row also against the
-    float64 reference."""
+    """`LaunchConfig.pdl`: SwiGLU launched while gate/up still runs and down while SwiGLU does, down
+    loading its first weights before it waits for h, give bit for bit the result of ordinary
+    launches (the same arithmetic), with poisoned intermediates (an element read before it was
+    written would be NaN). At 1 row also against the float64 reference. (Not a race detector:
+    with down's wait taken out this test still passed on the H200.)"""
     g = torch.Generator().manual_seed(90 + rows)
     checkpoint = random_bank(g, num_experts=8, hidden=4096, inter=512, device="cpu")
     experts = on_device(X.in_fragment_order(checkpoint), device)

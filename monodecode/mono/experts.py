@@ -29,8 +29,8 @@ Contract
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
   `_down_persistent`), the stage as it runs inside K2.
 - Programmatic dependent launches (`LaunchConfig.pdl`, the default of the fast decode in the
-  fragment order): the SwiGLU and down kernels launch during gate/up's last wave, and down's
-  programs load their first weight tile before waiting for h (`launch_stages`).
+  fragment order): SwiGLU launches during gate/up's last wave and waits there, down launches
+  while SwiGLU runs and loads its first weight tile before waiting for h (`launch_stages`).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -578,7 +578,7 @@ def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, 
 
 @triton.jit
 def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched during gate/up's last programs: let down's launch too, then wait for gate/up
+    if PDL:  # launched during gate/up's last wave: let down launch (it starts when gate/up ends), then wait
         gdc_launch_dependents()
         gdc_wait()
     swiglu_task(tl.program_id(0), tl.program_id(1), gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK, FAST)
@@ -627,8 +627,9 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps from 4 rows and of
     64 x 256 with 4 warps below, both capped at 128 registers a thread so that two 8-warp
     programs (four 4-warp ones) share an SM, SwiGLU and down launched as programmatic dependents
-    (`LaunchConfig.pdl`: 2.01 / 2.85 / 3.00 / 3.07 TB/s at 1 / 6 / 16 / 48 rows, against 1.91 /
-    2.77 / 2.99 / 3.08 without); in the checkpoint's order 64 x 256, 1 stage."""
+    (`LaunchConfig.pdl`: 1.99-2.03 / 2.79-2.85 / 2.98-3.00 / 3.04-3.07 TB/s at 1 / 6 / 16 / 48
+    rows in three runs, against 1.91-1.92 / 2.73-2.77 / 2.97-2.99 / 3.04-3.08 without in the same
+    runs); in the checkpoint's order 64 x 256, 1 stage."""
     if fast and weights.fragments:
         if rows >= 4:
             return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
@@ -680,12 +681,13 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     None under the interpreter), for their resources.
 
     With `LaunchConfig.pdl` the SwiGLU and down kernels are programmatic dependent launches
-    (NVIDIA, Hopper on): gate/up lets them launch once all its programs have started, so they
-    take the SM slots its last wave leaves idle; SwiGLU waits (`griddepcontrol.wait`) for gate/up
-    to finish before reading gate/up; down reads its group (written before gate/up was
-    launched, by an ordinary launch) and loads its first weight tile, then waits for SwiGLU
-    before reading h. gate/up itself is an ordinary launch, so the stage starts after whatever
-    came before it, as without."""
+    (NVIDIA, Hopper on). gate/up lets SwiGLU launch once all its programs have started, and
+    SwiGLU waits (`griddepcontrol.wait`) for gate/up to finish before reading gate/up; SwiGLU
+    lets down launch at once, and down reads its group (written before gate/up was launched, by
+    an ordinary launch) and loads its first weight tile, then waits for SwiGLU before reading h.
+    A dependent of a dependent does not start before the first kernel has finished
+    (`tests/pdl_probe.py` on the H200), so down overlaps SwiGLU, not gate/up. gate/up itself is
+    an ordinary launch: the stage starts after whatever came before it, as without."""
     if config.fast and not weights.supports_fast_decode():
         raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
                          "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
