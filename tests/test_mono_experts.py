@@ -300,5 +300,7 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
     capped = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128)], portable=False))
     assert [(name, config.max_registers) for name, _, config in capped] == [("fast bn128 bk256 w8 s1 fragments r128",
                                                                              128)]
+    dependent = list(B.variants(True, [0], ["fragments"], [(64, 256, 4, 1, 128, 1)], portable=False))
+    assert [(name, config.pdl) for name, _, config in dependent] == [("fast bn64 bk256 w4 s1 fragments r128 pdl", True)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])
