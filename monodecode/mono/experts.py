@@ -71,7 +71,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import formats
-from ..formats import FRAGMENT_GROUP, fragment_code_masks, from_fragment_order, to_fragment_order
+from ..formats import FRAGMENT_GROUP, FRAGMENT_ROWS, fragment_code_masks, from_fragment_order, to_fragment_order
 from .rounding import bf16
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
@@ -137,8 +137,8 @@ def fragment_tiles_refusal(block_n: int, block_k: int, hidden: int, inter: int) 
     if any(k % FRAGMENT_GROUP for k in steps):
         return f"expert K steps of a multiple of {FRAGMENT_GROUP} (here {steps})"
     rows = sorted({min(block_n, hidden), min(block_n, inter)})
-    if any(n % 16 for n in rows):
-        return f"expert tiles of a multiple of 16 rows (here {rows})"
+    if any(n % FRAGMENT_ROWS for n in rows):
+        return f"expert tiles of a multiple of {FRAGMENT_ROWS} rows (here {rows})"
     return None
 
 
