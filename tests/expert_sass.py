@@ -1,7 +1,8 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--max-registers 0] [--tma] [--fragments] [--pdl] [--down] [--top 12] [--ttgir FILE]`, in a process where
+[--max-registers 0] [--tma] [--fragments] [--pdl] [--paired] [--down-split 1] [--down] [--top 12]
+[--ttgir FILE]`, in a process where
 TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
 PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
 Records one gate/up (`--down`: down) launch of `experts.launch_stages` at v4-flash sizes (hidden 4096,
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
     parser.add_argument("--pdl", action="store_true", help="LaunchConfig.pdl")
+    parser.add_argument("--paired", action="store_true", help="LaunchConfig.paired")
+    parser.add_argument("--down-split", type=int, default=1, help="LaunchConfig.down_split")
     parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
     parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
@@ -79,14 +82,15 @@ def main(argv=None) -> int:
 
     weights = X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D), fragments=args.fragments, _fast_decode=True)
     launches, others = [], []
-    recorded = ("_down", "_down_persistent") if args.down else ("_up", "_up_persistent")
-    for name in ("_up", "_up_persistent", "_swiglu", "_down", "_down_persistent"):
+    recorded = ("_down", "_down_persistent") if args.down else ("_up", "_up_persistent", "_paired_up")
+    for name in ("_up", "_up_persistent", "_paired_up", "_swiglu", "_down", "_down_persistent"):
         setattr(X, name, Recorder(getattr(X, name), launches if name in recorded else others))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
-                            tma=args.tma, max_registers=args.max_registers, pdl=args.pdl)
+                            tma=args.tma, max_registers=args.max_registers, pdl=args.pdl,
+                            paired=args.paired, down_split=args.down_split)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
-                    10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu"))
+                    10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu", splits=args.down_split))
     kernel, launch_args, kwargs = launches[0]
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if key in kwargs}
     types, constants, attrs = signature(kernel, launch_args, kwargs)
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     per_thread = args.block_n * args.block_k // (32 * args.warps)
     print(f"{kernel.__name__}: BN {args.block_n}, BK {args.block_k}, {args.warps} warps, {args.stages} stages, "
-          f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}, pdl {args.pdl}; "
+          f"programs {args.programs}, tma {args.tma}, fragments {args.fragments}, pdl {args.pdl}, "
+          f"paired {args.paired}; "
           f"{per_thread} "
           f"weights a thread a K step; {registers(compiled.asm['ptx'])}")
     for length, opcodes in loops(sass):

@@ -9,6 +9,8 @@ import os
 if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -215,15 +217,67 @@ def test_experts_in_the_fragment_order_match_the_reference(fragment_bank, device
         assert_rows_and_a_pad_match(torch.Generator(), bank, checkpoint, X.LaunchConfig(fast, 8, 128), device)
 
 
+@pytest.mark.parametrize("block_n,block_k", [(32, 128), (64, 256), (256, 128)])
+def test_paired_gate_up_tiles_match_the_reference(fragment_bank, device, block_n, block_k):
+    """`LaunchConfig.paired`: gate and up of a block in one tile (half its rows from w1, half from
+    w3) and the SwiGLU in its epilogue give the reference's result: tiles of 16 + 16, 32 + 32 and
+    128 + 128 rows (all of the intermediate 128), 6 rows with a pad, and 20 rows on one expert (two
+    tasks of it); on the GPU with down a programmatic dependent of the paired kernel. Nothing goes
+    through the gate/up buffer: it stays poisoned."""
+    bank, checkpoint = fragment_bank
+    cuda = device == "cuda"
+    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), block_n, block_k, paired=True, pdl=cuda)
+    g = torch.Generator().manual_seed(80 + block_n + block_k)
+    assert_rows_and_a_pad_match(g, bank, checkpoint, config, device)
+    ids = torch.full((20, 1), 5)
+    x = torch.randn(20, bank.hidden, generator=g).to(torch.bfloat16)
+    weights = torch.rand(20, 1, generator=g) + 0.1
+    buffers = X.StageBuffers(20, bank, device, poison=True)
+    X.launch_stages(x.to(device), X.group_picks(ids.to(device)), weights.flatten().to(device), bank, LIMIT, config,
+                    buffers)
+    assert buffers.gate_up.isnan().all()
+    assert_close(buffers.per_pick[0], X.reference(x, ids, weights, checkpoint, LIMIT))
+
+
+def test_paired_tiles_are_refused_where_they_cannot_run(fragment_bank, bank):
+    """A paired tile reads fragment-order codes through pointers, a program a task, in halves of
+    whole 16-row blocks: anything else is refused before a launch, naming what it needs."""
+    fragments, _ = fragment_bank
+    for experts, config in ((fragments, X.LaunchConfig(False, 32, 128, programs=4, paired=True)),
+                            (fragments, X.LaunchConfig(False, 32, 128, tma=True, paired=True)),
+                            (bank, X.LaunchConfig(False, 32, 32, paired=True))):
+        with pytest.raises(ValueError, match="needs the fragment order, no tma and programs = 0"):
+            X.launch_stages(None, (None, None, None), None, experts, LIMIT, config, None)
+    with pytest.raises(ValueError, match=r"order need paired tiles of a multiple of 32 rows \(here 16\)"):
+        X.launch_stages(None, (None, None, None), None, fragments, LIMIT, X.LaunchConfig(False, 16, 128, paired=True),
+                        None)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_down_in_slices_matches_the_reference(device, paired):
+    """`LaunchConfig.down_split`: down in two slices of the intermediate (256: two K steps of 128),
+    each writing its partial per-pick outputs, summed in slice order, gives the reference's result
+    (with paired gate/up tiles too, the 1-row default); a split into slices of part of a K step is
+    refused, naming the sizes."""
+    checkpoint = random_bank(torch.Generator().manual_seed(2), num_experts=8, hidden=256, inter=256, device="cpu")
+    bank = on_device(X.in_fragment_order(checkpoint), device)
+    cuda = device == "cuda"
+    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), 32, 128, paired=paired, down_split=2, pdl=cuda)
+    assert_rows_and_a_pad_match(torch.Generator().manual_seed(85 + paired), bank, checkpoint, config, device)
+    with pytest.raises(ValueError, match=r"slices of whole K steps \(here 256 / 2 in steps of 256\)"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, block_k=256), None)
+
+
 @pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",
                     reason="programmatic dependent launches need an NVIDIA GPU")
-@pytest.mark.parametrize("rows,block_n,warps", [(1, 32, 4), (48, 128, 8)])
-def test_dependent_launches_give_the_same_result(device, rows, block_n, warps):
+@pytest.mark.parametrize("rows,block_n,warps,paired", [(1, 32, 4, False), (48, 128, 8, False), (1, 128, 8, True)])
+def test_dependent_launches_give_the_same_result(device, rows, block_n, warps, paired):
     """`LaunchConfig.pdl`: SwiGLU launched while gate/up still runs and down while SwiGLU does, down
     loading its first weights before it waits for h, give bit for bit the result of ordinary
     launches (the same arithmetic), with poisoned intermediates (an element read before it was
-    written would be NaN). At 1 row also against the float64 reference. (Not a race detector:
-    with down's wait taken out this test still passed on the H200.)"""
+    written would be NaN); also the 1-row default's paired gate/up and down in two slices, down a
+    direct dependent of the paired kernel. At 1 row also against the float64 reference. (Not a
+    race detector: with down's wait taken out this test still passed on the H200.)"""
     g = torch.Generator().manual_seed(90 + rows)
     checkpoint = random_bank(g, num_experts=8, hidden=4096, inter=512, device="cpu")
     experts = on_device(X.in_fragment_order(checkpoint), device)
@@ -231,7 +285,8 @@ def test_dependent_launches_give_the_same_result(device, rows, block_n, warps):
     x = torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
     weights = torch.rand(rows, 4, generator=g) + 0.1
     results = [X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT,
-                                X.LaunchConfig(True, block_n, 256, warps, max_registers=128, pdl=pdl), poison=True)
+                                X.LaunchConfig(True, block_n, 256, warps, max_registers=128, pdl=pdl, paired=paired,
+                                               down_split=1 + paired), poison=True)
                for pdl in (False, True)]
     assert torch.isfinite(results[1]).all()
     assert torch.equal(results[0], results[1])
@@ -252,14 +307,23 @@ def test_dependent_launches_are_refused_where_they_cannot_run(fragment_bank, ban
 
 
 def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, device):
-    """`default_config`: the H200's fastest measured tiles in the fragment order, 128 x 256 with 8
-    warps for steps of 4+ rows and 64 x 256 with 4 below, registers capped at 128, dependent
-    launches; with it (None) the launcher still gives the reference's result."""
+    """`default_config`: the H200's fastest measured launch in the fragment order, 128 x 256 tiles
+    with 8 warps, registers capped at 128, dependent launches; at 1 row paired gate/up tiles and
+    down in two slices where the intermediate has two whole K steps for each (v4-flash's 2048;
+    not the test bank's 128 or 256); with it (None) the launcher still gives the reference's
+    result."""
     bank, checkpoint = fragment_bank
-    wide, narrow = X.default_config(bank, 6, True), X.default_config(bank, 1, True)
+    wide = X.default_config(bank, 6, True)
     assert (wide.block_n, wide.block_k, wide.num_warps, wide.max_registers, wide.pdl) == (128, 256, 8, 128, True)
-    assert (narrow.block_n, narrow.block_k, narrow.num_warps, narrow.max_registers, narrow.pdl) == (64, 256, 4, 128,
-                                                                                                     True)
+    assert not wide.paired and wide.down_split == 1
+    assert X.default_config(bank, 1, True) == X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True,
+                                                             paired=True)
+    def shaped(hidden, inter):  # experts of these sizes (the launch config reads only the shapes)
+        up, down = (torch.zeros(1, inter, hidden // 2), None), (torch.zeros(1, hidden, inter // 2), None)
+        return X.ExpertWeights(up, down, up, fragments=True, _fast_decode=True)
+
+    assert X.default_config(shaped(4096, 2048), 1, True) == replace(X.default_config(bank, 1, True), down_split=2)
+    assert X.default_config(shaped(4096, 256), 1, True).down_split == 1
     assert X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
     assert X.default_config(bank, 6, False) == X.LaunchConfig(False)
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)
@@ -302,5 +366,8 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
                                                                              128)]
     dependent = list(B.variants(True, [0], ["fragments"], [(64, 256, 4, 1, 128, 1)], portable=False))
     assert [(name, config.pdl) for name, _, config in dependent] == [("fast bn64 bk256 w4 s1 fragments r128 pdl", True)]
+    paired = list(B.variants(True, [0], ["fragments"], [(128, 256, 8, 1, 128, 1, 1, 2)], portable=False))
+    assert [(name, config.pdl, config.paired, config.down_split) for name, _, config in paired] == [
+        ("fast bn128 bk256 w8 s1 fragments r128 pdl paired ds2", True, True, 2)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])

@@ -27,10 +27,14 @@ Contract
   p + grid, ...). Standalone (`routed_experts`: the benchmark, and the DSpark draft's MoE while
   the mono kernels are in use): one program a task (`_up`, `_swiglu`, `_down`), or with
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
-  `_down_persistent`), the stage as it runs inside K2.
+  `_down_persistent`), the stage as it runs inside K2. Standalone options: `LaunchConfig.paired`
+  (`paired_up_task`: the gate and up rows of a block in one tile, the SwiGLU in its epilogue, so
+  no gate/up buffer and no SwiGLU pass) and `LaunchConfig.down_split` (down in S slices of the
+  intermediate, per-pick partial sums [S, R * k, d] added in slice order: more, shorter down
+  tasks for the few experts of a 1-row step); both are the 1-row default (`default_config`).
 - Programmatic dependent launches (`LaunchConfig.pdl`, the default of the fast decode in the
-  fragment order): SwiGLU launches during gate/up's last wave and waits there, down launches
-  while SwiGLU runs and loads its first weight tile before waiting for h (`launch_stages`).
+  fragment order): SwiGLU (paired: down) launches while gate/up runs, down while SwiGLU runs,
+  and down loads its first weight tile before waiting for h (`launch_stages`).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -63,7 +67,7 @@ Both are exact up to fp32 accumulation order against a float64 reference of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
@@ -302,7 +306,8 @@ def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr,
+                    PAIR: tl.constexpr = False, up_codes=None, up_scales=None):
     """Like `_load_tile` for codes in the fragment order, but loaded straight into the registers
     the tensor cores take them from: (halves [BN, BK / 4] int16, scale codes [BN, 4, BK / 32]
     uint8, each row's scales once for each of the 4 lanes that share the row). The dot's operand
@@ -314,21 +319,37 @@ def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.con
     on its way to the dot (Triton picks the order of the other dimensions differently from one
     version to the next, so they must not need lanes or warps). The fragment order's blocks
     (`formats.to_fragment_order`) store a warp's rows in that order too, so each load
-    instruction of a warp reads 512 contiguous bytes."""
+    instruction of a warp reads 512 contiguous bytes. PAIR (a paired tile, `paired_up_task`): the
+    tile's first BN / 2 rows are rows row0 .. of `codes` (w1) and the others the same rows of
+    `up_codes` (w3), each warp's band from one matrix."""
     tl.static_assert(BN % 16 == 0, "fragment tiles need a multiple of 16 rows")
     G: tl.constexpr = BK // 128  # column groups
     W: tl.constexpr = BN // 16
     g = tl.arange(0, G)[:, None, None]
     a = tl.arange(0, 2)[None, :, None]  # the row offset 8
     f = tl.arange(0, W * 256)[None, None, :]  # (w, row i, 32 halves c): row 16 w + 8 a + i, half 32 g + c
-    block = (row0 // 16 + f // 256) * (K // 128) + k0 // 128 + g  # 512 halves: (a, i, c)
+    band, codes = _band(f // 256, codes, up_codes, W, PAIR)
+    block = (row0 // 16 + band) * (K // 128) + k0 // 128 + g  # 512 halves: (a, i, c)
     halves = tl.load(codes + tl.multiple_of(block * 512 + 256 * a, [1, 1, 8]) + f % 256)
     tile = tl.reshape(tl.permute(tl.reshape(halves, (G, 2, W, 8, 32)), (2, 1, 3, 0, 4)), (BN, BK // 4))
     S: tl.constexpr = BK // 32  # scales a row
     f = tl.arange(0, W * 32 * S)[None, :]  # (w, row i, lane t, scale s)
-    rows = row0 + 16 * (f // (32 * S)) + 8 * tl.arange(0, 2)[:, None] + f // (4 * S) % 8
+    band, scales_ptr = _band(f // (32 * S), scales_ptr, up_scales, W, PAIR)
+    rows = row0 + 16 * band + 8 * tl.arange(0, 2)[:, None] + f // (4 * S) % 8
     scale_codes = tl.load(scales_ptr + tl.multiple_of(rows * (K // 32) + k0 // 32, [1, S]) + f % S)
     return tile, tl.reshape(tl.permute(tl.reshape(scale_codes, (2, W, 8, 4, S)), (1, 0, 2, 3, 4)), (BN, 4, S))
+
+
+@triton.jit
+def _band(warp, gate_ptr, up_ptr, W: tl.constexpr, PAIR: tl.constexpr):
+    """(16-row band within its matrix, base pointer) of a tile's warp band `warp`: all of one matrix,
+    or (PAIR) the first W / 2 bands of gate's, the others of up's."""
+    if PAIR:
+        tl.static_assert(W % 2 == 0, "a paired tile needs an even number of 16-row bands")
+        band, ptr = warp % (W // 2), tl.where(warp < W // 2, gate_ptr, up_ptr)
+    else:
+        band, ptr = warp, gate_ptr
+    return band, ptr
 
 
 @triton.jit
@@ -402,14 +423,16 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 @triton.jit
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
             FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr,
-            PDL: tl.constexpr = False):
+            PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
-    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). PDL:
-    `_fragment_matvec`'s (the other loops do not take it)."""
+    other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). PDL,
+    SPLIT and part: `_fragment_matvec`'s (the other loops do not take them; the launcher refuses
+    them there)."""
     if FRAG and not TMA:
-        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL)
+        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL, False, None, None,
+                               SPLIT, part)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -424,7 +447,8 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 
 @triton.jit
 def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
-                     FAST: tl.constexpr, PDL: tl.constexpr = False):
+                     FAST: tl.constexpr, PDL: tl.constexpr = False, PAIR: tl.constexpr = False, up_codes=None,
+                     up_scales=None, SPLIT: tl.constexpr = 1, part=0):
     """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
     (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
@@ -433,15 +457,20 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
     second on the H200 (docs/PERFORMANCE.md). It holds one more tile in registers, which is
     why the launcher caps them (`LaunchConfig.max_registers`). PDL (NVIDIA; the kernel launched
     as a programmatic dependent of the one that writes x, `LaunchConfig.pdl`): the first tile's
-    loads go out before waiting for that kernel (`griddepcontrol.wait`), x's after."""
+    loads go out before waiting for that kernel (`griddepcontrol.wait`), x's after. PAIR: a paired
+    tile of `codes` (w1) and `up_codes` (w3) (`_load_fragments`). SPLIT: only slice `part` of
+    SPLIT equal slices of K."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
-    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, 0, K, BN, BK)
+    k_lo = part * (K // SPLIT)
+    k_hi = k_lo + K // SPLIT
+    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales)
     if PDL:
         gdc_wait()
-    x = _x_tile(x_ptr, x_rows, x_mask, 0, K, BK, FAST)
-    for k0 in tl.range(0, K, BK, num_stages=1):
-        ahead = tl.minimum(k0 + BK, K - BK)
-        next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK)
+    x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
+        ahead = tl.minimum(k0 + BK, k_hi - BK)
+        next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK, PAIR, up_codes,
+                                                 up_scales)
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
         acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
         tile, scale_codes, x = next_tile, next_scales, next_x
@@ -498,6 +527,26 @@ def swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
 
 
 @triton.jit
+def paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+                   w3_scales, K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
+                   FAST: tl.constexpr):
+    """Gate and up of intermediate block nb (BN / 2 columns) for the group that starts at sorted
+    pick j, as one tile of fragment-order codes (BN / 2 rows of w1 over the same rows of w3,
+    `_load_fragments`), and their SwiGLU with the routing weight in the epilogue: h[pick, block]
+    (`swiglu_value`), with no gate/up round trip through memory and no SwiGLU pass."""
+    active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
+    if active:
+        HB: tl.constexpr = BN // 2
+        acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * HB, x_ptr, picks // TOPK, mask, K, BN, BK,
+                               FAST, False, True, w3_codes, w3_scales)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HB, ROWS_)), (1, 2, 0)))
+        weight = tl.load(rw_ptr + picks, mask=mask, other=0.0)
+        n = nb * HB + tl.arange(0, HB)
+        tl.store(h_ptr + picks[None, :] * I + n[:, None], swiglu_value(gate, up, weight[None, :], limit, FAST),
+                 mask=mask[None, :])
+
+
+@triton.jit
 def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """h[p, block] from pick p's gate and up (`swiglu_value`)."""
     i = ib * BLOCK + tl.arange(0, BLOCK)
@@ -509,13 +558,14 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
               NS: tl.constexpr = None, TMA: tl.constexpr = False,
-              FRAG: tl.constexpr = False, PDL: tl.constexpr = False):
+              FRAG: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32. PDL:
-    h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`)."""
+    h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`). SPLIT:
+    slice `part` of the intermediate only (its partial sum; out points at that slice's outputs)."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG,
-                    PDL)
+                    PDL, SPLIT, part)
         _store_down(y, nb, picks, mask, out_ptr, D, BN)
 
 
@@ -577,6 +627,16 @@ def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, 
 
 
 @triton.jit
+def _paired_up(x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
+               K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+               PDL: tl.constexpr):
+    if PDL:  # down's programs may launch once every program here has started
+        gdc_launch_dependents()
+    paired_up_task(tl.program_id(0), tl.program_id(1), x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr,
+                   w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST)
+
+
+@triton.jit
 def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched during gate/up's last wave: let down launch (it starts when gate/up ends), then wait
         gdc_launch_dependents()
@@ -587,9 +647,10 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
           BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
-          FRAG: tl.constexpr, PDL: tl.constexpr):
-    down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-              w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL)
+          FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+    part = tl.program_id(2)
+    down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr + part * tl.num_programs(0) * D, counts_ptr,
+              order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -619,22 +680,28 @@ class LaunchConfig:
     programs: int = 0  # 0: a program a task; n: n persistent programs looping over the tasks, as in K2
     tma: bool = False  # the codes tiles loaded by the copy engine through tensor descriptors (`_load_tile`)
     max_registers: int = 0  # registers a thread the compiler may use (Triton's maxnreg); 0: its own choice
-    pdl: bool = False  # SwiGLU and down launched as programmatic dependents of gate/up (`launch_stages`)
+    pdl: bool = False  # SwiGLU (or paired: down) and down launched as programmatic dependents (`launch_stages`)
+    paired: bool = False  # gate and up of a block in one tile, the SwiGLU in its epilogue (`paired_up_task`)
+    down_split: int = 1  # down in that many slices of the intermediate: partial outputs, summed in slice order
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
     """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
-    `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps from 4 rows and of
-    64 x 256 with 4 warps below, both capped at 128 registers a thread so that two 8-warp
-    programs (four 4-warp ones) share an SM, SwiGLU and down launched as programmatic dependents
-    (`LaunchConfig.pdl`: 1.99-2.03 / 2.79-2.85 / 2.98-3.00 / 3.04-3.07 TB/s at 1 / 6 / 16 / 48
-    rows in three runs, against 1.91-1.92 / 2.73-2.77 / 2.97-2.99 / 3.04-3.08 without in the same
-    runs); in the checkpoint's order 64 x 256, 1 stage."""
-    if fast and weights.fragments:
-        if rows >= 4:
-            return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
-        return LaunchConfig(fast, block_n=64, block_k=256, num_warps=4, max_registers=128, pdl=True)
-    return LaunchConfig(fast)
+    `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps capped at 128
+    registers a thread (two programs a SM), SwiGLU and down launched as programmatic dependents
+    (`LaunchConfig.pdl`); at 1 row gate and up paired with the SwiGLU in their epilogue and down
+    in two slices of the intermediate, where the sizes allow (1 row: 2.07-2.11 TB/s in five runs,
+    5-7 % above the 64 x 256 4-warp tiles that were the default below 4 rows in each; 2-3 rows:
+    2.48-2.55 against 2.19-2.34 for those; 6 / 16 / 48 rows 2.78-2.85 / 2.98-3.00 / 3.04-3.07). In
+    the checkpoint's order 64 x 256, 1 stage."""
+    if not (fast and weights.fragments):
+        return LaunchConfig(fast)
+    config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
+    if rows == 1:  # the most of the 1-row launch that these sizes allow
+        paired = replace(config, paired=True)
+        fits = [c for c in (replace(paired, down_split=2), paired) if launch_refusal(c, weights) is None]
+        config = (fits + [config])[0]
+    return config
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -647,11 +714,13 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
     if config is None:
         config = default_config(weights, x.shape[0],
                                 fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
-    buffers = StageBuffers(ids.numel(), weights, x.device, poison)
+    buffers = StageBuffers(ids.numel(), weights, x.device, poison, config.down_split)
     launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
                   weights, limit, config, buffers)
     r, k = ids.shape
-    per_pick = buffers.per_pick.view(r, k, -1)
+    per_pick = buffers.per_pick[0].view(r, k, -1)
+    for part in buffers.per_pick[1:]:  # the down slices' partial sums, in slice order
+        per_pick = per_pick + part.view(r, k, -1)
     if pick_dtype is not None:
         per_pick = per_pick.to(pick_dtype).float()
     per_pick = torch.where((ids >= 0).unsqueeze(-1), per_pick, 0.0)  # pads: no task
@@ -663,14 +732,41 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
 
 class StageBuffers:
     """Intermediates of one step's expert stage: gate/up [P, 2, I] fp32, h [P, I] bf16 and
-    per-pick outputs [P, d] fp32 for P = R * k picks."""
+    per-pick outputs [S, P, d] fp32 (the partial sums of S = `LaunchConfig.down_split` slices) for
+    P = R * k picks."""
 
-    def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False):
+    def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False, splits: int = 1):
         fill = float("nan") if poison else 0.0
         inter, d = weights.intermediate, weights.hidden
         self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
-        self.per_pick = torch.full((picks, d), fill, dtype=torch.float32, device=device)
+        self.per_pick = torch.full((splits, picks, d), fill, dtype=torch.float32, device=device)
+
+
+def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
+    """Why `config` cannot run the stage of `weights` (what it lacks, as a message), or None."""
+    pointers_per_task = weights.fragments and not config.tma and not config.programs
+    d, inter = weights.hidden, weights.intermediate
+    if config.fast and not weights.supports_fast_decode():
+        return ("these experts have E8M0 scale codes outside [2, 128], which the fast decode cannot fold into a "
+                "bf16 scale: use LaunchConfig(fast=False)")
+    if config.pdl and not (config.fast and pointers_per_task):
+        return ("LaunchConfig.pdl (programmatic dependent launches, NVIDIA) waits inside the K loop of fragment-order "
+                "codes read through pointers, a program a task: it needs the fast decode, the fragment order, no tma "
+                "and programs = 0")
+    if config.paired and not pointers_per_task:
+        return ("LaunchConfig.paired (gate and up in one tile of fragment-order codes read through pointers, a "
+                "program a task) needs the fragment order, no tma and programs = 0")
+    if config.down_split > 1 and not (pointers_per_task and inter % (config.down_split * min(config.block_k, inter))
+                                      == 0):
+        return ("LaunchConfig.down_split (slices of down's K loop) needs the fragment order, no tma, programs = 0 "
+                f"and slices of whole K steps (here {inter} / {config.down_split} in steps of "
+                f"{min(config.block_k, inter)})")
+    refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
+    block_up = min(config.block_n, (1 + config.paired) * inter)
+    if not refusal and config.paired and block_up % (2 * FRAGMENT_ROWS):
+        refusal = f"paired tiles of a multiple of {2 * FRAGMENT_ROWS} rows (here {block_up})"
+    return f"experts in the fragment order need {refusal}" if refusal else None
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
@@ -687,21 +783,19 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     an ordinary launch) and loads its first weight tile, then waits for SwiGLU before reading h.
     A dependent of a dependent does not start before the first kernel has finished
     (`tests/pdl_probe.py` on the H200), so down overlaps SwiGLU, not gate/up. gate/up itself is
-    an ordinary launch: the stage starts after whatever came before it, as without."""
-    if config.fast and not weights.supports_fast_decode():
-        raise ValueError("these experts have E8M0 scale codes outside [2, 128], which the fast decode "
-                         "cannot fold into a bf16 scale: use LaunchConfig(fast=False)")
-    if config.pdl and not (config.fast and weights.fragments and not config.tma and not config.programs):
-        raise ValueError("LaunchConfig.pdl (programmatic dependent launches, NVIDIA) waits inside the K loop of "
-                         "fragment-order codes read through pointers, a program a task: it needs the fast decode, "
-                         "the fragment order, no tma and programs = 0")
+    an ordinary launch: the stage starts after whatever came before it, as without.
+
+    With `LaunchConfig.paired` one kernel (`_paired_up`) computes gate, up and the SwiGLU, and
+    down (with pdl, its direct dependent) follows it: two launches. With `LaunchConfig.down_split`
+    S, down's grid has S slices of the intermediate, each writing its partial sums to
+    `buffers.per_pick[s]`; `routed_experts` adds them in slice order."""
+    refusal = launch_refusal(config, weights)
+    if refusal:
+        raise ValueError(refusal)
+    d, inter = weights.hidden, weights.intermediate
+    block_up, block_down = min(config.block_n, (1 + config.paired) * inter), min(config.block_n, d)
     order, experts, counts = groups
     picks = order.numel()
-    d, inter = weights.hidden, weights.intermediate
-    block_up, block_down = min(config.block_n, inter), min(config.block_n, d)
-    refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
-    if refusal:
-        raise ValueError(f"experts in the fragment order need {refusal}")
     meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
                 num_stages=config.num_stages)
     if config.max_registers:
@@ -715,11 +809,15 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     compiled = {}
     dependent = {"launch_pdl": True} if config.pdl else {}  # a Triton launch option: NVIDIA only
     if "up" in kernels:
-        if config.programs:
+        if config.paired:
+            compiled["up"] = _paired_up[(picks, 2 * inter // block_up)](
+                x, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
+                float(limit), PDL=config.pdl, **{k: v for k, v in up_meta.items() if k not in ("TMA", "FRAG")})
+        elif config.programs:
             compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
         else:
             compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, PDL=config.pdl, **up_meta)
-    if "swiglu" in kernels:
+    if "swiglu" in kernels and not config.paired:
         swiglu_block = min(1024, inter)
         _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
                                                 BLOCK=swiglu_block, FAST=config.fast, PDL=config.pdl, **dependent)
@@ -727,8 +825,8 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         if config.programs:
             compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
         else:
-            compiled["down"] = _down[(picks, d // block_down)](*down_args, PDL=config.pdl, **down_meta,
-                                                               **dependent)
+            compiled["down"] = _down[(picks, d // block_down, config.down_split)](
+                *down_args, PDL=config.pdl, SPLIT=config.down_split, **down_meta, **dependent)
     return compiled
 
 

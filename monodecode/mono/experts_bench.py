@@ -2,7 +2,8 @@
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
 [--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL]];...] [--no-portable] [--out DIR]`
+[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT]]]];...] [--no-portable]
+[--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -16,7 +17,10 @@ mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor d
 (`LaunchConfig.tma`). STAGES is Triton's pipelining of the K loop, which the fragment order
 without tma does not use (it prefetches by itself); REGISTERS caps the registers a thread
 (`LaunchConfig.max_registers`, name ending in `rN`); PDL 1 launches the SwiGLU and down kernels
-as programmatic dependents of gate/up (`LaunchConfig.pdl`, `pdl`). Every variant is first
+as programmatic dependents of gate/up (`LaunchConfig.pdl`, `pdl`); PAIRED 1 takes gate and up of
+a block in one tile with the SwiGLU in its epilogue (`LaunchConfig.paired`, `paired`: gate/up
+alone is then that kernel); DOWN_SPLIT S runs down in S slices of the intermediate
+(`LaunchConfig.down_split`, `dsS`). Every variant is first
 checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
 kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
 through shared memory (its software pipelining).
@@ -71,7 +75,7 @@ def resources(bank, config, g) -> dict:
     ids = routings(6, 1, g)[0]
     x = torch.randn(6, D, device="cuda", generator=g).to(torch.bfloat16)
     kernels = X.launch_stages(x, X.group_picks(ids), torch.rand(6 * TOPK, device="cuda", generator=g), bank, 10.0,
-                              config, X.StageBuffers(6 * TOPK, bank, "cuda"))
+                              config, X.StageBuffers(6 * TOPK, bank, "cuda", splits=config.down_split))
     return {name: {"registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                    "cp_async": k.asm.get("ptx", "").count("cp.async.")}
             for name, k in kernels.items() if k is not None}
@@ -84,7 +88,7 @@ def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -
     for ids in routings(rows, steps, g):
         x = torch.randn(rows, D, device="cuda", generator=g).to(torch.bfloat16)
         w = torch.rand(rows * TOPK, device="cuda", generator=g)
-        buffers = X.StageBuffers(rows * TOPK, bank, "cuda")
+        buffers = X.StageBuffers(rows * TOPK, bank, "cuda", splits=config.down_split)
         plans.append((x, X.group_picks(ids), w, buffers, ids.unique().numel()))
     run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers, kernels)  # noqa: E731
                    for x, grp, w, buffers, _ in plans]
@@ -110,20 +114,23 @@ LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma")
 def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None,
              portable: bool = True):
     """(name, layout, LaunchConfig): the portable decode (if `portable`), then a grid of fast ones
-    (or the (block_n, block_k, warps, stages[, max registers[, pdl]]) in `configs`), each with a program a
-    task (pps 0) or pps persistent programs a SM running K2's task loops. The K loop: s1, s2, s3
-    (Triton's num_stages); the layout as in the module docstring."""
+    (or the (block_n, block_k, warps, stages[, max registers[, pdl[, paired[, down split]]]]) in
+    `configs`), each with a program a task (pps 0) or pps persistent programs a SM running K2's
+    task loops. The K loop: s1, s2, s3 (Triton's num_stages); the layout as in the module
+    docstring."""
     if portable:
         yield "portable", "interleave", X.LaunchConfig(fast=False, block_n=64, block_k=128, num_warps=4, num_stages=2)
     grid = configs or (itertools.product((64, 128), (256, 512), (4, 8), (1, 2)) if quick else
                        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages, *extra), layout, pps in itertools.product(grid, layouts, programs_per_sm):
-        registers, pdl = list(extra) + [0, 0][len(extra):]
+        registers, pdl, paired, split = list(extra) + [0, 0, 0, 1][len(extra):]
         name = (f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
-                + (f" r{registers}" if registers else "") + (" pdl" if pdl else ""))
+                + (f" r{registers}" if registers else "") + (" pdl" if pdl else "") + (" paired" if paired else "")
+                + (f" ds{split}" if split > 1 else ""))
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
-                                           max_registers=registers, pdl=bool(pdl))
+                                           max_registers=registers, pdl=bool(pdl), paired=bool(paired),
+                                           down_split=split)
 
 
 def main(argv=None) -> int:
@@ -137,8 +144,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="interleave,fragments",
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
-                        help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1]] "
-                             "(e.g. 128,256,8,1,128,1;64,256,4,3) instead of the grid (0 registers: uncapped)")
+                        help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1[,paired 0/1"
+                             "[,down split]]]] (e.g. 128,256,8,1,128,1;64,256,4,3) instead of the grid (0 registers: "
+                             "uncapped)")
     parser.add_argument("--no-portable", action="store_true",
                         help="leave out the portable decode (e.g. to profile one variant alone)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -147,9 +155,9 @@ def main(argv=None) -> int:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
         configs = [()]
-    if any(len(c) not in (4, 5, 6) for c in configs):
-        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,pdl 0/1]] "
-                     "separated by ';'")
+    if any(len(c) not in (4, 5, 6, 7, 8) for c in configs):
+        parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,pdl 0/1"
+                     "[,paired 0/1[,down split]]]] separated by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)
