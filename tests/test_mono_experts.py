@@ -266,6 +266,8 @@ def test_down_in_slices_matches_the_reference(device, paired):
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(85 + paired), bank, checkpoint, config, device)
     with pytest.raises(ValueError, match=r"slices of whole K steps \(here 256 / 2 in steps of 256\)"):
         X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, block_k=256), None)
+    with pytest.raises(ValueError, match=r"down_split is a number of slices, at least 1 \(here 0\)"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, down_split=0), None)
 
 
 @pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",

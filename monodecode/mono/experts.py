@@ -757,6 +757,8 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
     if config.paired and not pointers_per_task:
         return ("LaunchConfig.paired (gate and up in one tile of fragment-order codes read through pointers, a "
                 "program a task) needs the fragment order, no tma and programs = 0")
+    if config.down_split < 1:
+        return f"LaunchConfig.down_split is a number of slices, at least 1 (here {config.down_split})"
     if config.down_split > 1 and not (pointers_per_task and inter % (config.down_split * min(config.block_k, inter))
                                       == 0):
         return ("LaunchConfig.down_split (slices of down's K loop) needs the fragment order, no tma, programs = 0 "
