@@ -320,6 +320,7 @@ def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, devic
     assert not wide.paired and wide.down_split == 1
     assert X.default_config(bank, 1, True) == X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True,
                                                              paired=True)
+
     def shaped(hidden, inter):  # experts of these sizes (the launch config reads only the shapes)
         up, down = (torch.zeros(1, inter, hidden // 2), None), (torch.zeros(1, hidden, inter // 2), None)
         return X.ExpertWeights(up, down, up, fragments=True, _fast_decode=True)
