@@ -431,8 +431,8 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
     SPLIT and part: `_fragment_matvec`'s (the other loops do not take them; the launcher refuses
     them there)."""
     if FRAG and not TMA:
-        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL, False, None, None,
-                               SPLIT, part)
+        acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL=PDL, SPLIT=SPLIT,
+                               part=part)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -538,7 +538,7 @@ def paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_p
     if active:
         HB: tl.constexpr = BN // 2
         acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * HB, x_ptr, picks // TOPK, mask, K, BN, BK,
-                               FAST, False, True, w3_codes, w3_scales)
+                               FAST, PAIR=True, up_codes=w3_codes, up_scales=w3_scales)
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HB, ROWS_)), (1, 2, 0)))
         weight = tl.load(rw_ptr + picks, mask=mask, other=0.0)
         n = nb * HB + tl.arange(0, HB)
@@ -798,12 +798,13 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     block_up, block_down = min(config.block_n, (1 + config.paired) * inter), min(config.block_n, d)
     order, experts, counts = groups
     picks = order.numel()
-    meta = dict(ROWS_=ROWS, FAST=config.fast, FRAG=weights.fragments, num_warps=config.num_warps,
+    meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps,
                 num_stages=config.num_stages)
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
-    up_meta = dict(BN=block_up, BK=min(config.block_k, d), TMA=config.tma, **meta)
-    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), TMA=config.tma, **meta)
+    up_meta = dict(BN=block_up, BK=min(config.block_k, d), **meta)
+    down_meta = dict(BN=block_down, BK=min(config.block_k, inter), **meta)
+    layout = dict(TMA=config.tma, FRAG=weights.fragments)  # not the paired kernel's: fragments, pointers only
     w1, w2, w3 = (codes_operand(m, weights.fragments, config.tma, meta["BN"], meta["BK"]) for m, meta in
                   ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
@@ -814,21 +815,21 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         if config.paired:
             compiled["up"] = _paired_up[(picks, 2 * inter // block_up)](
                 x, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
-                float(limit), PDL=config.pdl, **{k: v for k, v in up_meta.items() if k not in ("TMA", "FRAG")})
+                float(limit), PDL=config.pdl, **up_meta)
         elif config.programs:
-            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **up_meta)
+            compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **layout, **up_meta)
         else:
-            compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, PDL=config.pdl, **up_meta)
+            compiled["up"] = _up[(picks, inter // block_up, 2)](*up_args, PDL=config.pdl, **layout, **up_meta)
     if "swiglu" in kernels and not config.paired:
         swiglu_block = min(1024, inter)
         _swiglu[(picks, inter // swiglu_block)](buffers.gate_up, route_weights, buffers.h, inter, float(limit),
                                                 BLOCK=swiglu_block, FAST=config.fast, PDL=config.pdl, **dependent)
     if "down" in kernels:
         if config.programs:
-            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **down_meta)
+            compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **layout, **down_meta)
         else:
             compiled["down"] = _down[(picks, d // block_down, config.down_split)](
-                *down_args, PDL=config.pdl, SPLIT=config.down_split, **down_meta, **dependent)
+                *down_args, PDL=config.pdl, SPLIT=config.down_split, **layout, **down_meta, **dependent)
     return compiled
 
 
