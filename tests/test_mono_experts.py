@@ -296,47 +296,6 @@ def test_dependent_launches_give_the_same_result(device, rows, block_n, warps, p
         assert_close(results[1], X.reference(x, ids, weights, checkpoint, LIMIT))
 
 
-@pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",
-                    reason="the Gluon kernels are for NVIDIA GPUs")
-@pytest.mark.parametrize("rows", [1, 2, 6, 16, 48])
-@pytest.mark.parametrize("split", [1, 2])
-def test_the_gluon_kernels_match_the_triton_ones(device, rows, split):
-    """`LaunchConfig.gluon` (`experts_gluon`: x staged through shared memory in chunks) gives bit
-    for bit the result of the Triton kernels with the same tiles (the same decode, the same dots
-    in the same order), and at 1-2 rows the float64 reference's: gate/up 16 K steps a task (x in
-    chunks of 4), down 4 or 2 (chunks of 2, of 1), poisoned intermediates, a pad row's picks."""
-    g = torch.Generator().manual_seed(100 + rows + split)
-    checkpoint = random_bank(g, num_experts=8, hidden=4096, inter=1024, device="cpu")
-    experts = on_device(X.in_fragment_order(checkpoint), device)
-    ids = picks(g, rows, 4, 8, "bias")
-    if rows > 1:
-        ids[-1, 1:] = -1  # a pad row's picks (all but one: the row still has an output)
-    x = torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
-    weights = torch.rand(rows, 4, generator=g) + 0.1
-    config = X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True, paired=True, down_split=split)
-    triton, gluon = (X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT,
-                                      replace(config, gluon=use), poison=True) for use in (0, 4))
-    assert torch.isfinite(gluon).all()
-    assert torch.equal(triton, gluon)
-    if rows <= 2:
-        assert_close(gluon, X.reference(x, ids, weights, checkpoint, LIMIT))
-
-
-def test_the_gluon_kernels_are_refused_where_they_cannot_run(fragment_bank):
-    """`LaunchConfig.gluon` runs paired tiles of 16 rows a warp with the fast decode over an even
-    number of K steps: anything else is refused before a launch, naming what it needs."""
-    fragments, _ = fragment_bank  # hidden 256, intermediate 128
-    fragments = X.ExpertWeights(*(fragments.w1, fragments.w2, fragments.w3), fragments=True, _fast_decode=True)
-    config = X.LaunchConfig(True, 64, 128, 4, paired=True, gluon=4)
-    for refused in (replace(config, paired=False), replace(config, fast=False)):
-        with pytest.raises(ValueError, match="needs the fast decode, paired tiles, the fragment order"):
-            X.launch_stages(None, (None, None, None), None, fragments, LIMIT, refused, None)
-    with pytest.raises(ValueError, match=r"tiles of 16 rows a warp \(128 rows; here \[64\]\)"):
-        X.launch_stages(None, (None, None, None), None, fragments, LIMIT, replace(config, num_warps=8), None)
-    with pytest.raises(ValueError, match=r"an even number of steps \(here \[1, 2\]\)"):
-        X.launch_stages(None, (None, None, None), None, fragments, LIMIT, replace(config, down_split=1), None)
-
-
 def test_dependent_launches_are_refused_where_they_cannot_run(fragment_bank, bank):
     """`LaunchConfig.pdl` waits inside the fragment order's own K loop, a program a task, with the
     fast decode: anything else is refused before a launch."""

@@ -683,7 +683,6 @@ class LaunchConfig:
     pdl: bool = False  # SwiGLU (or paired: down) and down launched as programmatic dependents (`launch_stages`)
     paired: bool = False  # gate and up of a block in one tile, the SwiGLU in its epilogue (`paired_up_task`)
     down_split: int = 1  # down in that many slices of the intermediate: partial outputs, summed in slice order
-    gluon: int = 0  # n: paired gate/up and down as the Gluon kernels of `experts_gluon`, x in chunks of <= n steps
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
@@ -765,15 +764,6 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
         return ("LaunchConfig.down_split (slices of down's K loop) needs the fragment order, no tma, programs = 0 "
                 f"and slices of whole K steps (here {inter} / {config.down_split} in steps of "
                 f"{min(config.block_k, inter)})")
-    if config.gluon and not (config.fast and config.paired and pointers_per_task):
-        return ("LaunchConfig.gluon (the Gluon kernels of `experts_gluon`, NVIDIA) needs the fast decode, paired "
-                "tiles, the fragment order, no tma and programs = 0")
-    tiles = {min(config.block_n, 2 * inter), min(config.block_n, d)}
-    if config.gluon and any(t % (16 * config.num_warps) for t in tiles):
-        return f"LaunchConfig.gluon tiles of 16 rows a warp ({16 * config.num_warps} rows; here {sorted(tiles)})"
-    steps = {d // min(config.block_k, d), inter // config.down_split // min(config.block_k, inter)}
-    if config.gluon and any(s % 2 for s in steps):
-        return f"LaunchConfig.gluon K loops of an even number of steps (here {sorted(steps)})"
     refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
     block_up = min(config.block_n, (1 + config.paired) * inter)
     if not refusal and config.paired and block_up % (2 * FRAGMENT_ROWS):
@@ -821,22 +811,6 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
     compiled = {}
     dependent = {"launch_pdl": True} if config.pdl else {}  # a Triton launch option: NVIDIA only
-    if config.gluon:
-        from . import experts_gluon as gluon
-
-        options = {"num_warps": config.num_warps, **({"maxnreg": config.max_registers} if config.max_registers else {})}
-        cap = config.gluon
-        if "up" in kernels:
-            compiled["up"] = gluon._paired_up[(picks, 2 * inter // block_up)](
-                x, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
-                float(limit), BN=block_up, BK=up_meta["BK"], C=gluon.x_chunk(d // up_meta["BK"], cap), PDL=config.pdl,
-                **options)
-        if "down" in kernels:
-            compiled["down"] = gluon._down[(picks, d // block_down, config.down_split)](
-                *down_args, BN=block_down, BK=down_meta["BK"],
-                C=gluon.x_chunk(inter // config.down_split // down_meta["BK"], cap), PDL=config.pdl,
-                SPLIT=config.down_split, **options, **dependent)
-        return compiled
     if "up" in kernels:
         if config.paired:
             compiled["up"] = _paired_up[(picks, 2 * inter // block_up)](
