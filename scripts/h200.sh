@@ -15,7 +15,7 @@
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
 #                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
-#                 (BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT]]]];...) instead of the quick grid
+#                 (BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP]]]]];...) instead of the quick grid
 #   experts-ncu   Nsight Compute's full report (hardware counters) of the expert stage's gate/up and down kernels
 #                 at ROWS rows (default 48), one variant (CONFIGS, PPS as for experts; caches flushed)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
@@ -63,7 +63,7 @@ case $part in
       --configs "${CONFIGS:-}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts-ncu)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
-    kernels=$([ "${PPS:-0}" = 0 ] && echo '^_(up|down)$' || echo '^_(up|down)_persistent$')
+    kernels=$([ "${PPS:-0}" = 0 ] && echo '^_(up|paired_up|down)$' || echo '^_(up|down)_persistent$')
     # skip the check's and the resource probe's launches and the warm-up: profile inside the graph's replay
     timeout ${TIMEOUT:-560} "$ncu" --clock-control none --set full --kernel-name "regex:$kernels" \
       --launch-skip 12 --launch-count 2 python3 -m monodecode.mono.experts_bench --rows "${ROWS:-48}" --steps 4 \

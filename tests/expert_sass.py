@@ -1,7 +1,7 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--max-registers 0] [--tma] [--fragments] [--pdl] [--paired] [--down-split 1] [--down] [--top 12]
+[--max-registers 0] [--tma] [--fragments] [--pdl] [--paired] [--down-split 1] [--down] [--overlap] [--top 12]
 [--ttgir FILE]`, in a process where
 TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
 PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--paired", action="store_true", help="LaunchConfig.paired")
     parser.add_argument("--down-split", type=int, default=1, help="LaunchConfig.down_split")
     parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
+    parser.add_argument("--overlap", action="store_true", help="LaunchConfig.overlap")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
     parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
     args = parser.parse_args(argv)
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         setattr(X, name, Recorder(getattr(X, name), launches if name in recorded else others))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
                             tma=args.tma, max_registers=args.max_registers, pdl=args.pdl,
-                            paired=args.paired, down_split=args.down_split)
+                            paired=args.paired, down_split=args.down_split, overlap=args.overlap)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
                     10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu", splits=args.down_split))

@@ -270,6 +270,62 @@ def test_down_in_slices_matches_the_reference(device, paired):
         X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, down_split=0), None)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_down_waiting_for_its_group_matches_the_reference(device, split):
+    """`LaunchConfig.overlap`: both grids in group order, each gate/up task publishing its block to
+    its group's counter, each down task waiting for its own group's (on the GPU as a dependent
+    launch that starts during gate/up): the reference's result, with a pad row and poisoned
+    intermediates; afterwards each group's counter holds its number of gate/up tasks (the
+    intermediate 256 in paired tiles of 32 + 32 rows: 8), the other words and the error word 0.
+    Down alone (the benchmark's) runs the same grid without waiting: the same outputs. Without
+    paired tiles it is refused."""
+    checkpoint = random_bank(torch.Generator().manual_seed(3), num_experts=8, hidden=256, inter=256, device="cpu")
+    bank = on_device(X.in_fragment_order(checkpoint), device)
+    cuda = device == "cuda"
+    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), 64, 128, paired=True, pdl=cuda, overlap=True,
+                            down_split=split)
+    g = torch.Generator().manual_seed(95 + split)
+    assert_rows_and_a_pad_match(g, bank, checkpoint, config, device)
+    ids = picks(g, 6, 2, 8, "bias")
+    groups = X.group_picks(ids.to(device))
+    buffers = X.StageBuffers(ids.numel(), bank, device, poison=True, splits=split)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16).to(device)
+    route_weights = torch.rand(12, generator=g).to(device)
+    X.launch_stages(x, groups, route_weights, bank, LIMIT, config, buffers)
+    starts = groups[2] > 0
+    assert (buffers.ready[:-1][starts] == 8).all() and (buffers.ready[:-1][~starts] == 0).all()
+    assert buffers.ready[-1] == 0 and torch.isfinite(buffers.per_pick).all()
+    full = buffers.per_pick.clone()  # down alone (the benchmark's): the same grid, no wait
+    buffers.per_pick.fill_(float("nan"))
+    buffers.ready.zero_()
+    X.launch_stages(x, groups, route_weights, bank, LIMIT, config, buffers, ("down",))
+    assert torch.equal(buffers.per_pick, full)
+    with pytest.raises(ValueError, match="overlap .* needs paired tiles"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, paired=False), None)
+
+
+@pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",
+                    reason="programmatic dependent launches need an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 6, 48])
+def test_down_waiting_for_its_group_gives_the_same_result(device, rows):
+    """`LaunchConfig.overlap` at v4-flash's hidden size: bit for bit the result of down waiting for
+    the whole gate/up kernel (the same arithmetic), in one and in two slices, poisoned
+    intermediates. (Not a race detector.)"""
+    g = torch.Generator().manual_seed(110 + rows)
+    experts = on_device(X.in_fragment_order(random_bank(g, num_experts=8, hidden=4096, inter=512, device="cpu")),
+                        device)
+    ids = picks(g, rows, 4, 8, "bias")
+    x = torch.randn(rows, 4096, generator=g).to(torch.bfloat16).to(device)
+    weights = (torch.rand(rows, 4, generator=g) + 0.1).to(device)
+    for split in (1, 2):
+        config = X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True, paired=True, down_split=split)
+        grid_wait, group_wait = (X.routed_experts(x, ids.to(device), weights, experts, LIMIT,
+                                                  replace(config, overlap=overlap), poison=True)
+                                 for overlap in (False, True))
+        assert torch.isfinite(group_wait).all()
+        assert torch.equal(grid_wait, group_wait)
+
+
 @pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",
                     reason="programmatic dependent launches need an NVIDIA GPU")
 @pytest.mark.parametrize("rows,block_n,warps,paired", [(1, 32, 4, False), (48, 128, 8, False), (1, 128, 8, True)])
@@ -310,22 +366,21 @@ def test_dependent_launches_are_refused_where_they_cannot_run(fragment_bank, ban
 
 def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, device):
     """`default_config`: the H200's fastest measured launch in the fragment order, 128 x 256 tiles
-    with 8 warps, registers capped at 128, dependent launches; at 1 row paired gate/up tiles and
-    down in two slices where the intermediate has two whole K steps for each (v4-flash's 2048;
-    not the test bank's 128 or 256); with it (None) the launcher still gives the reference's
-    result."""
+    with 8 warps, registers capped at 128, paired gate/up tiles, down a dependent launch waiting
+    for its own group (`overlap`); at 1 row down in two slices where the intermediate has two
+    whole K steps for each (v4-flash's 2048; not the test bank's 128 or 256); with it (None) the
+    launcher still gives the reference's result."""
     bank, checkpoint = fragment_bank
     wide = X.default_config(bank, 6, True)
-    assert (wide.block_n, wide.block_k, wide.num_warps, wide.max_registers, wide.pdl) == (128, 256, 8, 128, True)
-    assert not wide.paired and wide.down_split == 1
-    assert X.default_config(bank, 1, True) == X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True,
-                                                             paired=True)
+    assert wide == X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True, paired=True, overlap=True)
+    assert X.default_config(bank, 1, True) == wide
 
     def shaped(hidden, inter):  # experts of these sizes (the launch config reads only the shapes)
         up, down = (torch.zeros(1, inter, hidden // 2), None), (torch.zeros(1, hidden, inter // 2), None)
         return X.ExpertWeights(up, down, up, fragments=True, _fast_decode=True)
 
-    assert X.default_config(shaped(4096, 2048), 1, True) == replace(X.default_config(bank, 1, True), down_split=2)
+    assert X.default_config(shaped(4096, 2048), 1, True) == replace(wide, down_split=2)
+    assert X.default_config(shaped(4096, 2048), 2, True) == wide
     assert X.default_config(shaped(4096, 256), 1, True).down_split == 1
     assert X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
     assert X.default_config(bank, 6, False) == X.LaunchConfig(False)

@@ -29,12 +29,16 @@ Contract
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
   `_down_persistent`), the stage as it runs inside K2. Standalone options: `LaunchConfig.paired`
   (`paired_up_task`: the gate and up rows of a block in one tile, the SwiGLU in its epilogue, so
-  no gate/up buffer and no SwiGLU pass) and `LaunchConfig.down_split` (down in S slices of the
-  intermediate, per-pick partial sums [S, R * k, d] added in slice order: more, shorter down
-  tasks for the few experts of a 1-row step); both are the 1-row default (`default_config`).
+  no gate/up buffer and no SwiGLU pass; the default) and `LaunchConfig.down_split` (down in S
+  slices of the intermediate, per-pick partial sums [S, R * k, d] added in slice order: more,
+  shorter down tasks for the few experts of a 1-row step; the 1-row default).
 - Programmatic dependent launches (`LaunchConfig.pdl`, the default of the fast decode in the
   fragment order): SwiGLU (paired: down) launches while gate/up runs, down while SwiGLU runs,
-  and down loads its first weight tile before waiting for h (`launch_stages`).
+  and down loads its first weight tile before waiting for h (`launch_stages`). With
+  `LaunchConfig.overlap` (paired; the default) a down task waits for its own group's gate/up
+  tasks, not for the whole gate/up kernel: a release counter a group (`sync.signal`), a bounded
+  acquire wait (`sync.wait_at_least`), both grids in group order, so down fills the slots that
+  gate/up's last wave leaves idle.
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -77,8 +81,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import formats
 from ..formats import FRAGMENT_GROUP, FRAGMENT_ROWS, fragment_code_masks, from_fragment_order, to_fragment_order
 from .rounding import bf16
+from .sync import DEFAULT_MAX_POLLS, signal, wait_at_least
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
+_MAX_POLLS = tl.constexpr(DEFAULT_MAX_POLLS)  # a down task's wait for its group's flag (`LaunchConfig.overlap`)
 FAST_SCALE_CODES = (2, 128)
 
 
@@ -423,7 +429,8 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 @triton.jit
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
             FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr,
-            PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0):
+            PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0, READY: tl.constexpr = False, ready=None,
+            target=0, error=None):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
@@ -432,7 +439,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
     them there)."""
     if FRAG and not TMA:
         acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL=PDL, SPLIT=SPLIT,
-                               part=part)
+                               part=part, READY=READY, ready=ready, target=target, error=error)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -448,7 +455,8 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 @triton.jit
 def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
                      FAST: tl.constexpr, PDL: tl.constexpr = False, PAIR: tl.constexpr = False, up_codes=None,
-                     up_scales=None, SPLIT: tl.constexpr = 1, part=0):
+                     up_scales=None, SPLIT: tl.constexpr = 1, part=0, READY: tl.constexpr = False, ready=None,
+                     target=0, error=None):
     """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
     (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
@@ -459,12 +467,15 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
     as a programmatic dependent of the one that writes x, `LaunchConfig.pdl`): the first tile's
     loads go out before waiting for that kernel (`griddepcontrol.wait`), x's after. PAIR: a paired
     tile of `codes` (w1) and `up_codes` (w3) (`_load_fragments`). SPLIT: only slice `part` of
-    SPLIT equal slices of K."""
+    SPLIT equal slices of K. READY: instead of PDL's wait, wait (bounded) for *ready >= target,
+    the publication of x by the tasks that write it (`LaunchConfig.overlap`); NaN if it gave up."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
     k_lo = part * (K // SPLIT)
     k_hi = k_lo + K // SPLIT
     tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales)
-    if PDL:
+    if READY:  # this group's gate/up tasks have published h (`LaunchConfig.overlap`)
+        published = wait_at_least(ready, target, error, 0, _MAX_POLLS)
+    elif PDL:
         gdc_wait()
     x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
@@ -474,6 +485,8 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
         acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
         tile, scale_codes, x = next_tile, next_scales, next_x
+    if READY:  # a wait that gave up (a bug: every gate/up task runs) leaves NaN, not stale sums
+        acc = tl.where(published, acc, float("nan"))
     return acc
 
 
@@ -529,11 +542,12 @@ def swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
 @triton.jit
 def paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
                    w3_scales, K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
-                   FAST: tl.constexpr):
+                   FAST: tl.constexpr, READY: tl.constexpr = False, ready=None):
     """Gate and up of intermediate block nb (BN / 2 columns) for the group that starts at sorted
     pick j, as one tile of fragment-order codes (BN / 2 rows of w1 over the same rows of w3,
     `_load_fragments`), and their SwiGLU with the routing weight in the epilogue: h[pick, block]
-    (`swiglu_value`), with no gate/up round trip through memory and no SwiGLU pass."""
+    (`swiglu_value`), with no gate/up round trip through memory and no SwiGLU pass. READY: then
+    publish the block to the group's counter ready[j] (`LaunchConfig.overlap`)."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         HB: tl.constexpr = BN // 2
@@ -544,6 +558,8 @@ def paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_p
         n = nb * HB + tl.arange(0, HB)
         tl.store(h_ptr + picks[None, :] * I + n[:, None], swiglu_value(gate, up, weight[None, :], limit, FAST),
                  mask=mask[None, :])
+        if READY:
+            signal(ready + j)
 
 
 @triton.jit
@@ -558,14 +574,18 @@ def swiglu_task(p, ib, gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAS
 def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
               NS: tl.constexpr = None, TMA: tl.constexpr = False,
-              FRAG: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0):
+              FRAG: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0,
+              READY: tl.constexpr = False, ready=None, target=0, error=None):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32. PDL:
     h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`). SPLIT:
-    slice `part` of the intermediate only (its partial sum; out points at that slice's outputs)."""
+    slice `part` of the intermediate only (its partial sum; out points at that slice's outputs).
+    READY: wait for ready[j] >= target first instead (`LaunchConfig.overlap`; error: the error word)."""
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
+        if READY:  # this group's flag
+            ready = ready + j
         y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG,
-                    PDL, SPLIT, part)
+                    PDL, SPLIT, part, READY, ready, target, error)
         _store_down(y, nb, picks, mask, out_ptr, D, BN)
 
 
@@ -628,12 +648,16 @@ def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, 
 
 @triton.jit
 def _paired_up(x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
-               K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-               PDL: tl.constexpr):
+               K, I, TOPK, limit, ready, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+               PDL: tl.constexpr, READY: tl.constexpr):
     if PDL:  # down's programs may launch once every program here has started
         gdc_launch_dependents()
-    paired_up_task(tl.program_id(0), tl.program_id(1), x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr,
-                   w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST)
+    if READY:  # group-major: a group's blocks run together, and it signals when each is done
+        j, nb = tl.program_id(1), tl.program_id(0)
+    else:
+        j, nb = tl.program_id(0), tl.program_id(1)
+    paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr,
+                   w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, READY, ready)
 
 
 @triton.jit
@@ -645,12 +669,16 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 
 @triton.jit
-def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, ready, target, error,
           BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
-          FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+          FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, READY: tl.constexpr):
     part = tl.program_id(2)
-    down_task(tl.program_id(0), tl.program_id(1), h_ptr, out_ptr + part * tl.num_programs(0) * D, counts_ptr,
-              order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part)
+    if GROUPED:  # group-major grid (`LaunchConfig.overlap`); READY: wait for the group's gate/up tasks
+        j, nb, picks = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    else:
+        j, nb, picks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    down_task(j, nb, h_ptr, out_ptr + part * picks * D, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D,
+              I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -683,24 +711,27 @@ class LaunchConfig:
     pdl: bool = False  # SwiGLU (or paired: down) and down launched as programmatic dependents (`launch_stages`)
     paired: bool = False  # gate and up of a block in one tile, the SwiGLU in its epilogue (`paired_up_task`)
     down_split: int = 1  # down in that many slices of the intermediate: partial outputs, summed in slice order
+    overlap: bool = False  # paired: a down task waits for its own group's gate/up tasks (flags), not the whole kernel
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
     """The fastest launch measured on the H200 for a step of `rows` rows (docs/PERFORMANCE.md,
     `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps capped at 128
-    registers a thread (two programs a SM), SwiGLU and down launched as programmatic dependents
-    (`LaunchConfig.pdl`); at 1 row gate and up paired with the SwiGLU in their epilogue and down
-    in two slices of the intermediate, where the sizes allow (1 row: 2.07-2.11 TB/s in five runs,
-    5-7 % above the 64 x 256 4-warp tiles that were the default below 4 rows in each; 2-3 rows:
-    2.48-2.55 against 2.19-2.34 for those; 6 / 16 / 48 rows 2.78-2.85 / 2.98-3.00 / 3.04-3.07). In
-    the checkpoint's order 64 x 256, 1 stage."""
+    registers a thread (two programs a SM), gate and up paired with the SwiGLU in their epilogue,
+    down launched as a programmatic dependent (`LaunchConfig.pdl`) whose tasks wait for their own
+    group's gate/up tasks only (`LaunchConfig.overlap`), and at 1 row down in two slices of the
+    intermediate, where the sizes allow (two runs: 2.17 TB/s at 1 row against 2.08-2.12 for the
+    1-row default before, paired with down waiting for the whole gate/up kernel; 2.69-2.70 /
+    2.92-2.98 / 3.06-3.09 / 3.08-3.11 at 2 / 6 / 16 / 48 rows against 2.51-2.52 / 2.75-2.83 /
+    2.94-2.99 / 3.02-3.04 for the three launches before). In the checkpoint's order 64 x 256, 1
+    stage."""
     if not (fast and weights.fragments):
         return LaunchConfig(fast)
     config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
-    if rows == 1:  # the most of the 1-row launch that these sizes allow
-        paired = replace(config, paired=True)
-        fits = [c for c in (replace(paired, down_split=2), paired) if launch_refusal(c, weights) is None]
-        config = (fits + [config])[0]
+    paired = replace(config, paired=True, overlap=True)
+    candidates = ([replace(paired, down_split=2)] if rows == 1 else []) + [paired]
+    fits = [c for c in candidates if launch_refusal(c, weights) is None]
+    config = (fits + [config])[0]
     return config
 
 
@@ -731,9 +762,10 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
 
 
 class StageBuffers:
-    """Intermediates of one step's expert stage: gate/up [P, 2, I] fp32, h [P, I] bf16 and
+    """Intermediates of one step's expert stage: gate/up [P, 2, I] fp32, h [P, I] bf16,
     per-pick outputs [S, P, d] fp32 (the partial sums of S = `LaunchConfig.down_split` slices) for
-    P = R * k picks."""
+    P = R * k picks, and `LaunchConfig.overlap`'s words [P + 1] int32: a counter a group (indexed
+    by its first sorted pick) and the error word of the waits."""
 
     def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False, splits: int = 1):
         fill = float("nan") if poison else 0.0
@@ -741,6 +773,7 @@ class StageBuffers:
         self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
         self.per_pick = torch.full((splits, picks, d), fill, dtype=torch.float32, device=device)
+        self.ready = torch.zeros(picks + 1, dtype=torch.int32, device=device)  # `LaunchConfig.overlap`'s counters
 
 
 def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
@@ -757,6 +790,8 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
     if config.paired and not pointers_per_task:
         return ("LaunchConfig.paired (gate and up in one tile of fragment-order codes read through pointers, a "
                 "program a task) needs the fragment order, no tma and programs = 0")
+    if config.overlap and not config.paired:
+        return "LaunchConfig.overlap (down waiting for its group's gate/up tasks) needs paired tiles"
     if config.down_split < 1:
         return f"LaunchConfig.down_split is a number of slices, at least 1 (here {config.down_split})"
     if config.down_split > 1 and not (pointers_per_task and inter % (config.down_split * min(config.block_k, inter))
@@ -790,7 +825,17 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     With `LaunchConfig.paired` one kernel (`_paired_up`) computes gate, up and the SwiGLU, and
     down (with pdl, its direct dependent) follows it: two launches. With `LaunchConfig.down_split`
     S, down's grid has S slices of the intermediate, each writing its partial sums to
-    `buffers.per_pick[s]`; `routed_experts` adds them in slice order."""
+    `buffers.per_pick[s]`; `routed_experts` adds them in slice order.
+
+    With `LaunchConfig.overlap` (paired) both grids run group by group (a group's blocks adjacent
+    in launch order) and down's tasks wait for their own group instead of for the whole gate/up
+    kernel: each gate/up task publishes its h block with a release increment of its group's
+    counter in `buffers.ready` (zeroed here first), and a down task polls that counter (bounded,
+    acquire: `sync.wait_at_least`) until all the group's gate/up tasks are in, so down's tasks of
+    early groups run in the slots gate/up's last wave leaves idle. No deadlock: down launches
+    only once every gate/up program has started (pdl), or after gate/up ends (no pdl). A wait that
+    gives up (a bug) records itself in `buffers.ready[-1]` and leaves NaN in the task's outputs.
+    Down launched without gate/up (`kernels`, for a benchmark of down alone) does not wait."""
     refusal = launch_refusal(config, weights)
     if refusal:
         raise ValueError(refusal)
@@ -813,9 +858,12 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     dependent = {"launch_pdl": True} if config.pdl else {}  # a Triton launch option: NVIDIA only
     if "up" in kernels:
         if config.paired:
-            compiled["up"] = _paired_up[(picks, 2 * inter // block_up)](
+            if config.overlap:
+                buffers.ready.zero_()
+            grid = (2 * inter // block_up, picks) if config.overlap else (picks, 2 * inter // block_up)
+            compiled["up"] = _paired_up[grid](
                 x, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
-                float(limit), PDL=config.pdl, **up_meta)
+                float(limit), buffers.ready, PDL=config.pdl, READY=config.overlap, **up_meta)
         elif config.programs:
             compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **layout, **up_meta)
         else:
@@ -828,8 +876,11 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         if config.programs:
             compiled["down"] = _down_persistent[(config.programs,)](picks, *down_args, **layout, **down_meta)
         else:
-            compiled["down"] = _down[(picks, d // block_down, config.down_split)](
-                *down_args, PDL=config.pdl, SPLIT=config.down_split, **layout, **down_meta, **dependent)
+            grid = (d // block_down, picks) if config.overlap else (picks, d // block_down)
+            compiled["down"] = _down[grid + (config.down_split,)](
+                *down_args, buffers.ready, 2 * inter // block_up, buffers.ready[picks:], PDL=config.pdl,
+                SPLIT=config.down_split, GROUPED=config.overlap, READY=config.overlap and "up" in kernels, **layout,
+                **down_meta, **dependent)
     return compiled
 
 

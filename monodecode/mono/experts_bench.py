@@ -2,7 +2,7 @@
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
 [--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT]]]];...] [--no-portable]
+[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP]]]]];...] [--no-portable]
 [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
@@ -20,7 +20,9 @@ without tma does not use (it prefetches by itself); REGISTERS caps the registers
 as programmatic dependents of gate/up (`LaunchConfig.pdl`, `pdl`); PAIRED 1 takes gate and up of
 a block in one tile with the SwiGLU in its epilogue (`LaunchConfig.paired`, `paired`: gate/up
 alone is then that kernel); DOWN_SPLIT S runs down in S slices of the intermediate
-(`LaunchConfig.down_split`, `dsS`). Every variant is first
+(`LaunchConfig.down_split`, `dsS`); OVERLAP 1 has down's tasks wait for their own group's
+gate/up tasks instead of the whole kernel (`LaunchConfig.overlap`, `overlap`; down alone then
+does not wait). Every variant is first
 checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
 kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
 through shared memory (its software pipelining).
@@ -124,13 +126,13 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
                        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages, *extra), layout, pps in itertools.product(grid, layouts, programs_per_sm):
-        registers, pdl, paired, split = list(extra) + [0, 0, 0, 1][len(extra):]
+        registers, pdl, paired, split, overlap = list(extra) + [0, 0, 0, 1, 0][len(extra):]
         name = (f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
                 + (f" r{registers}" if registers else "") + (" pdl" if pdl else "") + (" paired" if paired else "")
-                + (f" ds{split}" if split > 1 else ""))
+                + (f" ds{split}" if split > 1 else "") + (" overlap" if overlap else ""))
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
                                            max_registers=registers, pdl=bool(pdl), paired=bool(paired),
-                                           down_split=split)
+                                           down_split=split, overlap=bool(overlap))
 
 
 def main(argv=None) -> int:
@@ -145,8 +147,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
                         help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1[,paired 0/1"
-                             "[,down split]]]] (e.g. 128,256,8,1,128,1;64,256,4,3) instead of the grid (0 registers: "
-                             "uncapped)")
+                             "[,down split[,overlap 0/1]]]]] (e.g. 128,256,8,1,128,1;64,256,4,3) instead of the grid "
+                             "(0 registers: uncapped)")
     parser.add_argument("--no-portable", action="store_true",
                         help="leave out the portable decode (e.g. to profile one variant alone)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -155,9 +157,9 @@ def main(argv=None) -> int:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
         configs = [()]
-    if any(len(c) not in (4, 5, 6, 7, 8) for c in configs):
+    if any(len(c) not in (4, 5, 6, 7, 8, 9) for c in configs):
         parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,pdl 0/1"
-                     "[,paired 0/1[,down split]]]] separated by ';'")
+                     "[,paired 0/1[,down split[,overlap 0/1]]]]] separated by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)
