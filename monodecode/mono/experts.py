@@ -720,11 +720,11 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     registers a thread (two programs a SM), gate and up paired with the SwiGLU in their epilogue,
     down launched as a programmatic dependent (`LaunchConfig.pdl`) whose tasks wait for their own
     group's gate/up tasks only (`LaunchConfig.overlap`), and at 1 row down in two slices of the
-    intermediate, where the sizes allow (two runs: 2.17 TB/s at 1 row against 2.08-2.12 for the
-    1-row default before, paired with down waiting for the whole gate/up kernel; 2.69-2.70 /
-    2.92-2.98 / 3.06-3.09 / 3.08-3.11 at 2 / 6 / 16 / 48 rows against 2.51-2.52 / 2.75-2.83 /
-    2.94-2.99 / 3.02-3.04 for the three launches before). In the checkpoint's order 64 x 256, 1
-    stage."""
+    intermediate, where the sizes allow (2.15-2.17 TB/s at 1 row in three runs against 2.08-2.12
+    for the 1-row default before, paired with down waiting for the whole gate/up kernel, in two;
+    2.69-2.70 / 2.92-2.98 / 3.05-3.09 / 3.08-3.11 at 2 / 6 / 16 / 48 rows against 2.51-2.52 /
+    2.75-2.83 / 2.94-2.99 / 3.02-3.04 for the three launches before). In the checkpoint's order
+    64 x 256, 1 stage."""
     if not (fast and weights.fragments):
         return LaunchConfig(fast)
     config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
