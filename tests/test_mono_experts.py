@@ -297,7 +297,7 @@ def test_down_waiting_for_its_group_matches_the_reference(device, split):
     assert buffers.ready[-1] == 0 and torch.isfinite(buffers.per_pick).all()
     full = buffers.per_pick.clone()  # down alone (the benchmark's): the same grid, no wait
     buffers.per_pick.fill_(float("nan"))
-    buffers.ready.zero_()
+    buffers.ready.zero_()  # a down alone that waited would give up here and leave NaN
     X.launch_stages(x, groups, route_weights, bank, LIMIT, config, buffers, ("down",))
     assert torch.equal(buffers.per_pick, full)
     with pytest.raises(ValueError, match="overlap .* needs paired tiles"):

@@ -731,8 +731,7 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     paired = replace(config, paired=True, overlap=True)
     candidates = ([replace(paired, down_split=2)] if rows == 1 else []) + [paired]
     fits = [c for c in candidates if launch_refusal(c, weights) is None]
-    config = (fits + [config])[0]
-    return config
+    return (fits + [config])[0]
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: ExpertWeights,
@@ -773,7 +772,8 @@ class StageBuffers:
         self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
         self.per_pick = torch.full((splits, picks, d), fill, dtype=torch.float32, device=device)
-        self.ready = torch.zeros(picks + 1, dtype=torch.int32, device=device)  # `LaunchConfig.overlap`'s counters
+        # `LaunchConfig.overlap`'s counters: zeroed by `launch_stages` before each gate/up launch that sets them
+        self.ready = torch.empty(picks + 1, dtype=torch.int32, device=device)
 
 
 def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
