@@ -1,7 +1,8 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--max-registers 0] [--tma] [--fragments] [--pdl] [--paired] [--down-split 1] [--down] [--overlap] [--top 12]
+[--max-registers 0] [--tma] [--fragments] [--pdl] [--paired] [--down-split 1] [--down] [--overlap] [--diagonal]
+[--up-split 1] [--top 12]
 [--ttgir FILE]`, in a process where
 TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
 PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--down-split", type=int, default=1, help="LaunchConfig.down_split")
     parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
     parser.add_argument("--overlap", action="store_true", help="LaunchConfig.overlap")
+    parser.add_argument("--diagonal", action="store_true", help="LaunchConfig.diagonal")
+    parser.add_argument("--up-split", type=int, default=1, help="LaunchConfig.up_split")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
     parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
     args = parser.parse_args(argv)
@@ -88,10 +91,12 @@ def main(argv=None) -> int:
         setattr(X, name, Recorder(getattr(X, name), launches if name in recorded else others))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
                             tma=args.tma, max_registers=args.max_registers, pdl=args.pdl,
-                            paired=args.paired, down_split=args.down_split, overlap=args.overlap)
+                            paired=args.paired, down_split=args.down_split, overlap=args.overlap,
+                            diagonal=args.diagonal, up_split=args.up_split)
     ids = torch.randint(0, E, (ROWS, TOPK))
     X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
-                    10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu", splits=args.down_split))
+                    10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu", splits=args.down_split,
+                                              up_splits=args.up_split))
     kernel, launch_args, kwargs = launches[0]
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if key in kwargs}
     types, constants, attrs = signature(kernel, launch_args, kwargs)

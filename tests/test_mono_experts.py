@@ -304,21 +304,81 @@ def test_down_waiting_for_its_group_matches_the_reference(device, split):
         X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, paired=False), None)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_block_scales_on_the_partial_sums_match_the_reference(device, split):
+    """`LaunchConfig.diagonal`: a task of one or two rows multiplies x laid out block-diagonally (a
+    column of the dot a 32-column block) and scales the fp32 partial sums; bigger groups take the
+    ordinary loop in the same kernels. The reference's result with a pad row (groups of one and two
+    rows), and with 20 rows on one expert, 3 on another and 2 on a third (tasks of 16, 4 and 3
+    rows: the ordinary loop; 2: the diagonal one); in one and two slices of down. Refused without
+    paired tiles or with K steps other than 256, naming them."""
+    checkpoint = random_bank(torch.Generator().manual_seed(4), num_experts=8, hidden=512, inter=512, device="cpu")
+    bank = on_device(X.in_fragment_order(checkpoint), device)
+    cuda = device == "cuda"
+    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), 64, 256, paired=True, pdl=cuda, overlap=True,
+                            down_split=split, diagonal=True)
+    g = torch.Generator().manual_seed(120 + split)
+    assert_rows_and_a_pad_match(g, bank, checkpoint, config, device)
+    ids = torch.tensor([5] * 20 + [1] * 3 + [3] * 2)[torch.randperm(25, generator=g)].unsqueeze(1)
+    x = torch.randn(25, 512, generator=g).to(torch.bfloat16)
+    weights = torch.rand(25, 1, generator=g) + 0.1
+    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
+    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
+    with pytest.raises(ValueError, match=r"diagonal .* needs paired tiles and K steps of 256 \(here 128 and 128\)"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, block_k=128), None)
+    with pytest.raises(ValueError, match=r"diagonal .* needs paired tiles"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, paired=False, overlap=False),
+                        None)
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_gate_up_in_slices_matches_the_reference(device, diagonal):
+    """`LaunchConfig.up_split`: the paired gate/up tiles in two slices of the hidden, each storing
+    its partial sums and arriving at its block's counter, the last summing them in slice order
+    for the SwiGLU: the reference's result with a pad row, with and without block scales on the
+    partial sums; a second launch on the same buffers gives the same bits (the counters went back
+    to 0). Slices of part of a K step, and slices without paired tiles, are refused."""
+    checkpoint = random_bank(torch.Generator().manual_seed(5), num_experts=8, hidden=512, inter=256, device="cpu")
+    bank = on_device(X.in_fragment_order(checkpoint), device)
+    cuda = device == "cuda"
+    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), 64, 256, paired=True, pdl=cuda, overlap=True,
+                            diagonal=diagonal, up_split=2)
+    g = torch.Generator().manual_seed(130 + diagonal)
+    assert_rows_and_a_pad_match(g, bank, checkpoint, config, device)
+    ids = picks(g, 3, 2, 8, "bias").to(device)
+    groups = X.group_picks(ids)
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16).to(device)
+    route_weights = torch.rand(6, generator=g).to(device)
+    buffers = X.StageBuffers(6, bank, device, poison=True, up_splits=2)
+    outputs = []
+    for _ in range(2):
+        X.launch_stages(x, groups, route_weights, bank, LIMIT, config, buffers)
+        outputs.append(buffers.per_pick.clone())
+        assert (buffers.arrivals == 0).all()
+    assert torch.isfinite(outputs[0]).all() and torch.equal(outputs[0], outputs[1])
+    with pytest.raises(ValueError, match=r"up_split .* slices of whole K steps \(here 512 / 4 in steps of 256\)"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, up_split=4), None)
+    with pytest.raises(ValueError, match=r"up_split .* needs paired tiles"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT,
+                        replace(config, paired=False, overlap=False, diagonal=False), None)
+
+
 @pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") != "cuda",
                     reason="programmatic dependent launches need an NVIDIA GPU")
 @pytest.mark.parametrize("rows", [1, 6, 48])
 def test_down_waiting_for_its_group_gives_the_same_result(device, rows):
     """`LaunchConfig.overlap` at v4-flash's hidden size: bit for bit the result of down waiting for
-    the whole gate/up kernel (the same arithmetic), in one and in two slices, poisoned
-    intermediates. (Not a race detector.)"""
+    the whole gate/up kernel (the same arithmetic), in one and in two slices, with and without
+    block scales on the partial sums (`diagonal`), poisoned intermediates. (Not a race detector.)"""
     g = torch.Generator().manual_seed(110 + rows)
     experts = on_device(X.in_fragment_order(random_bank(g, num_experts=8, hidden=4096, inter=512, device="cpu")),
                         device)
     ids = picks(g, rows, 4, 8, "bias")
     x = torch.randn(rows, 4096, generator=g).to(torch.bfloat16).to(device)
     weights = (torch.rand(rows, 4, generator=g) + 0.1).to(device)
-    for split in (1, 2):
-        config = X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True, paired=True, down_split=split)
+    for split, diagonal in ((1, False), (2, False), (1, True), (2, True)):
+        config = X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True, paired=True, down_split=split,
+                                diagonal=diagonal)
         grid_wait, group_wait = (X.routed_experts(x, ids.to(device), weights, experts, LIMIT,
                                                   replace(config, overlap=overlap), poison=True)
                                  for overlap in (False, True))
@@ -367,8 +427,8 @@ def test_dependent_launches_are_refused_where_they_cannot_run(fragment_bank, ban
 def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, device):
     """`default_config`: the H200's fastest measured launch in the fragment order, 128 x 256 tiles
     with 8 warps, registers capped at 128, paired gate/up tiles, down a dependent launch waiting
-    for its own group (`overlap`); at 1 row down in two slices where the intermediate has two
-    whole K steps for each (v4-flash's 2048; not the test bank's 128 or 256); with it (None) the
+    for its own group (`overlap`), block scales on the partial sums where the K steps are 256
+    (v4-flash; not the test bank's intermediate of 128), at every row count; with it (None) the
     launcher still gives the reference's result."""
     bank, checkpoint = fragment_bank
     wide = X.default_config(bank, 6, True)
@@ -379,9 +439,8 @@ def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, devic
         up, down = (torch.zeros(1, inter, hidden // 2), None), (torch.zeros(1, hidden, inter // 2), None)
         return X.ExpertWeights(up, down, up, fragments=True, _fast_decode=True)
 
-    assert X.default_config(shaped(4096, 2048), 1, True) == replace(wide, down_split=2)
-    assert X.default_config(shaped(4096, 2048), 2, True) == wide
-    assert X.default_config(shaped(4096, 256), 1, True).down_split == 1
+    for rows in (1, 2, 48):
+        assert X.default_config(shaped(4096, 2048), rows, True) == replace(wide, diagonal=True)
     assert X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
     assert X.default_config(bank, 6, False) == X.LaunchConfig(False)
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)

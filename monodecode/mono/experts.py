@@ -38,7 +38,9 @@ Contract
   `LaunchConfig.overlap` (paired; the default) a down task waits for its own group's gate/up
   tasks, not for the whole gate/up kernel: a release counter a group (`sync.signal`), a bounded
   acquire wait (`sync.wait_at_least`), both grids in group order, so down fills the slots that
-  gate/up's last wave leaves idle.
+  gate/up's last wave leaves idle. With `LaunchConfig.diagonal` (paired, K steps of 256; the
+  default) the tasks of one or two rows take the diagonal loop (below), bigger groups the
+  ordinary one, in the same kernels.
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -61,6 +63,19 @@ Decode (constexpr FAST):
   refuses others on the fast path). The products then go through the tensor cores with the
   weights as the M operand (swap AB: M = weight rows, N = the rows of the step padded to 16),
   accumulating in fp32.
+- Diagonal (`LaunchConfig.diagonal`, either decode): the block scales go on fp32 partial sums
+  instead of on the weights. x [R, 256] of a K step is laid out block-diagonally, [R * 8, 256]
+  with row r * 8 + b holding x[r] on block b's 32 columns and zeros elsewhere (`_diagonal_x`), so
+  one dot gives each 32-column block's partial sum in a column of its own; each is multiplied by
+  its fp32 scale (`_diagonal_scales`: lane t of a row's four loads only the scales of blocks 2t
+  and 2t + 1, the columns it holds of the dot's result) and added up, the blocks summed once at
+  the end of the task. With two rows that is a dot of N = 16, the tensor cores' smallest wgmma
+  that Triton issues from registers, so it is for groups of up to `DIAG_ROWS` (2) rows, which at
+  v4-flash's 256 experts are nearly all of them up to 48 rows. FAST: x times 2^100 (exact in
+  bf16 for |x| < 2^28) keeps the products of the decode's 2^-126-scaled weights normal in fp32,
+  and the scale is 2^(e - 127 + 26). It takes the bf16 multiply of every weight (64 HMUL2 and 40
+  PRMT a K step of a 128 x 256 tile) out of the loop for 8 FFMA and 16 selects: 292 sm_90
+  instructions a step against 357 (`tests/expert_sass.py --diagonal`).
 - Portable (interpreter, AMD): the codes found as the fast decode finds them (nibbles; the same
   byte swap, shifts and masks in the fragment order), decoded arithmetically to fp32, the scale applied in
   fp32, an fp32 dot in IEEE precision, h rounded to bf16 by integer arithmetic (the interpreter's
@@ -81,11 +96,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import formats
 from ..formats import FRAGMENT_GROUP, FRAGMENT_ROWS, fragment_code_masks, from_fragment_order, to_fragment_order
 from .rounding import bf16
-from .sync import DEFAULT_MAX_POLLS, signal, wait_at_least
+from .sync import DEFAULT_MAX_POLLS, arrive, signal, wait_at_least
 
 ROWS = 16  # rows of one expert a task serves: the N dimension of the swapped-AB dot
 _MAX_POLLS = tl.constexpr(DEFAULT_MAX_POLLS)  # a down task's wait for its group's flag (`LaunchConfig.overlap`)
 FAST_SCALE_CODES = (2, 128)
+DIAG_ROWS = tl.constexpr(2)  # rows of a task that takes the diagonal loop (`LaunchConfig.diagonal`)
 
 
 @dataclass
@@ -313,7 +329,7 @@ def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr,
-                    PAIR: tl.constexpr = False, up_codes=None, up_scales=None):
+                    PAIR: tl.constexpr = False, up_codes=None, up_scales=None, OWN: tl.constexpr = False):
     """Like `_load_tile` for codes in the fragment order, but loaded straight into the registers
     the tensor cores take them from: (halves [BN, BK / 4] int16, scale codes [BN, 4, BK / 32]
     uint8, each row's scales once for each of the 4 lanes that share the row). The dot's operand
@@ -338,11 +354,12 @@ def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.con
     block = (row0 // 16 + band) * (K // 128) + k0 // 128 + g  # 512 halves: (a, i, c)
     halves = tl.load(codes + tl.multiple_of(block * 512 + 256 * a, [1, 1, 8]) + f % 256)
     tile = tl.reshape(tl.permute(tl.reshape(halves, (G, 2, W, 8, 32)), (2, 1, 3, 0, 4)), (BN, BK // 4))
-    S: tl.constexpr = BK // 32  # scales a row
+    S: tl.constexpr = 2 if OWN else BK // 32  # scales a lane
     f = tl.arange(0, W * 32 * S)[None, :]  # (w, row i, lane t, scale s)
     band, scales_ptr = _band(f // (32 * S), scales_ptr, up_scales, W, PAIR)
     rows = row0 + 16 * band + 8 * tl.arange(0, 2)[:, None] + f // (4 * S) % 8
-    scale_codes = tl.load(scales_ptr + tl.multiple_of(rows * (K // 32) + k0 // 32, [1, S]) + f % S)
+    own = f % (4 * S) if OWN else f % S  # OWN: lane t's are blocks 2t, 2t + 1
+    scale_codes = tl.load(scales_ptr + tl.multiple_of(rows * (K // 32) + k0 // 32, [1, S]) + own)
     return tile, tl.reshape(tl.permute(tl.reshape(scale_codes, (2, W, 8, 4, S)), (1, 0, 2, 3, 4)), (BN, 4, S))
 
 
@@ -390,9 +407,9 @@ def _decode_tile(codes, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr):
-    """Fragment halves from `_load_fragments` (or `_load_tile`) decoded with their scales (codes
-    [BN, 4, BK / 32]: a row's once for each lane t, as `_load_fragments` has them): [BN, BK] in
+def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr, SCALED: tl.constexpr = True):
+    """Fragment halves from `_load_fragments` (or `_load_tile`) decoded, with their scales if
+    SCALED (codes [BN, 4, BK / 32]: a row's once for each lane t, as `_load_fragments` has them): [BN, BK] in
     the natural K order. Half (g, t, m, r) of the tile holds codes 2s + q, columns
     g*128 + m*32 + s*16 + q*8 + 2t + r (`formats.to_fragment_order`): a code of halves r = 0 and
     1 is the pair of columns a thread of the tensor cores' operand takes from one register, which
@@ -404,8 +421,9 @@ def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr)
     else:
         c0, c1, c2, c3 = _decode_halves_portable(halves)
     w = tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), (BN, G, 4, 4, 2, 2, 2))  # (n, g, t, m, r, q, s)
-    scale = tl.permute(tl.reshape(_scales(scale_codes.to(tl.int32), FAST), (BN, 4, G, 4)), (0, 2, 1, 3))
-    w = w * tl.reshape(scale, (BN, G, 4, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
+    if SCALED:
+        scale = tl.permute(tl.reshape(_scales(scale_codes.to(tl.int32), FAST), (BN, 4, G, 4)), (0, 2, 1, 3))
+        w = w * tl.reshape(scale, (BN, G, 4, 4, 1, 1, 1))  # a scale per (g, m): 32 columns
     return tl.reshape(tl.permute(w, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # (n, g, m, s, q, t, r): column order
 
 
@@ -430,16 +448,16 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
             FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr,
             PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0, READY: tl.constexpr = False, ready=None,
-            target=0, error=None):
+            target=0, error=None, DIAG: tl.constexpr = False):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
     other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). PDL,
-    SPLIT and part: `_fragment_matvec`'s (the other loops do not take them; the launcher refuses
-    them there)."""
+    SPLIT, part and DIAG: `_fragment_matvec`'s (the other loops do not take them; the launcher
+    refuses them there)."""
     if FRAG and not TMA:
         acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL=PDL, SPLIT=SPLIT,
-                               part=part, READY=READY, ready=ready, target=target, error=error)
+                               part=part, READY=READY, ready=ready, target=target, error=error, DIAG=DIAG)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -456,7 +474,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
                      FAST: tl.constexpr, PDL: tl.constexpr = False, PAIR: tl.constexpr = False, up_codes=None,
                      up_scales=None, SPLIT: tl.constexpr = 1, part=0, READY: tl.constexpr = False, ready=None,
-                     target=0, error=None):
+                     target=0, error=None, DIAG: tl.constexpr = False):
     """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
     (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
@@ -468,26 +486,68 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
     loads go out before waiting for that kernel (`griddepcontrol.wait`), x's after. PAIR: a paired
     tile of `codes` (w1) and `up_codes` (w3) (`_load_fragments`). SPLIT: only slice `part` of
     SPLIT equal slices of K. READY: instead of PDL's wait, wait (bounded) for *ready >= target,
-    the publication of x by the tasks that write it (`LaunchConfig.overlap`); NaN if it gave up."""
+    the publication of x by the tasks that write it (`LaunchConfig.overlap`); NaN if it gave up.
+    DIAG: the block scales on fp32 partial sums, x block-diagonal (module docstring, "Diagonal")."""
     acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
     k_lo = part * (K // SPLIT)
     k_hi = k_lo + K // SPLIT
-    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales)
+    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales, DIAG)
     if READY:  # this group's gate/up tasks have published h (`LaunchConfig.overlap`)
         published = wait_at_least(ready, target, error, 0, _MAX_POLLS)
     elif PDL:
         gdc_wait()
     x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
+    R: tl.constexpr = x_rows.shape[0]
+    if DIAG:
+        sums = tl.zeros((BN, R * (BK // 32)), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
         ahead = tl.minimum(k0 + BK, k_hi - BK)
         next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK, PAIR, up_codes,
-                                                 up_scales)
+                                                 up_scales, DIAG)
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
-        acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
+        if DIAG:
+            block_sums = _dot(_decode_fragments(tile, scale_codes, BK, FAST, SCALED=False), _diagonal_x(x, FAST),
+                              tl.zeros((BN, R * (BK // 32)), dtype=tl.float32), FAST)
+            sums += block_sums * _diagonal_scales(scale_codes, R, FAST)
+        else:
+            acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
         tile, scale_codes, x = next_tile, next_scales, next_x
+    if DIAG:
+        acc = tl.sum(tl.reshape(sums, (BN, R, BK // 32)), axis=2)
     if READY:  # a wait that gave up (a bug: every gate/up task runs) leaves NaN, not stale sums
         acc = tl.where(published, acc, float("nan"))
     return acc
+
+
+@triton.jit
+def _diagonal_x(x, FAST: tl.constexpr):
+    """x [R, BK] -> [R * BK / 32, BK]: row r * (BK / 32) + b holds x[r] on the columns of block b
+    and zeros elsewhere, so one dot gives each 32-column block's partial sum in a column of its
+    own; FAST: times 2^100 (the decoded weights are 2^-126 of their values, products stay normal)."""
+    R: tl.constexpr = x.shape[0]
+    BK: tl.constexpr = x.shape[1]
+    G: tl.constexpr = BK // 32
+    if FAST:
+        x = x * 1.2676506002282294e30  # 2^100: exact in bf16 for |x| < 2^28
+    own = (tl.arange(0, G)[None, :, None] == (tl.arange(0, BK) // 32)[None, None, :])
+    xb = tl.where(own, tl.reshape(x, (R, 1, BK)), tl.zeros((R, G, BK), x.dtype))
+    return tl.reshape(xb, (R * G, BK))
+
+
+@triton.jit
+def _diagonal_scales(scale_codes, R: tl.constexpr, FAST: tl.constexpr):
+    """Scale codes [BN, 4, 2] (`_load_fragments` with OWN: lane t's, of blocks 2t and 2t + 1) ->
+    fp32 [BN, R * G]: column r * G + b the scale of block b, 2^(e - 127) (FAST: times 2^26,
+    undoing the weights' 2^-126 and x's 2^100)."""
+    BN: tl.constexpr = scale_codes.shape[0]
+    G: tl.constexpr = 4 * scale_codes.shape[2]
+    tl.static_assert(G == 8, "a lane holds blocks 2t, 2t + 1 of the dot's columns: K steps of 256")
+    e = tl.reshape(scale_codes.to(tl.int32), (BN, G))
+    if FAST:
+        scale = ((e + 26) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 26)
+    else:
+        scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.broadcast_to(tl.reshape(scale, (BN, 1, G)), (BN, R, G)), (BN, R * G))
 
 
 @triton.jit
@@ -542,24 +602,69 @@ def swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
 @triton.jit
 def paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
                    w3_scales, K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
-                   FAST: tl.constexpr, READY: tl.constexpr = False, ready=None):
+                   FAST: tl.constexpr, READY: tl.constexpr = False, ready=None, DIAG: tl.constexpr = False,
+                   SPLIT: tl.constexpr = 1, part=0, slices_ptr=None, arrivals_ptr=None):
     """Gate and up of intermediate block nb (BN / 2 columns) for the group that starts at sorted
     pick j, as one tile of fragment-order codes (BN / 2 rows of w1 over the same rows of w3,
     `_load_fragments`), and their SwiGLU with the routing weight in the epilogue: h[pick, block]
     (`swiglu_value`), with no gate/up round trip through memory and no SwiGLU pass. READY: then
-    publish the block to the group's counter ready[j] (`LaunchConfig.overlap`)."""
+    publish the block to the group's counter ready[j] (`LaunchConfig.overlap`). DIAG: a group of
+    up to DIAG_ROWS rows takes the diagonal loop. SPLIT: only slice `part` of K (`_split_sums`)."""
+    if DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
+        _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
+                         w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, DIAG_ROWS, FAST, True, READY, ready,
+                         SPLIT, part, slices_ptr, arrivals_ptr)
+    else:
+        _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
+                         w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, False, READY, ready,
+                         SPLIT, part, slices_ptr, arrivals_ptr)
+
+
+@triton.jit
+def _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
+                     w3_codes, w3_scales, K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
+                     FAST: tl.constexpr, DIAG: tl.constexpr, READY: tl.constexpr, ready, SPLIT: tl.constexpr, part,
+                     slices_ptr, arrivals_ptr):
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         HB: tl.constexpr = BN // 2
         acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * HB, x_ptr, picks // TOPK, mask, K, BN, BK,
-                               FAST, PAIR=True, up_codes=w3_codes, up_scales=w3_scales)
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HB, ROWS_)), (1, 2, 0)))
-        weight = tl.load(rw_ptr + picks, mask=mask, other=0.0)
-        n = nb * HB + tl.arange(0, HB)
-        tl.store(h_ptr + picks[None, :] * I + n[:, None], swiglu_value(gate, up, weight[None, :], limit, FAST),
-                 mask=mask[None, :])
-        if READY:
-            signal(ready + j)
+                               FAST, PAIR=True, up_codes=w3_codes, up_scales=w3_scales, SPLIT=SPLIT, part=part,
+                               DIAG=DIAG)
+        last = True
+        if SPLIT > 1:
+            acc, last = _split_sums(acc, j, nb, picks, mask, slices_ptr, arrivals_ptr + j * (2 * I // BN) + nb, I,
+                                    SPLIT, part)
+        if last:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HB, ROWS_)), (1, 2, 0)))
+            weight = tl.load(rw_ptr + picks, mask=mask, other=0.0)
+            n = nb * HB + tl.arange(0, HB)
+            tl.store(h_ptr + picks[None, :] * I + n[:, None], swiglu_value(gate, up, weight[None, :], limit, FAST),
+                     mask=mask[None, :])
+            if READY:
+                signal(ready + j)
+
+
+@triton.jit
+def _split_sums(acc, j, nb, picks, mask, slices_ptr, arrivals, I, SPLIT: tl.constexpr, part):
+    """A paired tile's slice `part` of SPLIT slices of K: store its partial sums (gate/up [P, SPLIT,
+    2, I] fp32, the tile's rows at their gate or up columns) and arrive at the block's counter.
+    Returns (the sum of all slices, in slice order, whatever order they finished in; whether this
+    task arrived last, so that it alone goes on to the SwiGLU). The last one puts the counter back
+    to 0 for the next launch (it is allocated zeroed)."""
+    BN: tl.constexpr = acc.shape[0]
+    HB: tl.constexpr = BN // 2
+    r = tl.arange(0, BN)
+    column = (r // HB) * I + nb * HB + r % HB  # gate rows first, then up
+    at = slices_ptr + picks[None, :] * (SPLIT * 2 * I) + column[:, None]
+    tl.store(at + part * (2 * I), acc, mask=mask[None, :])
+    last = arrive(arrivals) == SPLIT - 1
+    if last:
+        acc = tl.load(at, mask=mask[None, :], other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(at + s * (2 * I), mask=mask[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(arrivals, 0)
+    return acc, last
 
 
 @triton.jit
@@ -575,17 +680,30 @@ def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_code
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
               NS: tl.constexpr = None, TMA: tl.constexpr = False,
               FRAG: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0,
-              READY: tl.constexpr = False, ready=None, target=0, error=None):
+              READY: tl.constexpr = False, ready=None, target=0, error=None, DIAG: tl.constexpr = False):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32. PDL:
     h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`). SPLIT:
     slice `part` of the intermediate only (its partial sum; out points at that slice's outputs).
     READY: wait for ready[j] >= target first instead (`LaunchConfig.overlap`; error: the error word)."""
+    if READY:  # this group's flag
+        ready = ready + j
+    if DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
+        _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK,
+                    DIAG_ROWS, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, True)
+    else:
+        _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK,
+                    ROWS_, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, False)
+
+
+@triton.jit
+def _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
+                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr,
+                TMA: tl.constexpr, FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, part,
+                READY: tl.constexpr, ready, target, error, DIAG: tl.constexpr):
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
-        if READY:  # this group's flag
-            ready = ready + j
         y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG,
-                    PDL, SPLIT, part, READY, ready, target, error)
+                    PDL, SPLIT, part, READY, ready, target, error, DIAG)
         _store_down(y, nb, picks, mask, out_ptr, D, BN)
 
 
@@ -648,16 +766,18 @@ def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, 
 
 @triton.jit
 def _paired_up(x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
-               K, I, TOPK, limit, ready, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-               PDL: tl.constexpr, READY: tl.constexpr):
+               K, I, TOPK, limit, ready, slices_ptr, arrivals_ptr, BN: tl.constexpr, BK: tl.constexpr,
+               ROWS_: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, READY: tl.constexpr, DIAG: tl.constexpr,
+               SPLIT: tl.constexpr):
     if PDL:  # down's programs may launch once every program here has started
         gdc_launch_dependents()
     if READY:  # group-major: a group's blocks run together, and it signals when each is done
-        j, nb = tl.program_id(1), tl.program_id(0)
+        j, block = tl.program_id(1), tl.program_id(0)
     else:
-        j, nb = tl.program_id(0), tl.program_id(1)
-    paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr,
-                   w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, READY, ready)
+        j, block = tl.program_id(0), tl.program_id(1)
+    paired_up_task(j, block // SPLIT, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
+                   w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, READY, ready, DIAG, SPLIT,
+                   block % SPLIT, slices_ptr, arrivals_ptr)
 
 
 @triton.jit
@@ -671,14 +791,15 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, ready, target, error,
           BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
-          FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, READY: tl.constexpr):
+          FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, READY: tl.constexpr,
+          DIAG: tl.constexpr):
     part = tl.program_id(2)
     if GROUPED:  # group-major grid (`LaunchConfig.overlap`); READY: wait for the group's gate/up tasks
         j, nb, picks = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
     else:
         j, nb, picks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     down_task(j, nb, h_ptr, out_ptr + part * picks * D, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D,
-              I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error)
+              I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, DIAG)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -712,6 +833,8 @@ class LaunchConfig:
     paired: bool = False  # gate and up of a block in one tile, the SwiGLU in its epilogue (`paired_up_task`)
     down_split: int = 1  # down in that many slices of the intermediate: partial outputs, summed in slice order
     overlap: bool = False  # paired: a down task waits for its own group's gate/up tasks (flags), not the whole kernel
+    diagonal: bool = False  # block scales on fp32 partial sums: x block-diagonal, a dot column a 32-column block
+    up_split: int = 1  # paired: gate/up in that many slices of the hidden, the last to finish sums them
 
 
 def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfig:
@@ -719,18 +842,16 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     `experts_bench`): in the fragment order, tiles of 128 x 256 with 8 warps capped at 128
     registers a thread (two programs a SM), gate and up paired with the SwiGLU in their epilogue,
     down launched as a programmatic dependent (`LaunchConfig.pdl`) whose tasks wait for their own
-    group's gate/up tasks only (`LaunchConfig.overlap`), and at 1 row down in two slices of the
-    intermediate, where the sizes allow (2.15-2.17 TB/s at 1 row in three runs against 2.08-2.12
-    for the 1-row default before, paired with down waiting for the whole gate/up kernel, in two;
-    2.69-2.70 / 2.92-2.98 / 3.05-3.09 / 3.08-3.11 at 2 / 6 / 16 / 48 rows against 2.51-2.52 /
-    2.75-2.83 / 2.94-2.99 / 3.02-3.04 for the three launches before). In the checkpoint's order
-    64 x 256, 1 stage."""
+    group's gate/up tasks only (`LaunchConfig.overlap`), and tasks of one or two rows scaling
+    their fp32 partial sums (`LaunchConfig.diagonal`, where the K steps are 256: 2.35 / 2.99 /
+    3.26 / 3.37 / 3.32 TB/s at 1 / 2 / 6 / 16 / 48 rows against 2.11 / 2.69 / 2.95 / 3.06 / 3.08
+    without it in the same run; with it, down in two slices no longer helps at 1 row). Where the
+    sizes refuse it, the same without. In the checkpoint's order 64 x 256, 1 stage."""
     if not (fast and weights.fragments):
         return LaunchConfig(fast)
     config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
     paired = replace(config, paired=True, overlap=True)
-    candidates = ([replace(paired, down_split=2)] if rows == 1 else []) + [paired]
-    fits = [c for c in candidates if launch_refusal(c, weights) is None]
+    fits = [c for c in (replace(paired, diagonal=True), paired) if launch_refusal(c, weights) is None]
     return (fits + [config])[0]
 
 
@@ -744,7 +865,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
     if config is None:
         config = default_config(weights, x.shape[0],
                                 fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
-    buffers = StageBuffers(ids.numel(), weights, x.device, poison, config.down_split)
+    buffers = StageBuffers(ids.numel(), weights, x.device, poison, config.down_split, config.up_split)
     launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
                   weights, limit, config, buffers)
     r, k = ids.shape
@@ -761,19 +882,25 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
 
 
 class StageBuffers:
-    """Intermediates of one step's expert stage: gate/up [P, 2, I] fp32, h [P, I] bf16,
-    per-pick outputs [S, P, d] fp32 (the partial sums of S = `LaunchConfig.down_split` slices) for
-    P = R * k picks, and `LaunchConfig.overlap`'s words [P + 1] int32: a counter a group (indexed
-    by its first sorted pick) and the error word of the waits."""
+    """Intermediates of one step's expert stage: gate/up [P, U, 2, I] fp32 (U =
+    `LaunchConfig.up_split`: the paired tiles' slices' partial sums, or with U = 1 the unpaired
+    tasks' outputs), h [P, I] bf16, per-pick outputs [S, P, d] fp32 (the partial sums of S =
+    `LaunchConfig.down_split` slices) for P = R * k picks, `LaunchConfig.overlap`'s words [P + 1]
+    int32 (a counter a group, indexed by its first sorted pick, and the error word of the waits),
+    and `up_split`'s arrival counters, one a group and paired block (zeroed here; the last
+    arrival of each launch puts its counter back to 0)."""
 
-    def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False, splits: int = 1):
+    def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False, splits: int = 1,
+                 up_splits: int = 1):
         fill = float("nan") if poison else 0.0
         inter, d = weights.intermediate, weights.hidden
-        self.gate_up = torch.full((picks, 2, inter), fill, dtype=torch.float32, device=device)
+        self.gate_up = torch.full((picks, up_splits, 2, inter), fill, dtype=torch.float32, device=device)
         self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
         self.per_pick = torch.full((splits, picks, d), fill, dtype=torch.float32, device=device)
         # `LaunchConfig.overlap`'s counters: zeroed by `launch_stages` before each gate/up launch that sets them
         self.ready = torch.empty(picks + 1, dtype=torch.int32, device=device)
+        blocks = 2 * inter // (2 * FRAGMENT_ROWS)  # of the smallest paired tile
+        self.arrivals = torch.zeros(picks * blocks, dtype=torch.int32, device=device) if up_splits > 1 else None
 
 
 def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
@@ -798,6 +925,15 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
                                       == 0):
         return ("LaunchConfig.down_split (slices of down's K loop) needs the fragment order, no tma, programs = 0 "
                 f"and slices of whole K steps (here {inter} / {config.down_split} in steps of "
+                f"{min(config.block_k, inter)})")
+    if config.up_split < 1:
+        return f"LaunchConfig.up_split is a number of slices, at least 1 (here {config.up_split})"
+    if config.up_split > 1 and not (config.paired and d % (config.up_split * min(config.block_k, d)) == 0):
+        return ("LaunchConfig.up_split (slices of the paired gate/up K loop) needs paired tiles and slices of whole "
+                f"K steps (here {d} / {config.up_split} in steps of {min(config.block_k, d)})")
+    if config.diagonal and not (config.paired and min(config.block_k, d) == min(config.block_k, inter) == 256):
+        return ("LaunchConfig.diagonal (block scales on the partial sums, a lane holding two 32-column blocks of "
+                f"each K step) needs paired tiles and K steps of 256 (here {min(config.block_k, d)} and "
                 f"{min(config.block_k, inter)})")
     refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
     block_up = min(config.block_n, (1 + config.paired) * inter)
@@ -860,10 +996,12 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         if config.paired:
             if config.overlap:
                 buffers.ready.zero_()
-            grid = (2 * inter // block_up, picks) if config.overlap else (picks, 2 * inter // block_up)
+            blocks = config.up_split * 2 * inter // block_up  # slices of a block adjacent
+            grid = (blocks, picks) if config.overlap else (picks, blocks)
             compiled["up"] = _paired_up[grid](
                 x, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
-                float(limit), buffers.ready, PDL=config.pdl, READY=config.overlap, **up_meta)
+                float(limit), buffers.ready, buffers.gate_up, buffers.arrivals, PDL=config.pdl, READY=config.overlap,
+                DIAG=config.diagonal, SPLIT=config.up_split, **up_meta)
         elif config.programs:
             compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **layout, **up_meta)
         else:
@@ -879,7 +1017,8 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
             grid = (d // block_down, picks) if config.overlap else (picks, d // block_down)
             compiled["down"] = _down[grid + (config.down_split,)](
                 *down_args, buffers.ready, 2 * inter // block_up, buffers.ready[picks:], PDL=config.pdl,
-                SPLIT=config.down_split, GROUPED=config.overlap, READY=config.overlap and "up" in kernels, **layout,
+                SPLIT=config.down_split, GROUPED=config.overlap, READY=config.overlap and "up" in kernels,
+                DIAG=config.diagonal, **layout,
                 **down_meta, **dependent)
     return compiled
 

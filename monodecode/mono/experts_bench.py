@@ -2,7 +2,7 @@
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
 [--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP]]]]];...] [--no-portable]
+[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP[,DIAGONAL[,UP_SPLIT]]]]]]];...] [--no-portable]
 [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
@@ -22,7 +22,9 @@ a block in one tile with the SwiGLU in its epilogue (`LaunchConfig.paired`, `pai
 alone is then that kernel); DOWN_SPLIT S runs down in S slices of the intermediate
 (`LaunchConfig.down_split`, `dsS`); OVERLAP 1 has down's tasks wait for their own group's
 gate/up tasks instead of the whole kernel (`LaunchConfig.overlap`, `overlap`; down alone then
-does not wait). Every variant is first
+does not wait); DIAGONAL 1 scales the fp32 partial sums of tasks of one or two rows
+(`LaunchConfig.diagonal`, `diagonal`); UP_SPLIT U runs the paired gate/up in U slices of the
+hidden, the last to finish summing them (`LaunchConfig.up_split`, `usU`). Every variant is first
 checked against the float64 reference at 6 rows; its line ends with what its gate/up and down
 kernels hold: registers a thread, spilled registers, and `async` where Triton staged the codes
 through shared memory (its software pipelining).
@@ -77,7 +79,8 @@ def resources(bank, config, g) -> dict:
     ids = routings(6, 1, g)[0]
     x = torch.randn(6, D, device="cuda", generator=g).to(torch.bfloat16)
     kernels = X.launch_stages(x, X.group_picks(ids), torch.rand(6 * TOPK, device="cuda", generator=g), bank, 10.0,
-                              config, X.StageBuffers(6 * TOPK, bank, "cuda", splits=config.down_split))
+                              config, X.StageBuffers(6 * TOPK, bank, "cuda", splits=config.down_split,
+                                                              up_splits=config.up_split))
     return {name: {"registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                    "cp_async": k.asm.get("ptx", "").count("cp.async.")}
             for name, k in kernels.items() if k is not None}
@@ -90,7 +93,7 @@ def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -
     for ids in routings(rows, steps, g):
         x = torch.randn(rows, D, device="cuda", generator=g).to(torch.bfloat16)
         w = torch.rand(rows * TOPK, device="cuda", generator=g)
-        buffers = X.StageBuffers(rows * TOPK, bank, "cuda", splits=config.down_split)
+        buffers = X.StageBuffers(rows * TOPK, bank, "cuda", splits=config.down_split, up_splits=config.up_split)
         plans.append((x, X.group_picks(ids), w, buffers, ids.unique().numel()))
     run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers, kernels)  # noqa: E731
                    for x, grp, w, buffers, _ in plans]
@@ -126,13 +129,15 @@ def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], config
                        itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (1, 2, 3)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (bn, bk, nw, stages, *extra), layout, pps in itertools.product(grid, layouts, programs_per_sm):
-        registers, pdl, paired, split, overlap = list(extra) + [0, 0, 0, 1, 0][len(extra):]
+        registers, pdl, paired, split, overlap, diagonal, up_split = list(extra) + [0, 0, 0, 1, 0, 0, 1][len(extra):]
         name = (f"fast bn{bn} bk{bk} w{nw} s{stages} {layout}" + (f" pps{pps}" if pps else "")
                 + (f" r{registers}" if registers else "") + (" pdl" if pdl else "") + (" paired" if paired else "")
-                + (f" ds{split}" if split > 1 else "") + (" overlap" if overlap else ""))
+                + (f" ds{split}" if split > 1 else "") + (" overlap" if overlap else "")
+                + (" diagonal" if diagonal else "") + (f" us{up_split}" if up_split > 1 else ""))
         yield name, layout, X.LaunchConfig(True, bn, bk, nw, stages, programs=pps * sms, tma=layout.endswith("tma"),
                                            max_registers=registers, pdl=bool(pdl), paired=bool(paired),
-                                           down_split=split, overlap=bool(overlap))
+                                           down_split=split, overlap=bool(overlap), diagonal=bool(diagonal),
+                                           up_split=up_split)
 
 
 def main(argv=None) -> int:
@@ -147,7 +152,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
                         help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1[,paired 0/1"
-                             "[,down split[,overlap 0/1]]]]] (e.g. 128,256,8,1,128,1;64,256,4,3) instead of the grid "
+                             "[,down split[,overlap 0/1[,diagonal 0/1[,up split]]]]]]] (e.g. 128,256,8,1,128,1;64,256,4,3) "
+                             "instead of the grid "
                              "(0 registers: uncapped)")
     parser.add_argument("--no-portable", action="store_true",
                         help="leave out the portable decode (e.g. to profile one variant alone)")
@@ -157,9 +163,9 @@ def main(argv=None) -> int:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
         configs = [()]
-    if any(len(c) not in (4, 5, 6, 7, 8, 9) for c in configs):
+    if any(len(c) not in range(4, 12) for c in configs):
         parser.error(f"--configs {args.configs!r}: want block_n,block_k,warps,stages[,max registers[,pdl 0/1"
-                     "[,paired 0/1[,down split[,overlap 0/1]]]]] separated by ';'")
+                     "[,paired 0/1[,down split[,overlap 0/1[,diagonal 0/1[,up split]]]]]]] separated by ';'")
     rows_list = [int(r) for r in args.rows.split(",")]
     layouts = args.layouts.split(",")
     unknown = set(layouts) - set(LAYOUTS)

@@ -77,6 +77,17 @@ def signal(counter_ptr):
 
 
 @triton.jit
+def arrive(counter_ptr):
+    """Publish this CTA's stores and count its arrival: CTA barrier, one acq_rel increment at gpu
+    scope, CTA barrier. Returns the count before it: the arrival that sees n - 1 of n is the last,
+    and every earlier arrival's stores are visible to the whole CTA."""
+    tl.debug_barrier()
+    before = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    return before
+
+
+@triton.jit
 def wait_at_least(counter_ptr, target, error_ptr, stage, max_polls):
     """Wait until *counter_ptr >= target; acquire on success. After `max_polls` polls record
     `stage + 1` in the error word (if none is there) and return False. Skips the wait, returning
@@ -136,7 +147,5 @@ def launch_epoch(sync_ptr):
 def finish_launch(sync_ptr, epoch):
     """Arrive at the exit counter; the last program to arrive advances the epoch."""
     grid = tl.num_programs(0)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(sync_ptr + _EXIT, 1, sem="acq_rel", scope="gpu")
-    if arrived == (epoch + 1) * grid - 1:
+    if arrive(sync_ptr + _EXIT) == (epoch + 1) * grid - 1:
         tl.atomic_xchg(sync_ptr, epoch + 1, sem="release", scope="gpu")
