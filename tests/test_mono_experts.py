@@ -428,8 +428,9 @@ def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, devic
     """`default_config`: the H200's fastest measured launch in the fragment order, 128 x 256 tiles
     with 8 warps, registers capped at 128, paired gate/up tiles, down a dependent launch waiting
     for its own group (`overlap`), block scales on the partial sums where the K steps are 256
-    (v4-flash; not the test bank's intermediate of 128), at every row count; with it (None) the
-    launcher still gives the reference's result."""
+    (v4-flash; not the test bank's intermediate of 128), and at 1 row gate/up and down in two
+    slices where each slice has whole K steps; with it (None) the launcher still gives the
+    reference's result."""
     bank, checkpoint = fragment_bank
     wide = X.default_config(bank, 6, True)
     assert wide == X.LaunchConfig(True, 128, 256, 8, max_registers=128, pdl=True, paired=True, overlap=True)
@@ -439,8 +440,10 @@ def test_the_default_launch_follows_the_layout_and_the_rows(fragment_bank, devic
         up, down = (torch.zeros(1, inter, hidden // 2), None), (torch.zeros(1, hidden, inter // 2), None)
         return X.ExpertWeights(up, down, up, fragments=True, _fast_decode=True)
 
-    for rows in (1, 2, 48):
+    assert X.default_config(shaped(4096, 2048), 1, True) == replace(wide, diagonal=True, up_split=2, down_split=2)
+    for rows in (2, 48):
         assert X.default_config(shaped(4096, 2048), rows, True) == replace(wide, diagonal=True)
+    assert X.default_config(shaped(4096, 256), 1, True) == replace(wide, diagonal=True)  # down: one K step
     assert X.default_config(checkpoint, 6, True) == X.LaunchConfig(True)
     assert X.default_config(bank, 6, False) == X.LaunchConfig(False)
     assert_rows_and_a_pad_match(torch.Generator().manual_seed(61), bank, checkpoint, None, device)

@@ -29,9 +29,12 @@ Contract
   `LaunchConfig.programs` that many persistent programs running K2's loops (`_up_persistent`,
   `_down_persistent`), the stage as it runs inside K2. Standalone options: `LaunchConfig.paired`
   (`paired_up_task`: the gate and up rows of a block in one tile, the SwiGLU in its epilogue, so
-  no gate/up buffer and no SwiGLU pass; the default) and `LaunchConfig.down_split` (down in S
+  no gate/up buffer and no SwiGLU pass; the default), `LaunchConfig.down_split` (down in S
   slices of the intermediate, per-pick partial sums [S, R * k, d] added in slice order: more,
-  shorter down tasks for the few experts of a 1-row step; the 1-row default).
+  shorter down tasks for the few experts of a 1-row step) and `LaunchConfig.up_split` (the
+  paired gate/up in U slices of the hidden: each stores its partial sums in gate/up [R * k, U,
+  2, I] and arrives at its block's counter (`sync.arrive`), and the last to arrive adds them in
+  slice order and goes on to the SwiGLU); both 2 is the 1-row default.
 - Programmatic dependent launches (`LaunchConfig.pdl`, the default of the fast decode in the
   fragment order): SwiGLU (paired: down) launches while gate/up runs, down while SwiGLU runs,
   and down loads its first weight tile before waiting for h (`launch_stages`). With
@@ -488,7 +491,6 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
     SPLIT equal slices of K. READY: instead of PDL's wait, wait (bounded) for *ready >= target,
     the publication of x by the tasks that write it (`LaunchConfig.overlap`); NaN if it gave up.
     DIAG: the block scales on fp32 partial sums, x block-diagonal (module docstring, "Diagonal")."""
-    acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
     k_lo = part * (K // SPLIT)
     k_hi = k_lo + K // SPLIT
     tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales, DIAG)
@@ -498,25 +500,33 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
         gdc_wait()
     x = _x_tile(x_ptr, x_rows, x_mask, k_lo, K, BK, FAST)
     R: tl.constexpr = x_rows.shape[0]
-    if DIAG:
-        sums = tl.zeros((BN, R * (BK // 32)), dtype=tl.float32)
+    sums = tl.zeros((BN, R * (BK // 32) if DIAG else R), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
         ahead = tl.minimum(k0 + BK, k_hi - BK)
         next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK, PAIR, up_codes,
                                                  up_scales, DIAG)
         next_x = _x_tile(x_ptr, x_rows, x_mask, ahead, K, BK, FAST)
-        if DIAG:
-            block_sums = _dot(_decode_fragments(tile, scale_codes, BK, FAST, SCALED=False), _diagonal_x(x, FAST),
-                              tl.zeros((BN, R * (BK // 32)), dtype=tl.float32), FAST)
-            sums += block_sums * _diagonal_scales(scale_codes, R, FAST)
-        else:
-            acc = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, acc, FAST)
+        sums = _k_step(tile, scale_codes, x, sums, BK, FAST, DIAG)
         tile, scale_codes, x = next_tile, next_scales, next_x
     if DIAG:
         acc = tl.sum(tl.reshape(sums, (BN, R, BK // 32)), axis=2)
+    else:
+        acc = sums
     if READY:  # a wait that gave up (a bug: every gate/up task runs) leaves NaN, not stale sums
         acc = tl.where(published, acc, float("nan"))
     return acc
+
+
+@triton.jit
+def _k_step(tile, scale_codes, x, sums, BK: tl.constexpr, FAST: tl.constexpr, DIAG: tl.constexpr):
+    """sums plus one K step's products: [BN, R], or (DIAG) the scaled block sums [BN, R * BK / 32]."""
+    if DIAG:
+        block_sums = _dot(_decode_fragments(tile, scale_codes, BK, FAST, SCALED=False), _diagonal_x(x, FAST),
+                          tl.zeros(sums.shape, dtype=tl.float32), FAST)
+        sums += block_sums * _diagonal_scales(scale_codes, x.shape[0], FAST)
+    else:
+        sums = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, sums, FAST)
+    return sums
 
 
 @triton.jit
@@ -843,15 +853,20 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     registers a thread (two programs a SM), gate and up paired with the SwiGLU in their epilogue,
     down launched as a programmatic dependent (`LaunchConfig.pdl`) whose tasks wait for their own
     group's gate/up tasks only (`LaunchConfig.overlap`), and tasks of one or two rows scaling
-    their fp32 partial sums (`LaunchConfig.diagonal`, where the K steps are 256: 2.35 / 2.99 /
-    3.26 / 3.37 / 3.32 TB/s at 1 / 2 / 6 / 16 / 48 rows against 2.11 / 2.69 / 2.95 / 3.06 / 3.08
-    without it in the same run; with it, down in two slices no longer helps at 1 row). Where the
-    sizes refuse it, the same without. In the checkpoint's order 64 x 256, 1 stage."""
+    their fp32 partial sums (`LaunchConfig.diagonal`, where the K steps are 256); at 1 row also
+    gate/up and down in two slices each (`up_split`, `down_split`), where the sizes allow: more,
+    shorter tasks for the 264 program slots that 6 experts' 192 tiles leave a quarter empty.
+    Measured: 2.33-2.37 TB/s at 1 row with diagonal alone, 2.43-2.47 with the slices; 2.88-2.99 /
+    3.25-3.29 / 3.37 / 3.32 at 2 / 6 / 16 / 48 rows against 2.69 / 2.95 / 3.06 / 3.08 without
+    diagonal. Where the sizes refuse it, paired tiles without. In the checkpoint's order 64 x 256,
+    1 stage."""
     if not (fast and weights.fragments):
         return LaunchConfig(fast)
     config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
     paired = replace(config, paired=True, overlap=True)
-    fits = [c for c in (replace(paired, diagonal=True), paired) if launch_refusal(c, weights) is None]
+    diagonal = replace(paired, diagonal=True)
+    candidates = ([replace(diagonal, up_split=2, down_split=2)] if rows == 1 else []) + [diagonal, paired]
+    fits = [c for c in candidates if launch_refusal(c, weights) is None]
     return (fits + [config])[0]
 
 
