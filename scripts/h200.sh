@@ -15,7 +15,8 @@
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
 #                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
-#                 (BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP]]]]];...) instead of the quick grid
+#                 (BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP[,DIAGONAL[,UP_SPLIT]]]]]]];...)
+#                 instead of the quick grid
 #   experts-ncu   Nsight Compute's full report (hardware counters) of the expert stage's gate/up and down kernels
 #                 at ROWS rows (default 48), one variant (CONFIGS, PPS as for experts; caches flushed)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
