@@ -2,8 +2,8 @@
 
 `python -m monodecode.mono.experts_bench [--rows 1,6,16,48] [--steps 20] [--quick]
 [--programs-per-sm 0,1,2] [--layouts interleave,fragments,tma,fragments+tma]
-[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP[,DIAGONAL[,UP_SPLIT]]]]]]];...] [--no-portable]
-[--out DIR]`
+[--configs BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP[,DIAGONAL[,UP_SPLIT]]]]]]];...]
+[--no-portable] [--out DIR]`
 
 For each row count, `--steps` fresh random routings (top-6 of 256 experts a row, distinct within a
 row) are captured in one CUDA graph, so that consecutive steps mostly read other experts and the
@@ -152,7 +152,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
                         help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1[,paired 0/1"
-                             "[,down split[,overlap 0/1[,diagonal 0/1[,up split]]]]]]] (e.g. 128,256,8,1,128,1;64,256,4,3) "
+                             "[,down split[,overlap 0/1[,diagonal 0/1[,up split]]]]]]] "
+                             "(e.g. 128,256,8,1,128,1;64,256,4,3) "
                              "instead of the grid "
                              "(0 registers: uncapped)")
     parser.add_argument("--no-portable", action="store_true",
