@@ -304,31 +304,35 @@ def test_down_waiting_for_its_group_matches_the_reference(device, split):
         X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, paired=False), None)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_block_scales_on_the_partial_sums_match_the_reference(device, split):
+@pytest.mark.parametrize("launch", ["paired", "paired, down in slices", "a program a task", "K2's loops"])
+def test_block_scales_on_the_partial_sums_match_the_reference(device, launch):
     """`LaunchConfig.diagonal`: a task of one or two rows multiplies x laid out block-diagonally (a
     column of the dot a 32-column block) and scales the fp32 partial sums; bigger groups take the
     ordinary loop in the same kernels. The reference's result with a pad row (groups of one and two
     rows), and with 20 rows on one expert, 3 on another and 2 on a third (tasks of 16, 4 and 3
-    rows: the ordinary loop; 2: the diagonal one); in one and two slices of down. Refused without
-    paired tiles or with K steps other than 256, naming them."""
+    rows: the ordinary loop; 2: the diagonal one): with paired tiles (down in one and in two
+    slices), with gate and up apart (a program a task) and in K2's persistent loops (3 programs).
+    Refused with tma or with K steps other than 256, naming them."""
     checkpoint = random_bank(torch.Generator().manual_seed(4), num_experts=8, hidden=512, inter=512, device="cpu")
     bank = on_device(X.in_fragment_order(checkpoint), device)
     cuda = device == "cuda"
-    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), 64, 256, paired=True, pdl=cuda, overlap=True,
-                            down_split=split, diagonal=True)
-    g = torch.Generator().manual_seed(120 + split)
+    config = X.LaunchConfig(cuda and bank.supports_fast_decode(), 64, 256, diagonal=True, **{
+        "paired": dict(paired=True, pdl=cuda, overlap=True),
+        "paired, down in slices": dict(paired=True, pdl=cuda, overlap=True, down_split=2),
+        "a program a task": dict(pdl=cuda),
+        "K2's loops": dict(programs=3)}[launch])
+    g = torch.Generator().manual_seed(120)
     assert_rows_and_a_pad_match(g, bank, checkpoint, config, device)
     ids = torch.tensor([5] * 20 + [1] * 3 + [3] * 2)[torch.randperm(25, generator=g)].unsqueeze(1)
     x = torch.randn(25, 512, generator=g).to(torch.bfloat16)
     weights = torch.rand(25, 1, generator=g) + 0.1
     y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), bank, LIMIT, config, poison=True)
     assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
-    with pytest.raises(ValueError, match=r"diagonal .* needs paired tiles and K steps of 256 \(here 128 and 128\)"):
+    with pytest.raises(ValueError, match=r"diagonal .* needs .* K steps of 256 \(here 128 and 128\)"):
         X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, block_k=128), None)
-    with pytest.raises(ValueError, match=r"diagonal .* needs paired tiles"):
-        X.launch_stages(None, (None, None, None), None, bank, LIMIT, replace(config, paired=False, overlap=False),
-                        None)
+    with pytest.raises(ValueError, match=r"diagonal .* needs the fragment order read through pointers \(no tma\)"):
+        X.launch_stages(None, (None, None, None), None, bank, LIMIT,
+                        X.LaunchConfig(config.fast, 64, 256, tma=True, diagonal=True), None)
 
 
 @pytest.mark.parametrize("diagonal", [False, True])

@@ -415,6 +415,8 @@ def test_experts_whose_sizes_allow_it_are_stacked_in_the_fragment_order(device):
     with pytest.raises(ValueError, match=r"fragment order, which needs expert tiles of a multiple of 16 rows "
                                          r"\(here \[8\]\)"):
         m.mono.configure(LaunchShape(expert_block_n=8))
+    with pytest.raises(ValueError, match=r"expert_diagonal=1: LaunchConfig.diagonal .* needs .* K steps of 256"):
+        m.mono.configure(LaunchShape(expert_diagonal=1))  # the tiny model's K steps are shorter
     assert m.mono.shape == LaunchShape()
     m.use_mono("on")  # a second runner stacks the stacked bank again: still the fragment order, once
     assert m.mono.layers[0].experts.fragments and torch.equal(m.mono.layers[0].experts.w1[0], experts.w1[0])

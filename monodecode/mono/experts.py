@@ -41,9 +41,9 @@ Contract
   `LaunchConfig.overlap` (paired; the default) a down task waits for its own group's gate/up
   tasks, not for the whole gate/up kernel: a release counter a group (`sync.signal`), a bounded
   acquire wait (`sync.wait_at_least`), both grids in group order, so down fills the slots that
-  gate/up's last wave leaves idle. With `LaunchConfig.diagonal` (paired, K steps of 256; the
-  default) the tasks of one or two rows take the diagonal loop (below), bigger groups the
-  ordinary one, in the same kernels.
+  gate/up's last wave leaves idle. With `LaunchConfig.diagonal` (the fragment order, K steps of
+  256; the default) the tasks of one or two rows take the diagonal loop (below), bigger groups
+  the ordinary one, in the same kernels (K2's loops too: `up_stage`, `down_stage`).
 - The K loop (`_matvec`): load a tile of codes and scales; in the checkpoint's order (pointers,
   or with `LaunchConfig.tma` a tensor descriptor: the copy engine fills shared memory) decode it
   into its even and odd K columns and interleave them for one dot, pipelined by Triton; in the
@@ -576,18 +576,33 @@ def up_task(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK,
             BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
             NS: tl.constexpr = None, TMA: tl.constexpr = False,
-            FRAG: tl.constexpr = False):
+            FRAG: tl.constexpr = False, DIAG: tl.constexpr = False):
     """Gate (which = 0, w1) or up (which = 1, w3) task for sorted pick j and intermediate block
     nb: gu[pick, which, block] in fp32 for the up to ROWS_ picks of one expert that start at j;
     nothing unless j starts a group. Gate and up are separate tasks: one accumulator a task
-    halves the registers (measured: twice the occupancy, 1.30 -> 1.70 TB/s). K2 calls this."""
+    halves the registers (measured: twice the occupancy, 1.30 -> 1.70 TB/s). DIAG: a group of up
+    to DIAG_ROWS rows takes the diagonal loop. K2 calls this."""
+    if DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
+        _up_group(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+                  w3_scales, K, I, TOPK, BN, BK, DIAG_ROWS, FAST, NS, TMA, FRAG, True)
+    else:
+        _up_group(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+                  w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG, False)
+
+
+@triton.jit
+def _up_group(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
+              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
+              NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr, DIAG: tl.constexpr):
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         row0 = expert * I + nb * BN
         if which == 0:
-            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
+            acc = _matvec(w1_codes, w1_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG,
+                          DIAG=DIAG)
         else:
-            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG)
+            acc = _matvec(w3_codes, w3_scales, row0, x_ptr, picks // TOPK, mask, K, BN, BK, FAST, NS, TMA, FRAG,
+                          DIAG=DIAG)
         _store_gate_up(acc, nb, which, picks, mask, gu_ptr, I, BN)
 
 
@@ -726,52 +741,54 @@ def _store_down(y, nb, picks, mask, out_ptr, D, BN: tl.constexpr):
 @triton.jit
 def up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
              w3_scales, K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
+             NS: tl.constexpr = None, TMA: tl.constexpr = False, FRAG: tl.constexpr = False,
+             DIAG: tl.constexpr = False):
     """The gate/up tasks of P picks taken by program `pid` of `grid` (persistent: K2, or the
     `programs` launch): tasks pid, pid + grid, ...; task t is sorted pick t // (2 * blocks),
     block (t // 2) % blocks, gate or up t % 2."""
     blocks = I // BN
     for t in range(pid, P * blocks * 2, grid):
         up_task(t // (2 * blocks), (t // 2) % blocks, t % 2, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+                w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, NS, TMA, FRAG, DIAG)
 
 
 @triton.jit
 def down_stage(pid, grid, P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-               TMA: tl.constexpr = False, FRAG: tl.constexpr = False):
+               TMA: tl.constexpr = False, FRAG: tl.constexpr = False, DIAG: tl.constexpr = False):
     """The down tasks of P picks taken by program `pid` of `grid`: task t is sorted pick
     t // blocks, hidden block t % blocks."""
     blocks = D // BN
     for t in range(pid, P * blocks, grid):
         down_task(t // blocks, t % blocks, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes,
-                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG)
+                  w2_scales, D, I, BN, BK, ROWS_, FAST, NS, TMA, FRAG, DIAG=DIAG)
 
 
 @triton.jit
 def _up_persistent(P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
                    K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                   TMA: tl.constexpr, FRAG: tl.constexpr):
+                   TMA: tl.constexpr, FRAG: tl.constexpr, DIAG: tl.constexpr):
     up_stage(tl.program_id(0), tl.num_programs(0), P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr,
-             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+             w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG, DIAG)
 
 
 @triton.jit
 def _down_persistent(P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                      BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-                     TMA: tl.constexpr, FRAG: tl.constexpr):
+                     TMA: tl.constexpr, FRAG: tl.constexpr, DIAG: tl.constexpr):
     down_stage(tl.program_id(0), tl.num_programs(0), P, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr,
-               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+               w2_codes, w2_scales, D, I, BN, BK, ROWS_, FAST, None, TMA, FRAG, DIAG)
 
 
 @triton.jit
 def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
         K, I, TOPK, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
-        TMA: tl.constexpr, FRAG: tl.constexpr, PDL: tl.constexpr):
+        TMA: tl.constexpr, FRAG: tl.constexpr, PDL: tl.constexpr, DIAG: tl.constexpr):
     if PDL:  # the SwiGLU's programs may launch once every gate/up program has started
         gdc_launch_dependents()
     up_task(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, gu_ptr, counts_ptr, order_ptr,
-            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG)
+            experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales, K, I, TOPK, BN, BK, ROWS_, FAST, None, TMA, FRAG,
+            DIAG)
 
 
 @triton.jit
@@ -843,7 +860,7 @@ class LaunchConfig:
     paired: bool = False  # gate and up of a block in one tile, the SwiGLU in its epilogue (`paired_up_task`)
     down_split: int = 1  # down in that many slices of the intermediate: partial outputs, summed in slice order
     overlap: bool = False  # paired: a down task waits for its own group's gate/up tasks (flags), not the whole kernel
-    diagonal: bool = False  # block scales on fp32 partial sums: x block-diagonal, a dot column a 32-column block
+    diagonal: bool = False  # tasks of 1-2 rows scale fp32 partial sums: x block-diagonal, a dot column a block
     up_split: int = 1  # paired: gate/up in that many slices of the hidden, the last to finish sums them
 
 
@@ -946,10 +963,11 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
     if config.up_split > 1 and not (config.paired and d % (config.up_split * min(config.block_k, d)) == 0):
         return ("LaunchConfig.up_split (slices of the paired gate/up K loop) needs paired tiles and slices of whole "
                 f"K steps (here {d} / {config.up_split} in steps of {min(config.block_k, d)})")
-    if config.diagonal and not (config.paired and min(config.block_k, d) == min(config.block_k, inter) == 256):
+    if config.diagonal and not (weights.fragments and not config.tma
+                                and min(config.block_k, d) == min(config.block_k, inter) == 256):
         return ("LaunchConfig.diagonal (block scales on the partial sums, a lane holding two 32-column blocks of "
-                f"each K step) needs paired tiles and K steps of 256 (here {min(config.block_k, d)} and "
-                f"{min(config.block_k, inter)})")
+                f"each K step) needs the fragment order read through pointers (no tma) and K steps of 256 (here "
+                f"{min(config.block_k, d)} and {min(config.block_k, inter)})")
     refusal = weights.fragments and fragment_tiles_refusal(config.block_n, config.block_k, d, inter)
     block_up = min(config.block_n, (1 + config.paired) * inter)
     if not refusal and config.paired and block_up % (2 * FRAGMENT_ROWS):
@@ -1000,7 +1018,8 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         meta["maxnreg"] = config.max_registers
     up_meta = dict(BN=block_up, BK=min(config.block_k, d), **meta)
     down_meta = dict(BN=block_down, BK=min(config.block_k, inter), **meta)
-    layout = dict(TMA=config.tma, FRAG=weights.fragments)  # not the paired kernel's: fragments, pointers only
+    # not the paired kernel's (fragments, pointers only)
+    layout = dict(TMA=config.tma, FRAG=weights.fragments, DIAG=config.diagonal)
     w1, w2, w3 = (codes_operand(m, weights.fragments, config.tma, meta["BN"], meta["BK"]) for m, meta in
                   ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
@@ -1032,8 +1051,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
             grid = (d // block_down, picks) if config.overlap else (picks, d // block_down)
             compiled["down"] = _down[grid + (config.down_split,)](
                 *down_args, buffers.ready, 2 * inter // block_up, buffers.ready[picks:], PDL=config.pdl,
-                SPLIT=config.down_split, GROUPED=config.overlap, READY=config.overlap and "up" in kernels,
-                DIAG=config.diagonal, **layout,
+                SPLIT=config.down_split, GROUPED=config.overlap, READY=config.overlap and "up" in kernels, **layout,
                 **down_meta, **dependent)
     return compiled
 

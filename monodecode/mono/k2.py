@@ -67,7 +67,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
                 BKE_D: tl.constexpr, BKE_I: tl.constexpr,
                 SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
                 TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-                ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr):
+                ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr, EDIAG: tl.constexpr):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
     for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
         HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
@@ -120,7 +120,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
 
     P = R * TOPK
     X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
-               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG)
+               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG, EDIAG)
     grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
 
     sw_blocks = tl.cdiv(I, SWB_)
@@ -129,7 +129,7 @@ def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, 
     grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
 
     X.down_stage(pid, grid, P, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, d, I,
-                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG)
+                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG, EDIAG)
     grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
 
     c_blocks = tl.cdiv(d, CBL_)
@@ -157,7 +157,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
         BKE_D: tl.constexpr, BKE_I: tl.constexpr,
         SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
         TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-        ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr):
+        ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr, EDIAG: tl.constexpr):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(sync_ptr)
     stamp(timeline_ptr, 0, TIMELINE)
@@ -187,7 +187,7 @@ def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_p
                 d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
                 HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
                 BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ETMA,
-                EFRAG, GTMA)
+                EFRAG, GTMA, EDIAG)
     stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
     finish_launch(sync_ptr, epoch)
 
@@ -246,6 +246,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BNE=bne, BKE_D=bke_d, BKE_I=bke_i, SWB_=min(SWB, inter), CBL_=min(CBL, d),
         FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
-        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments, GTMA=tma,
+        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments, GTMA=tma, EDIAG=runner.expert_diagonal,
     )
     return 1 - cur if attention else cur

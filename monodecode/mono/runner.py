@@ -55,6 +55,10 @@ class LaunchShape:
     `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
     `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
     bytes in flight without registers, for deeper `gemv_stages`; timed at 1 row only);
+    `expert_diagonal` 1: expert tasks of one or two rows scale their fp32 partial sums
+    (`LaunchConfig.diagonal`; needs the fragment order, no `expert_tma` and expert K steps of
+    256: a window layer at v4-flash sizes 1 / 3 / 12 % faster at 1 / 6 / 48 rows on the H200);
+    0: not; None (the default): wherever the experts' sizes and the shape allow it;
     `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
     `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
     (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
@@ -78,6 +82,7 @@ class LaunchShape:
     expert_block_k: int = 256
     expert_stages: int | None = None
     expert_tma: int = 0
+    expert_diagonal: int | None = None
     compile_attention: int | None = None
 
     def spec(self) -> str:
@@ -188,6 +193,9 @@ class MonoRunner:
         self.shape = shape
         compile_attention = not interpreted() if shape.compile_attention is None else shape.compile_attention
         self.attention_site = attention_site_compiled() if compile_attention else attention_site
+        # K2's expert tasks of one or two rows take the diagonal loop (`expert_diagonal`)
+        self.expert_diagonal = (self._diagonal_refusal(shape) is None if shape.expert_diagonal is None
+                                else bool(shape.expert_diagonal))
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.graphs.clear()
@@ -201,14 +209,26 @@ class MonoRunner:
                 raise
 
     def _check_expert_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve is a caller's error
-        (ValueError)."""
+        """A shape whose expert tiles the experts' fragment order cannot serve, or whose
+        `expert_diagonal` they cannot take, is a caller's error (ValueError)."""
         c = self.config
-        refusal = self.layers[0].experts.fragments and X.fragment_tiles_refusal(
+        experts = self.layers[0].experts
+        refusal = experts.fragments and X.fragment_tiles_refusal(
             shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts are in the fragment order, which needs "
                              f"{refusal}")
+        if shape.expert_diagonal:
+            refusal = self._diagonal_refusal(shape)
+            if refusal:
+                raise ValueError(f"launch shape {shape.spec()}: {refusal}")
+
+    def _diagonal_refusal(self, shape: LaunchShape) -> str | None:
+        """Why the experts' tasks cannot take the diagonal loop with this shape, or None."""
+        config = X.LaunchConfig(False, shape.expert_block_n, shape.expert_block_k, tma=bool(shape.expert_tma),
+                                diagonal=True)
+        return X.launch_refusal(config, self.layers[0].experts)
+
 
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
