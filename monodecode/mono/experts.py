@@ -658,7 +658,7 @@ def _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts
                                DIAG=DIAG)
         last = True
         if SPLIT > 1:
-            acc, last = _split_sums(acc, j, nb, picks, mask, slices_ptr, arrivals_ptr + j * (2 * I // BN) + nb, I,
+            acc, last = _split_sums(acc, nb, picks, mask, slices_ptr, arrivals_ptr + j * (2 * I // BN) + nb, I,
                                     SPLIT, part)
         if last:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HB, ROWS_)), (1, 2, 0)))
@@ -671,7 +671,7 @@ def _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts
 
 
 @triton.jit
-def _split_sums(acc, j, nb, picks, mask, slices_ptr, arrivals, I, SPLIT: tl.constexpr, part):
+def _split_sums(acc, nb, picks, mask, slices_ptr, arrivals, I, SPLIT: tl.constexpr, part):
     """A paired tile's slice `part` of SPLIT slices of K: store its partial sums (gate/up [P, SPLIT,
     2, I] fp32, the tile's rows at their gate or up columns) and arrive at the block's counter.
     Returns (the sum of all slices, in slice order, whatever order they finished in; whether this
@@ -709,7 +709,8 @@ def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_code
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32. PDL:
     h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`). SPLIT:
     slice `part` of the intermediate only (its partial sum; out points at that slice's outputs).
-    READY: wait for ready[j] >= target first instead (`LaunchConfig.overlap`; error: the error word)."""
+    READY: wait for ready[j] >= target first instead (`LaunchConfig.overlap`; error: the error word).
+    DIAG: a group of up to DIAG_ROWS rows takes the diagonal loop."""
     if READY:  # this group's flag
         ready = ready + j
     if DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
@@ -873,10 +874,10 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     their fp32 partial sums (`LaunchConfig.diagonal`, where the K steps are 256); at 1 row also
     gate/up and down in two slices each (`up_split`, `down_split`), where the sizes allow: more,
     shorter tasks for the 264 program slots that 6 experts' 192 tiles leave a quarter empty.
-    Measured: 2.33-2.37 TB/s at 1 row with diagonal alone, 2.43-2.47 with the slices; 2.88-2.99 /
-    3.25-3.29 / 3.37 / 3.32 at 2 / 6 / 16 / 48 rows against 2.69 / 2.95 / 3.06 / 3.08 without
-    diagonal. Where the sizes refuse it, paired tiles without. In the checkpoint's order 64 x 256,
-    1 stage."""
+    Measured (docs/PERFORMANCE.md): 2.32-2.37 TB/s at 1 row with diagonal alone, 2.43-2.47 with
+    the slices; 2.88-2.99 / 3.23-3.27 / 3.35-3.37 / 3.30-3.32 at 2 / 6 / 16 / 48 rows against
+    2.69-2.74 / 2.95-2.96 / 3.06 / 3.08-3.09 without diagonal in the same runs. Where the sizes
+    refuse it, paired tiles without. In the checkpoint's order 64 x 256, 1 stage."""
     if not (fast and weights.fragments):
         return LaunchConfig(fast)
     config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
