@@ -921,15 +921,22 @@ class StageBuffers:
     `LaunchConfig.down_split` slices) for P = R * k picks, `LaunchConfig.overlap`'s words [P + 1]
     int32 (a counter a group, indexed by its first sorted pick, and the error word of the waits),
     and `up_split`'s arrival counters, one a group and paired block (zeroed here; the last
-    arrival of each launch puts its counter back to 0)."""
+    arrival of each launch puts its counter back to 0). The intermediates are left uninitialised
+    (the kernels write every element anything reads; pad picks' outputs are masked by
+    `routed_experts`), or filled with NaN with `poison`, for tests to catch an element no task
+    wrote."""
 
     def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False, splits: int = 1,
                  up_splits: int = 1):
-        fill = float("nan") if poison else 0.0
+        def intermediate(shape, dtype):
+            if poison:
+                return torch.full(shape, float("nan"), dtype=dtype, device=device)
+            return torch.empty(shape, dtype=dtype, device=device)
+
         inter, d = weights.intermediate, weights.hidden
-        self.gate_up = torch.full((picks, up_splits, 2, inter), fill, dtype=torch.float32, device=device)
-        self.h = torch.full((picks, inter), fill, dtype=torch.bfloat16, device=device)
-        self.per_pick = torch.full((splits, picks, d), fill, dtype=torch.float32, device=device)
+        self.gate_up = intermediate((picks, up_splits, 2, inter), torch.float32)
+        self.h = intermediate((picks, inter), torch.bfloat16)
+        self.per_pick = intermediate((splits, picks, d), torch.float32)
         # `LaunchConfig.overlap`'s counters: zeroed by `launch_stages` before each gate/up launch that sets them
         self.ready = torch.empty(picks + 1, dtype=torch.int32, device=device)
         blocks = 2 * inter // (2 * FRAGMENT_ROWS)  # of the smallest paired tile
