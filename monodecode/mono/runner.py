@@ -229,7 +229,6 @@ class MonoRunner:
                                 diagonal=True)
         return X.launch_refusal(config, self.layers[0].experts)
 
-
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
         `gemv.default_blocks`' choice for this grid); BN at most `group_rows` for a grouped one."""
