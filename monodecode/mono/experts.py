@@ -556,7 +556,7 @@ def _diagonal_scales(scale_codes, R: tl.constexpr, FAST: tl.constexpr):
     if FAST:
         scale = ((e + 26) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 26)
     else:
-        scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+        scale = _scales(e, False)
     return tl.reshape(tl.broadcast_to(tl.reshape(scale, (BN, 1, G)), (BN, R, G)), (BN, R * G))
 
 
@@ -1002,7 +1002,11 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     With `LaunchConfig.paired` one kernel (`_paired_up`) computes gate, up and the SwiGLU, and
     down (with pdl, its direct dependent) follows it: two launches. With `LaunchConfig.down_split`
     S, down's grid has S slices of the intermediate, each writing its partial sums to
-    `buffers.per_pick[s]`; `routed_experts` adds them in slice order.
+    `buffers.per_pick[s]`; `routed_experts` adds them in slice order. With `LaunchConfig.up_split`
+    U the paired kernel's grid has U slices of each block (adjacent in launch order), which store
+    their partial sums in `buffers.gate_up` and count themselves in `buffers.arrivals`; the last
+    of a block sums them and goes on (`_split_sums`). `LaunchConfig.diagonal` changes no launch:
+    each task of one or two rows takes the diagonal loop (module docstring).
 
     With `LaunchConfig.overlap` (paired) both grids run group by group (a group's blocks adjacent
     in launch order) and down's tasks wait for their own group instead of for the whole gate/up
