@@ -1,6 +1,6 @@
 """How fast the expert stage's loads alone can stream MXFP4 codes on a GPU: the K loop without the decode.
 
-`python tests/expert_load_probe.py [--per-sm 1,2,3,4] [--out DIR]` (CUDA only). A copy of the
+`python tests/expert_load_probe.py [--per-sm 1,2,3,4] [--steps] [--out DIR]` (CUDA only). A copy of the
 fragment-order K loop of `experts._fragment_matvec` (tiles of 128 rows x 256 columns, 8 warps,
 the next K step loaded into registers while the current one is used) that only XORs the loaded
 codes into registers, run over 1 GiB of codes (4096-column rows, the gate/up shape), with P
@@ -13,6 +13,12 @@ patterns:
 Scales: `none`; `rows` (as stacked: each lane reads its 2 rows' 8 bytes a K step, a quarter of
 a 32-byte sector); `tiled` (a 128-column group's 4 scales of a row, rows contiguous: a warp's
 instruction reads one whole sector). Prints TB/s of the bytes read against the copy bandwidth.
+
+`--steps` instead: the loads of one decode step's gate/up tiles (tiled codes, no scales), a
+program a tile of a few experts (4096 rows each: w1 over w3), 12 steps of fresh random experts
+in one CUDA graph as `experts_bench` times them: 6 experts (1 row of top-6) as the stage runs
+them, with K in 2 or 4 slices, two K steps ahead, 64-row tiles of 4 warps, and 12 and 34
+experts (2 and 6 rows): what HBM gives that access pattern when the kernel does nothing else.
 """
 
 import argparse
@@ -95,11 +101,82 @@ def _probe(codes, scales, out, tasks, K, R, BN: tl.constexpr, BK: tl.constexpr, 
     tl.store(out + pid, tl.sum(acc.to(tl.int32)) + sacc)
 
 
+@triton.jit
+def _step_tiles(codes, experts, out, K, ROWS, SPLIT: tl.constexpr, AHEAD: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    """Program (t, part): tile t (BN rows of expert experts[t // (ROWS / BN)]), slice `part` of
+    SPLIT of K, AHEAD K steps loaded ahead (2: unrolled by 3, so the tiles need no moves)."""
+    t, part = tl.program_id(0), tl.program_id(1)
+    per_expert = ROWS // BN
+    row0 = tl.load(experts + t // per_expert).to(tl.int64) * ROWS + (t % per_expert) * BN
+    lo = part * (K // SPLIT)
+    hi = lo + K // SPLIT
+    acc = tl.zeros((BK // 128, 2, BN // 16 * 256), tl.int16)
+    tile = _codes(codes, row0, lo, K, BN, BK, True)
+    if AHEAD == 2:
+        tile1 = _codes(codes, row0, tl.minimum(lo + BK, hi - BK), K, BN, BK, True)
+        for k0 in tl.range(lo, hi, BK, num_stages=1, loop_unroll_factor=3):
+            tile2 = _codes(codes, row0, tl.minimum(k0 + 2 * BK, hi - BK), K, BN, BK, True)
+            acc ^= tile
+            tile, tile1 = tile1, tile2
+    else:
+        for k0 in tl.range(lo, hi, BK, num_stages=1):
+            next_tile = _codes(codes, row0, tl.minimum(k0 + BK, hi - BK), K, BN, BK, True)
+            acc ^= tile
+            tile = next_tile
+    tl.store(out + t * SPLIT + part, tl.sum(acc.to(tl.int32)))
+
+
+def steps(out_dir: str) -> None:
+    """`--steps` (module docstring)."""
+    experts_total, rows, steps_a_graph = 256, 4096, 12
+    codes = torch.randint(-32768, 32767, (experts_total * rows, K // 4), dtype=torch.int16, device="cuda")
+    out = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    copy = copy_bandwidth("cuda")
+    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_TBps": copy / 1e12,
+              "runs": []}
+    print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
+    for experts, split, ahead, warps in ((6, 1, 1, 8), (6, 2, 1, 8), (6, 4, 1, 8), (6, 1, 2, 8), (6, 1, 1, 4),
+                                         (12, 1, 1, 8), (34, 1, 1, 8)):
+        picks = [torch.randperm(experts_total, device="cuda", generator=g)[:experts].int()
+                 for _ in range(steps_a_graph)]
+        bn = 128 if warps == 8 else 64
+        tiles = experts * rows // bn
+        run = lambda: [_step_tiles[(tiles, split)](codes, p, out, K, rows, SPLIT=split, AHEAD=ahead,  # noqa: E731
+                                                   BN=bn, BK=BK, num_warps=warps, maxnreg=128) for p in picks]
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / steps_a_graph)
+        us = sorted(times)[2]
+        entry = {"experts": experts, "split": split, "ahead": ahead, "tile_rows": bn, "warps": warps,
+                 "programs": tiles * split, "us": us, "TBps": experts * rows * K / 2 / us / 1e6}
+        result["runs"].append(entry)
+        print(f"{experts:3d} experts, K in {split}, {ahead} step(s) ahead, {bn}-row tiles of {warps} warps: "
+              f"{entry['programs']:5d} programs {us:6.1f} us {entry['TBps']:.2f} TB/s", flush=True)
+    with open(os.path.join(out_dir, "expert_load_probe_steps.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-sm", default="1,2,3,4", help="persistent programs a SM")
+    parser.add_argument("--steps", action="store_true", help="a decode step's gate/up tiles (module docstring)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
+    if args.steps:
+        steps(args.out)
+        return 0
     codes = torch.randint(-32768, 32767, (ROWS_TOTAL, K // 4), dtype=torch.int16, device="cuda")
     scales = torch.randint(0, 255, (ROWS_TOTAL * K // 32,), dtype=torch.uint8, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
