@@ -75,21 +75,6 @@ MXFP4 codes in the fragment order (``to_fragment_order``; kernels' layout)
     ``tests/expert_load_probe.py``). Scales are not permuted.
     ``from_fragment_order`` is the inverse.
 
-MXFP4 codes in the e4m3 fragment order (``to_e4m3_fragment_order``)
-    The same blocks of 16 rows x 128 columns, stored the same way (row ``8a +
-    i`` at ``a * 512 + i * 64`` bytes of its block), but a row's 64 bytes of
-    a group are 16 for each t in 0..3, 4 words j of 4 bytes b: byte (t, j, b)
-    holds the codes of columns ``32j + 4t + b`` ("first") and ``32j + 16 + 4t
-    + b`` ("second"), the first's sign at bit 7 and its exponent and mantissa
-    at bits 4..2, the second's sign at bit 5, exponent high at 6, exponent low
-    and mantissa at 1..0 (``pack_e4m3_pair``). Then ``w & 0x9C9C9C9C`` of a
-    word w is the e4m3 bytes of its 4 first codes and ``((w << 2) &
-    0x8C8C8C8C) | ((w >> 2) & 0x10101010)`` those of its 4 second codes, each
-    the code's value times 2^-6, subnormals included; the two registers are
-    the ones lane t of the FP8 tensor cores' k32 operand holds (columns 4t ..
-    4t + 3 and 16 + 4t .. 16 + 4t + 3 of every 32). ``from_e4m3_fragment_order``
-    is the inverse.
-
 Both scale rules divide amax by 448 or 6 in float32 before rounding up to a
 power of two. That division is safe: for these divisors a float32 ``amax``
 slightly above ``d * 2^k`` gives a quotient at least 0.57 ulp above ``2^k``,
@@ -402,41 +387,3 @@ def to_fragment_order(codes: Tensor) -> Tensor:
 def from_fragment_order(codes: Tensor) -> Tensor:
     """MXFP4 codes [..., N, K / 2] from the fragment order back to the checkpoint's, as uint8."""
     return _by_row_bands(_rows_from_fragment_order, codes)
-
-
-def pack_e4m3_pair(first: Tensor, second: Tensor) -> Tensor:
-    """Two e2m1 codes (integer tensors) -> the byte of the e4m3 fragment order that holds them."""
-    return (((first & 8) << 4) | ((first & 7) << 2) | ((second & 8) << 2) | ((second & 4) << 4)
-            | (second & 3)).to(torch.uint8)
-
-
-def unpack_e4m3_pair(byte: Tensor) -> tuple[Tensor, Tensor]:
-    """The inverse of `pack_e4m3_pair`: (first, second) codes, int32."""
-    b = byte.int()
-    return ((b >> 4) & 8) | ((b >> 2) & 7), ((b >> 2) & 8) | ((b >> 4) & 4) | (b & 3)
-
-
-def _rows_to_e4m3_fragment_order(p: Tensor) -> Tensor:
-    rows, half = p.shape
-    # column g*128 + j*32 + h*16 + t*4 + b -> (row, g, t, j, b, h)
-    v = torch.stack((p & 15, p >> 4), dim=-1).reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 2, 4, 4)
-    v = v.permute(0, 1, 4, 2, 5, 3).int()
-    return _blocks(pack_e4m3_pair(v[..., 0], v[..., 1]).reshape(rows, half))
-
-
-def _rows_from_e4m3_fragment_order(p: Tensor) -> Tensor:
-    rows, half = p.shape
-    first, second = unpack_e4m3_pair(_unblocks(p).reshape(rows, half * 2 // FRAGMENT_GROUP, 4, 4, 4))
-    v = torch.stack((first, second), dim=-1).permute(0, 1, 3, 5, 2, 4).reshape(rows, half, 2)  # column order
-    return (v[..., 0] | v[..., 1] << 4).to(torch.uint8)
-
-
-def to_e4m3_fragment_order(codes: Tensor) -> Tensor:
-    """MXFP4 codes [..., N, K / 2] from the checkpoint's order to the e4m3 fragment order (module
-    docstring), as uint8."""
-    return _by_row_bands(_rows_to_e4m3_fragment_order, codes)
-
-
-def from_e4m3_fragment_order(codes: Tensor) -> Tensor:
-    """MXFP4 codes [..., N, K / 2] from the e4m3 fragment order back to the checkpoint's, as uint8."""
-    return _by_row_bands(_rows_from_e4m3_fragment_order, codes)

@@ -17,8 +17,10 @@ instruction reads one whole sector). Prints TB/s of the bytes read against the c
 `--steps` instead: the loads of one decode step's gate/up tiles (tiled codes, no scales), a
 program a tile of a few experts (4096 rows each: w1 over w3), 12 steps of fresh random experts
 in one CUDA graph as `experts_bench` times them: 6 experts (1 row of top-6) as the stage runs
-them, with K in 2 or 4 slices, two K steps ahead, 64-row tiles of 4 warps, and 12 and 34
-experts (2 and 6 rows): what HBM gives that access pattern when the kernel does nothing else.
+them, with K in 2 or 4 slices, two K steps ahead, 64-row tiles of 4 warps, the blocks stored
+K-step-major (each 4 bands' 8 blocks of a 256-column step in 8 contiguous KB, instead of each
+band's blocks along K), and 12 and 34 experts (2 and 6 rows): what HBM gives that access pattern
+when the kernel does nothing else.
 """
 
 import argparse
@@ -102,8 +104,24 @@ def _probe(codes, scales, out, tasks, K, R, BN: tl.constexpr, BK: tl.constexpr, 
 
 
 @triton.jit
+def _step_codes(codes, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr, STEP_MAJOR: tl.constexpr):
+    """`_codes` (tiled), or (STEP_MAJOR) with the blocks of each 4 bands' 256-column step contiguous."""
+    if STEP_MAJOR:
+        G: tl.constexpr = BK // 128
+        g = tl.arange(0, G)[:, None, None]
+        a = tl.arange(0, 2)[None, :, None]
+        f = tl.arange(0, BN // 16 * 256)[None, None, :]
+        band = row0 // 16 + f // 256
+        block = (band // 4) * (K // 256) * 8 + (band % 4) * 2 + g % 2 + (g // 2) * 8 + (k0 // 256) * 8
+        tile = tl.load(codes + tl.multiple_of(block * 512 + a * 256, [1, 1, 8]) + f % 256)
+    else:
+        tile = _codes(codes, row0, k0, K, BN, BK, True)
+    return tile
+
+
+@triton.jit
 def _step_tiles(codes, experts, out, K, ROWS, SPLIT: tl.constexpr, AHEAD: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
+                BK: tl.constexpr, STEP_MAJOR: tl.constexpr):
     """Program (t, part): tile t (BN rows of expert experts[t // (ROWS / BN)]), slice `part` of
     SPLIT of K, AHEAD K steps loaded ahead (2: unrolled by 3, so the tiles need no moves)."""
     t, part = tl.program_id(0), tl.program_id(1)
@@ -112,16 +130,16 @@ def _step_tiles(codes, experts, out, K, ROWS, SPLIT: tl.constexpr, AHEAD: tl.con
     lo = part * (K // SPLIT)
     hi = lo + K // SPLIT
     acc = tl.zeros((BK // 128, 2, BN // 16 * 256), tl.int16)
-    tile = _codes(codes, row0, lo, K, BN, BK, True)
+    tile = _step_codes(codes, row0, lo, K, BN, BK, STEP_MAJOR)
     if AHEAD == 2:
-        tile1 = _codes(codes, row0, tl.minimum(lo + BK, hi - BK), K, BN, BK, True)
+        tile1 = _step_codes(codes, row0, tl.minimum(lo + BK, hi - BK), K, BN, BK, STEP_MAJOR)
         for k0 in tl.range(lo, hi, BK, num_stages=1, loop_unroll_factor=3):
-            tile2 = _codes(codes, row0, tl.minimum(k0 + 2 * BK, hi - BK), K, BN, BK, True)
+            tile2 = _step_codes(codes, row0, tl.minimum(k0 + 2 * BK, hi - BK), K, BN, BK, STEP_MAJOR)
             acc ^= tile
             tile, tile1 = tile1, tile2
     else:
         for k0 in tl.range(lo, hi, BK, num_stages=1):
-            next_tile = _codes(codes, row0, tl.minimum(k0 + BK, hi - BK), K, BN, BK, True)
+            next_tile = _step_codes(codes, row0, tl.minimum(k0 + BK, hi - BK), K, BN, BK, STEP_MAJOR)
             acc ^= tile
             tile = next_tile
     tl.store(out + t * SPLIT + part, tl.sum(acc.to(tl.int32)))
@@ -137,14 +155,16 @@ def steps(out_dir: str) -> None:
     result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_TBps": copy / 1e12,
               "runs": []}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
-    for experts, split, ahead, warps in ((6, 1, 1, 8), (6, 2, 1, 8), (6, 4, 1, 8), (6, 1, 2, 8), (6, 1, 1, 4),
-                                         (12, 1, 1, 8), (34, 1, 1, 8)):
+    for experts, split, ahead, warps, step_major in ((6, 1, 1, 8, 0), (6, 2, 1, 8, 0), (6, 4, 1, 8, 0),
+                                                     (6, 1, 2, 8, 0), (6, 1, 1, 4, 0), (6, 1, 1, 8, 1),
+                                                     (12, 1, 1, 8, 0), (34, 1, 1, 8, 0), (34, 1, 1, 8, 1)):
         picks = [torch.randperm(experts_total, device="cuda", generator=g)[:experts].int()
                  for _ in range(steps_a_graph)]
         bn = 128 if warps == 8 else 64
         tiles = experts * rows // bn
         run = lambda: [_step_tiles[(tiles, split)](codes, p, out, K, rows, SPLIT=split, AHEAD=ahead,  # noqa: E731
-                                                   BN=bn, BK=BK, num_warps=warps, maxnreg=128) for p in picks]
+                                                   BN=bn, BK=BK, STEP_MAJOR=step_major, num_warps=warps,
+                                                   maxnreg=128) for p in picks]
         run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -160,9 +180,11 @@ def steps(out_dir: str) -> None:
             times.append(start.elapsed_time(end) * 1000 / steps_a_graph)
         us = sorted(times)[2]
         entry = {"experts": experts, "split": split, "ahead": ahead, "tile_rows": bn, "warps": warps,
-                 "programs": tiles * split, "us": us, "TBps": experts * rows * K / 2 / us / 1e6}
+                 "blocks": ("as stored", "step-major")[step_major], "programs": tiles * split, "us": us,
+                 "TBps": experts * rows * K / 2 / us / 1e6}
         result["runs"].append(entry)
-        print(f"{experts:3d} experts, K in {split}, {ahead} step(s) ahead, {bn}-row tiles of {warps} warps: "
+        print(f"{experts:3d} experts, K in {split}, {ahead} step(s) ahead, {bn}-row tiles of {warps} warps, "
+              f"blocks {entry['blocks']}: "
               f"{entry['programs']:5d} programs {us:6.1f} us {entry['TBps']:.2f} TB/s", flush=True)
     with open(os.path.join(out_dir, "expert_load_probe_steps.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -1,8 +1,8 @@
 """Instruction mix of the expert stage's K loop, for an H100/H200 (sm_90), without a GPU.
 
 `python tests/expert_sass.py [--block-n 64 --block-k 256 --warps 4 --stages 1 --programs 0]
-[--max-registers 0] [--tma] [--fragments] [--fp8] [--pdl] [--paired] [--down-split 1] [--down] [--overlap] [--diagonal]
-[--up-split 1] [--rows 6] [--top 12]
+[--max-registers 0] [--tma] [--fragments] [--pdl] [--paired] [--down-split 1] [--down] [--overlap] [--diagonal]
+[--up-split 1] [--top 12]
 [--ttgir FILE]`, in a process where
 TRITON_INTERPRET is unset (the installed Triton compiles: put the GPU's version first on
 PYTHONPATH to see what it builds, e.g. `pip install --target DIR triton==3.6.0`).
@@ -68,7 +68,6 @@ def main(argv=None) -> int:
     parser.add_argument("--tma", action="store_true", help="LaunchConfig.tma")
     parser.add_argument("--max-registers", type=int, default=0, help="LaunchConfig.max_registers")
     parser.add_argument("--fragments", action="store_true", help="the codes in the fragment order")
-    parser.add_argument("--fp8", action="store_true", help="the codes in the e4m3 fragment order (ExpertWeights.fp8)")
     parser.add_argument("--stages", type=int, default=1, help="LaunchConfig.num_stages")
     parser.add_argument("--pdl", action="store_true", help="LaunchConfig.pdl")
     parser.add_argument("--paired", action="store_true", help="LaunchConfig.paired")
@@ -77,7 +76,6 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", action="store_true", help="LaunchConfig.overlap")
     parser.add_argument("--diagonal", action="store_true", help="LaunchConfig.diagonal")
     parser.add_argument("--up-split", type=int, default=1, help="LaunchConfig.up_split")
-    parser.add_argument("--rows", type=int, default=ROWS, help="rows of the step")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
     parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
     args = parser.parse_args(argv)
@@ -86,21 +84,19 @@ def main(argv=None) -> int:
         return (torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8),
                 torch.randint(118, 130, (E, n, k // 32), dtype=torch.uint8))
 
-    weights = X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D), fragments=args.fragments or args.fp8,
-                              fp8=args.fp8, _fast_decode=True)
+    weights = X.ExpertWeights(matrix(I, D), matrix(D, I), matrix(I, D), fragments=args.fragments, _fast_decode=True)
     launches, others = [], []
     recorded = ("_down", "_down_persistent") if args.down else ("_up", "_up_persistent", "_paired_up")
-    for name in ("_up", "_up_persistent", "_paired_up", "_swiglu", "_down", "_down_persistent", "_x_digits"):
+    for name in ("_up", "_up_persistent", "_paired_up", "_swiglu", "_down", "_down_persistent"):
         setattr(X, name, Recorder(getattr(X, name), launches if name in recorded else others))
     config = X.LaunchConfig(True, args.block_n, args.block_k, args.warps, args.stages, programs=args.programs,
                             tma=args.tma, max_registers=args.max_registers, pdl=args.pdl,
                             paired=args.paired, down_split=args.down_split, overlap=args.overlap,
                             diagonal=args.diagonal, up_split=args.up_split)
-    ids = torch.randint(0, E, (args.rows, TOPK))
-    X.launch_stages(torch.randn(args.rows, D).to(torch.bfloat16), X.group_picks(ids, X.task_rows(weights, args.rows)),
-                    torch.rand(args.rows * TOPK), weights, 10.0, config,
-                    X.StageBuffers(args.rows * TOPK, weights, "cpu", splits=args.down_split, up_splits=args.up_split,
-                                   rows=args.rows))
+    ids = torch.randint(0, E, (ROWS, TOPK))
+    X.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK), weights,
+                    10.0, config, X.StageBuffers(ROWS * TOPK, weights, "cpu", splits=args.down_split,
+                                              up_splits=args.up_split))
     kernel, launch_args, kwargs = launches[0]
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if key in kwargs}
     types, constants, attrs = signature(kernel, launch_args, kwargs)

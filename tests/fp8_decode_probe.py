@@ -17,7 +17,10 @@ tests/expert_sass.py). Two things:
 On Triton 3.6 (2026-11-30): 178 instructions a K step of a 128 x 256 tile with 8 warps (LOP3 49,
 STS 32 for the stand-in operand, PRMT 24, IMAD 19, SHF 16, QGMMA 8), no LDS or SHFL: the decoded
 registers go to the wgmma as they are. The bf16 decode's loop is 292 (`tests/expert_sass.py
---diagonal`).
+--diagonal`). The decode was then built into the stage (commit 4cc2e6b) and removed again: x as
+e4m3 hi + lo was not exact (the FP8 tensor cores' accumulator keeps ~13 bits), x as base-32
+digits was, and the stage was no faster (docs/PERFORMANCE.md, "FP8 tensor cores with x as base-32
+digits").
 """
 
 import argparse

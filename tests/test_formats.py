@@ -408,27 +408,6 @@ def test_the_fragment_order_places_each_column():
         formats.to_fragment_order(codes[:, :8])
 
 
-def test_the_e4m3_fragment_order_places_each_column():
-    """Column 128 g + 32 j + 16 h + 4 t + b of row n is byte (t, j, b) of the row's 64 bytes of
-    group g, in block (n / 16, g) at 512 a + 64 i bytes for n % 16 = 8 a + i; of that byte,
-    `w & 0x9C` (h = 0) or `((w << 2) & 0x8C) | ((w >> 2) & 0x10)` (h = 1) is an e4m3 byte whose
-    value is the code's e2m1 value times 2^-6 (torch's e4m3 decode, independent of the module)."""
-    g = torch.Generator().manual_seed(9)
-    codes = torch.randint(0, 256, (2, 32, 128), dtype=torch.uint8, generator=g)  # 2 bands, K = 256
-    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(64, 256).long()
-    values = torch.tensor(E2M1_GRID, dtype=torch.float32)[nibbles & 7] * (1 - 2 * (nibbles >> 3)).float()
-    placed = formats.to_e4m3_fragment_order(codes).reshape(-1).long()
-    n = torch.arange(64)
-    for column in range(256):
-        group, j, h, t, b = column // 128, column // 32 % 4, column // 16 % 2, column // 4 % 4, column % 4
-        w = placed[(n // 16 * 2 + group) * 1024 + n % 16 // 8 * 512 + n % 8 * 64 + t * 16 + j * 4 + b]
-        e4m3 = w & 0x9C if h == 0 else ((w << 2) & 0x8C) | ((w >> 2) & 0x10)
-        assert torch.equal(e4m3.to(torch.uint8).view(E4M3).float() * 64, values[:, column]), column
-    assert torch.equal(formats.from_e4m3_fragment_order(formats.to_e4m3_fragment_order(codes)), codes)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        formats.to_e4m3_fragment_order(codes[..., :32])
-
-
 def test_the_fragment_halves_bits_are_a_permutation():
     """Every bit of a 16-bit half lands on exactly one bf16 bit of one code's value, and no shift
     takes a bit from outside the half (the other half of a register)."""

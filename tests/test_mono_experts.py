@@ -44,7 +44,7 @@ def random_bank(g, num_experts, hidden, inter, device):
 def on_device(weights, device):
     """The same experts (codes, scales, code order) on `device`."""
     return X.ExpertWeights(*((c.to(device), s.to(device)) for c, s in (weights.w1, weights.w2, weights.w3)),
-                           fragments=weights.fragments, fp8=weights.fp8)
+                           fragments=weights.fragments)
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +137,12 @@ def test_group_picks():
     assert experts.tolist()[:6] == [0, 0, 1, 2, 0, 2]
 
 
-@pytest.mark.parametrize("fragments,fp8", [(False, False), (True, False), (False, True)])
-def test_prepare_round_trips(fragments, fp8):
+@pytest.mark.parametrize("fragments", [False, True])
+def test_prepare_round_trips(fragments):
     g = torch.Generator().manual_seed(3)
     experts = [tuple(formats.quantize_mxfp4(torch.randn(32, 256, generator=g)) for _ in range(3)) for _ in range(4)]
-    prepared = X.prepare(experts, fragments=fragments, fp8=fp8)
-    expected = (formats.to_e4m3_fragment_order if fp8 else X.to_fragment_order if fragments else lambda c: c)
-    assert torch.equal(prepared.w1[0][2], expected(experts[2][0][0]))
-    assert prepared.fragments == (fragments or fp8) and prepared.fp8 == fp8
+    prepared = X.prepare(experts, fragments=fragments)
+    assert torch.equal(prepared.w1[0][2], X.to_fragment_order(experts[2][0][0]) if fragments else experts[2][0][0])
     back = X.unprepare(prepared)
     for original, restored in zip(experts, back):
         for (codes, scale), (codes2, scale2) in zip(original, restored):
@@ -497,103 +495,3 @@ def test_the_benchmark_sweeps_each_layout(monkeypatch):
         ("fast bn128 bk256 w8 s1 fragments r128 pdl paired ds2", True, True, 2)]
     with pytest.raises(SystemExit):  # parse errors come before any GPU work
         B.main(["--configs", "128,512"])
-
-
-@pytest.fixture(scope="module")
-def e4m3_bank(device):
-    """Experts in the e4m3 fragment order (`ExpertWeights.fp8`) on `device`, and the same experts
-    in the checkpoint's order on the CPU for the reference: K steps of 256 (hidden 512,
-    intermediate 256)."""
-    checkpoint = random_bank(torch.Generator().manual_seed(11), num_experts=8, hidden=512, inter=256, device="cpu")
-    return on_device(X.in_fragment_order(checkpoint, fp8=True), device), checkpoint
-
-
-@pytest.mark.parametrize("rows", [1, 2, 6, 16, 48])
-@pytest.mark.parametrize("routing", ["hash", "bias"])
-def test_e4m3_experts_match_the_reference(e4m3_bank, device, rows, routing):
-    """Experts in the e4m3 fragment order with their default launch (FP8 tensor cores on the GPU,
-    x and h as base-32 digits, tasks of one or two rows): the reference's result at fp32-
-    accumulation level, with rows sharing experts (hash routing) and a pad row from 6 rows on."""
-    experts, checkpoint = e4m3_bank
-    g = torch.Generator().manual_seed(rows * 11 + len(routing))
-    ids = picks(g, rows, 2, 8, routing)
-    if rows > 2:
-        ids[rows // 2] = -1
-    x = torch.randn(rows, experts.hidden, generator=g).to(torch.bfloat16)
-    weights = torch.rand(rows, 2, generator=g) + 0.1
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, LIMIT, poison=True)
-    assert_close(y, X.reference(x, ids, weights, checkpoint, LIMIT))
-    if rows > 2:
-        assert (y[rows // 2] == 0).all()
-
-
-@pytest.mark.parametrize("split", [1, 2])
-def test_e4m3_experts_in_slices_match_the_reference(device, split):
-    """The e4m3 order with gate/up and down in two slices each (the 1-row default where the sizes
-    allow) and without, Triton's pipelining two steps deep: the reference's result. Then 48 rows
-    with x spanning 2^-60 .. 2^40 (blocks of very different scales, tiny elements beside large
-    ones): x's and h's digits keep 20 bits of their block's largest element (`_store_digits`), so
-    rows agree to ~2^-20 rather than to fp32 accumulation (2^-24), and the few h elements that
-    this moves across a bf16 rounding boundary cost up to 2^-9 of their share, as in
-    `assert_close`; nothing overflows or underflows."""
-    checkpoint = random_bank(torch.Generator().manual_seed(12), num_experts=8, hidden=512, inter=512, device="cpu")
-    experts = on_device(X.in_fragment_order(checkpoint, fp8=True), device)
-    cuda = device == "cuda"
-    config = X.LaunchConfig(cuda and experts.supports_fast_decode(), 64, 256, num_stages=2, pdl=cuda, paired=True,
-                            overlap=True, diagonal=True, up_split=split, down_split=split)
-    g = torch.Generator().manual_seed(140 + split)
-    assert_rows_and_a_pad_match(g, experts, checkpoint, config, device)
-    ids = picks(g, 48, 2, 8, "bias")
-    x = (torch.randn(48, 512, generator=g) * torch.exp2(torch.randint(-60, 40, (48, 512), generator=g))).to(
-        torch.bfloat16)
-    weights = torch.rand(48, 2, generator=g) + 0.1
-    y = X.routed_experts(x.to(device), ids.to(device), weights.to(device), experts, 1e30, config, poison=True)
-    ref = X.reference(x, ids, weights, checkpoint, 1e30)
-    row_err = (y.cpu().double() - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert torch.isfinite(y).all() and row_err.median() < 2**-16 and row_err.max() < 5e-3
-
-
-def test_x_digits_rebuild_x(device):
-    """`_x_digits`: x = scale * (d0 + 32 d1 + 1024 d2 + 32768 d3) a block of 32 columns, the scale a
-    power of 2 and each d an integer in [-16, 16] stored as its e4m3 byte at the documented place
-    (column 32 b + 16 h + c of a step of 256 at 128 h + 16 b + c); exact for the elements within
-    2^-11 of their block's largest, within 2^-19 of it for the others; zero blocks give zeros."""
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(3, 512, generator=g) * torch.exp2(torch.randint(-30, 30, (3, 16, 1), generator=g)).repeat_interleave(
-        32, dim=1).reshape(3, 512)
-    x[0, 32:64] = 0  # a zero block
-    x[1, 70] = x[1, 64:96].abs().max() * 2 ** -20  # a tiny element beside large ones
-    x = x.to(torch.bfloat16)
-    digits = torch.full((3, 4, 512), 0x7F, dtype=torch.uint8, device=device)
-    scales = torch.full((3, 16), float("nan"), device=device)
-    X._x_digits[(3, 2)](x.to(device), digits, scales, 512, BLOCK=256, PDL=False)
-    values = digits.cpu().view(torch.float8_e4m3fn).double()
-    assert torch.equal(values, values.round()) and values.abs().max() <= 16
-    step = values.reshape(3, 4, 2, 2, 8, 16)  # (row, digit, step, h, block, c)
-    in_order = step.permute(0, 1, 2, 4, 3, 5).reshape(3, 4, 512)  # (row, digit, column)
-    integers = sum(in_order[:, d] * 32.0 ** d for d in range(4))
-    scale = scales.cpu().double()
-    assert torch.equal(torch.log2(scale), torch.log2(scale).round())
-    rebuilt = integers * scale.repeat_interleave(32, dim=1)
-    exact = x.double().abs() >= 2.0 ** -11 * x.double().reshape(3, 16, 32).abs().amax(-1).repeat_interleave(32, 1)
-    assert torch.equal(rebuilt[exact], x.double()[exact])
-    top = x.double().reshape(3, 16, 32).abs().amax(-1).repeat_interleave(32, 1)
-    assert ((rebuilt - x.double()).abs() <= 2.0 ** -19 * top).all()
-    assert (rebuilt[0, 32:64] == 0).all() and not exact[1, 70]
-
-
-def test_e4m3_experts_are_refused_where_they_cannot_run(e4m3_bank):
-    """The e4m3 order has only the diagonal loop of paired tiles: other launches are refused by
-    name, and its buffers need the step's rows (x's digits)."""
-    experts, _ = e4m3_bank
-    for config in (X.LaunchConfig(False, 64, 256, paired=True, overlap=True),
-                   X.LaunchConfig(False, 64, 256, diagonal=True),
-                   X.LaunchConfig(False, 64, 256, programs=2, diagonal=True)):
-        with pytest.raises(ValueError, match=r"e4m3 fragment order .* need LaunchConfig\(paired=True, diagonal=True\)"):
-            X.launch_stages(None, (None, None, None), None, experts, LIMIT, config, None)
-    with pytest.raises(ValueError, match="multiple of 64 rows"):
-        X.launch_stages(None, (None, None, None), None, experts, LIMIT,
-                        X.LaunchConfig(False, 32, 256, paired=True, overlap=True, diagonal=True), None)
-    with pytest.raises(ValueError, match="need the step's rows"):
-        X.StageBuffers(6, experts, "cpu")
-    assert X.task_rows(experts, 1) == 1 and X.task_rows(experts, 6) == 2 and X.task_rows(e4m3_bank[1], 6) == X.ROWS

@@ -79,18 +79,6 @@ Decode (constexpr FAST):
   and the scale is 2^(e - 127 + 26). It takes the bf16 multiply of every weight (64 HMUL2 and 40
   PRMT a K step of a 128 x 256 tile) out of the loop for 8 FFMA and 16 selects: 292 sm_90
   instructions a step against 357 (`tests/expert_sass.py --diagonal`).
-- FP8 (experts in the e4m3 fragment order, `ExpertWeights.fp8`; the diagonal loop of paired
-  tiles only, tasks of one row in a step of one row, else of up to two): a byte holds two codes
-  placed so that 5 instructions make 8 e4m3 weights (each its e2m1 value times 2^-6) in the
-  registers of the k32 FP8 operand (`formats.to_e4m3_fragment_order`). x (and h) are base-32
-  digits with a power-of-2 scale a 32-column block (`_store_digits`: `_x_digits` before gate/up,
-  gate/up's epilogue for h): x = scale (d0 + 32 d1 + 1024 d2 + 32768 d3), d in [-16, 16], exact
-  for elements within 2^-11 of their block's largest, the others rounded to 2^-19 of it. Each
-  (row, digit, block) is a column of a block-diagonal dot, whose products are integers times 2^-7
-  summing to less than 2^13 of them: the FP8 tensor cores' accumulator (13 bits below its leading
-  one) adds them exactly; the digits and scales are then applied in fp32 (`_f8_step`). Codes and
-  digits are carried to the next K step as 32-bit words (`_word_bytes`): 8-bit tensors carried in
-  registers are taken apart a byte a register.
 - Portable (interpreter, AMD): the codes found as the fast decode finds them (nibbles; the same
   byte swap, shifts and masks in the fragment order), decoded arithmetically to fp32, the scale applied in
   fp32, an fp32 dot in IEEE precision, h rounded to bf16 by integer arithmetic (the interpreter's
@@ -127,7 +115,6 @@ class ExpertWeights:
     w2: tuple[torch.Tensor, torch.Tensor]
     w3: tuple[torch.Tensor, torch.Tensor]
     fragments: bool = False  # codes in the fragment order (`to_fragment_order`), not the checkpoint's
-    fp8: bool = False  # codes in the e4m3 fragment order (`formats.to_e4m3_fragment_order`; fragments too)
     _fast_decode: bool | None = field(default=None, repr=False)
 
     @property
@@ -151,32 +138,21 @@ class ExpertWeights:
         return self._fast_decode
 
 
-def prepare(experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], fragments: bool = False,
-            fp8: bool = False) -> ExpertWeights:
+def prepare(experts: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], fragments: bool = False) -> ExpertWeights:
     """Stack a layer's per-expert checkpoint tensors [(w1, w2, w3) each (packed, scale)], the codes
-    in the checkpoint's order, (fragments) in the fragment order or (fp8) in the e4m3 fragment order."""
+    in the checkpoint's order or (fragments) in the fragment order."""
     def stack(m: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.stack([e[m][0].view(torch.uint8) for e in experts]).contiguous()
         scales = torch.stack([e[m][1].view(torch.uint8) for e in experts]).contiguous()
-        return _reorder(codes, fragments or fp8, fp8), scales
+        return (to_fragment_order(codes) if fragments else codes), scales
 
-    return ExpertWeights(stack(0), stack(1), stack(2), fragments or fp8, fp8)
-
-
-def _reorder(codes: torch.Tensor, fragments: bool, fp8: bool) -> torch.Tensor:
-    """Checkpoint-order codes in the layout asked for."""
-    if fp8:
-        return formats.to_e4m3_fragment_order(codes)
-    return to_fragment_order(codes) if fragments else codes
+    return ExpertWeights(stack(0), stack(1), stack(2), fragments)
 
 
 def unprepare(weights: ExpertWeights) -> list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
     """The inverse of `prepare`: per expert (w1, w2, w3), each (packed uint8, e8m0 scale)."""
     def one(m: tuple[torch.Tensor, torch.Tensor], e: int):
-        if weights.fp8:
-            codes = formats.from_e4m3_fragment_order(m[0][e])
-        else:
-            codes = from_fragment_order(m[0][e]) if weights.fragments else m[0][e]
+        codes = from_fragment_order(m[0][e]) if weights.fragments else m[0][e]
         return codes, m[1][e].view(torch.float8_e8m0fnu)
 
     return [(one(weights.w1, e), one(weights.w2, e), one(weights.w3, e)) for e in range(weights.num_experts)]
@@ -195,20 +171,12 @@ def fragment_tiles_refusal(block_n: int, block_k: int, hidden: int, inter: int) 
     return None
 
 
-def in_fragment_order(weights: ExpertWeights, fp8: bool = False) -> ExpertWeights:
-    """A copy of checkpoint-order experts with the codes in the fragment order, or (fp8) the e4m3
-    fragment order (scales shared)."""
+def in_fragment_order(weights: ExpertWeights) -> ExpertWeights:
+    """A copy of checkpoint-order experts with the codes in the fragment order (scales shared)."""
     if weights.fragments:
         raise ValueError("these experts are in the fragment order already")
-    return ExpertWeights(*((_reorder(c, True, fp8), s) for c, s in (weights.w1, weights.w2, weights.w3)),
-                         fragments=True, fp8=fp8, _fast_decode=weights._fast_decode)
-
-
-def task_rows(weights: ExpertWeights, rows: int) -> int:
-    """Rows of one expert a task serves in a step of `rows` rows (`group_picks`' `rows`, the
-    kernels' ROWS_): for experts in the e4m3 fragment order, whose every task takes the diagonal
-    loop, DIAG_ROWS, or 1 in a step of one row (half the dot's columns); ROWS otherwise."""
-    return min(rows, DIAG_ROWS.value) if weights.fp8 else ROWS
+    return ExpertWeights(*((to_fragment_order(c), s) for c, s in (weights.w1, weights.w2, weights.w3)),
+                         fragments=True, _fast_decode=weights._fast_decode)
 
 
 # --- decode ---------------------------------------------------------------------------------------
@@ -364,8 +332,7 @@ def _load_tile(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.constexpr,
-                    PAIR: tl.constexpr = False, up_codes=None, up_scales=None, OWN: tl.constexpr = False,
-                    F8: tl.constexpr = False):
+                    PAIR: tl.constexpr = False, up_codes=None, up_scales=None, OWN: tl.constexpr = False):
     """Like `_load_tile` for codes in the fragment order, but loaded straight into the registers
     the tensor cores take them from: (halves [BN, BK / 4] int16, scale codes [BN, 4, BK / 32]
     uint8, each row's scales once for each of the 4 lanes that share the row). The dot's operand
@@ -379,19 +346,17 @@ def _load_fragments(codes, scales_ptr, row0, k0, K, BN: tl.constexpr, BK: tl.con
     (`formats.to_fragment_order`) store a warp's rows in that order too, so each load
     instruction of a warp reads 512 contiguous bytes. PAIR (a paired tile, `paired_up_task`): the
     tile's first BN / 2 rows are rows row0 .. of `codes` (w1) and the others the same rows of
-    `up_codes` (w3), each warp's band from one matrix. F8: the e4m3 fragment order's bytes, [BN,
-    BK / 2] uint8 (the same 16 bytes a lane, `formats.to_e4m3_fragment_order`)."""
+    `up_codes` (w3), each warp's band from one matrix."""
     tl.static_assert(BN % 16 == 0, "fragment tiles need a multiple of 16 rows")
     G: tl.constexpr = BK // 128  # column groups
     W: tl.constexpr = BN // 16
-    E: tl.constexpr = 16 if F8 else 32  # elements of a row of a block: 32-bit words, or 16-bit halves
     g = tl.arange(0, G)[:, None, None]
     a = tl.arange(0, 2)[None, :, None]  # the row offset 8
-    f = tl.arange(0, W * 8 * E)[None, None, :]  # (w, row i, E elements c): row 16 w + 8 a + i, element E g + c
-    band, codes = _band(f // (8 * E), codes, up_codes, W, PAIR)
-    block = (row0 // 16 + band) * (K // 128) + k0 // 128 + g  # 16 E elements: (a, i, c)
-    halves = tl.load(codes + tl.multiple_of(block * (16 * E) + 8 * E * a, [1, 1, E // 4]) + f % (8 * E))
-    tile = tl.reshape(tl.permute(tl.reshape(halves, (G, 2, W, 8, E)), (2, 1, 3, 0, 4)), (BN, G * E))
+    f = tl.arange(0, W * 256)[None, None, :]  # (w, row i, 32 halves c): row 16 w + 8 a + i, half 32 g + c
+    band, codes = _band(f // 256, codes, up_codes, W, PAIR)
+    block = (row0 // 16 + band) * (K // 128) + k0 // 128 + g  # 512 halves: (a, i, c)
+    halves = tl.load(codes + tl.multiple_of(block * 512 + 256 * a, [1, 1, 8]) + f % 256)
+    tile = tl.reshape(tl.permute(tl.reshape(halves, (G, 2, W, 8, 32)), (2, 1, 3, 0, 4)), (BN, BK // 4))
     S: tl.constexpr = 2 if OWN else BK // 32  # scales a lane
     f = tl.arange(0, W * 32 * S)[None, :]  # (w, row i, lane t, scale s)
     band, scales_ptr = _band(f // (32 * S), scales_ptr, up_scales, W, PAIR)
@@ -466,169 +431,6 @@ def _decode_fragments(halves, scale_codes, BK: tl.constexpr, FAST: tl.constexpr,
 
 
 @triton.jit
-def _decode_e4m3_fast(words):
-    """Words of the e4m3 fragment order, int32 [..] -> (first, second) int32 [..]: the e4m3 bytes
-    of the word's 4 first and 4 second codes (`formats.pack_e4m3_pair`), each the code's e2m1
-    value times 2^-6: 5 instructions."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a, b;
-        and.b32 $0, $2, 0x9C9C9C9C;
-        shl.b32 a, $2, 2; and.b32 a, a, 0x8C8C8C8C;
-        shr.b32 b, $2, 2; and.b32 b, b, 0x10101010; or.b32 $1, a, b;
-        }""",
-        constraints="=r,=r,r", args=[words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _word_bytes(words):
-    """int32 [BN, C] -> its bytes uint8 [BN, 4 C], little-endian, byte 4c + i a register's byte i
-    (joined so that LLVM sees the word itself, not four bytes to pack)."""
-    BN: tl.constexpr = words.shape[0]
-    C: tl.constexpr = words.shape[1]
-    b0, b1 = words.to(tl.uint8), (words >> 8).to(tl.uint8)
-    b2, b3 = (words >> 16).to(tl.uint8), (words >> 24).to(tl.uint8)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BN, 4 * C))
-
-
-@triton.jit
-def _decode_e4m3_fragments(tile, BK: tl.constexpr, FAST: tl.constexpr):
-    """Words [BN, BK / 8] of the e4m3 fragment order from `_load_fragments` (F8) decoded: (first,
-    second) [BN, BK / 2] each, e4m3 times 2^-6 (FAST) or fp32, column k of each being the code of
-    column 32 (k // 16) + k % 16 (first) or 32 (k // 16) + 16 + k % 16 (second) of the tile. Byte
-    (g, t, j, b) of a row holds columns g*128 + 32j + 16h + 4t + b, h = 0 (first) and 1 (second),
-    so that word j of lane t is its registers of the k32 FP8 operand for k = 16 (4g + j) + 4t + b:
-    two dots take them as they are, where one would need their bytes interleaved."""
-    BN: tl.constexpr = tile.shape[0]
-    if FAST:
-        first, second = _decode_e4m3_fast(tile)
-        first = _word_bytes(first).to(tl.float8e4nv, bitcast=True)
-        second = _word_bytes(second).to(tl.float8e4nv, bitcast=True)
-    else:
-        b = _word_bytes(tile).to(tl.int32)
-        first = _e2m1_value(((b >> 4) & 8) | ((b >> 2) & 7))
-        second = _e2m1_value(((b >> 2) & 8) | ((b >> 4) & 4) | (b & 3))
-    first = tl.reshape(tl.permute(tl.reshape(first, (BN, BK // 128, 4, 4, 4)), (0, 1, 3, 2, 4)), (BN, BK // 2))
-    second = tl.reshape(tl.permute(tl.reshape(second, (BN, BK // 128, 4, 4, 4)), (0, 1, 3, 2, 4)), (BN, BK // 2))
-    return first, second
-
-
-# --- x as base-32 digits (experts in the e4m3 fragment order) ----------------------------------------
-@triton.jit
-def _e4m3_bits(d):
-    """Integers int32 in [-16, 16] -> their e4m3 bytes (uint8), exactly."""
-    a = tl.abs(d)
-    e = (a >= 2).to(tl.int32) + (a >= 4).to(tl.int32) + (a >= 8).to(tl.int32) + (a >= 16).to(tl.int32)
-    bits = tl.where(a == 0, 0, ((e + 7) << 3) | (((a << 3) >> e) - 8))
-    return (bits | tl.where(d < 0, 128, 0)).to(tl.uint8)
-
-
-@triton.jit
-def _e4m3_integer(bits):
-    """The inverse of `_e4m3_bits`: e4m3 bytes of integers -> their values in fp32."""
-    b = bits.to(tl.int32)
-    magnitude = (8 + (b & 7)).to(tl.float32) * tl.exp2((((b >> 3) & 15) - 10).to(tl.float32))
-    value = tl.where((b & 127) == 0, 0.0, magnitude)
-    return tl.where((b & 128) != 0, -value, value)
-
-
-@triton.jit
-def _store_digits(x, rows, mask, col0, digits_ptr, scales_ptr, K):
-    """Blocks of 32 columns of x [R, NB, 32] fp32, at columns col0 .. col0 + 32 NB of rows `rows`
-    (masked), as base-32 digits: x = scale * (d0 + 32 d1 + 1024 d2 + 32768 d3), scale a power of 2
-    a block (scales [rows, K / 32] fp32) with the block's largest |x| in [2^18, 2^19) / scale, each
-    d an integer in [-16, 16] stored as its e4m3 byte (digits [rows, 4, K] uint8). Exact for the
-    elements within 2^-11 of their block's largest (all 8 bits of a bf16); smaller ones are rounded
-    to the nearest multiple of the scale, at most 2^-19 of the block's largest (and blocks whose
-    largest is below 2^-108, the smallest scale being 2^-126). FP8 tensor cores sum the products
-    of these digits and the e4m3 weights exactly (`_f8_step`). Within a step of 256 columns, column
-    32 b + 16 h + c is stored at 128 h + 16 b + c: the first and the second 16 columns of each block
-    apart, as `_decode_e4m3_fragments` gives the weights."""
-    NB: tl.constexpr = x.shape[1]
-    top = tl.max(tl.abs(x), axis=2)
-    exponent = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 255) - 127 - 18, -126)
-    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    v = tl.floor(x * inverse[:, :, None] + 0.5).to(tl.int32)  # |v| < 2^19; exact: x has 8 bits
-    c = tl.arange(0, 32)[None, None, :]
-    block = col0 // 32 + tl.arange(0, NB)[None, :, None]
-    column = block // 8 * 256 + c // 16 * 128 + block % 8 * 16 + c % 16
-    at = digits_ptr + rows[:, None, None] * (4 * K) + column
-    for d in tl.static_range(4):
-        digit = ((v + 16) & 31) - 16 if d < 3 else v  # balanced: the last is in [-16, 16]
-        tl.store(at + d * K, _e4m3_bits(digit), mask=mask[:, None, None])
-        v = (v - digit) >> 5
-    blocks = col0 // 32 + tl.arange(0, NB)[None, :]
-    tl.store(scales_ptr + rows[:, None] * (K // 32) + blocks, scale, mask=mask[:, None])
-
-
-@triton.jit
-def _x_digits(x_ptr, digits_ptr, scales_ptr, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """x [R, K] bf16 -> its base-32 digits and block scales (`_store_digits`), BLOCK columns of a row
-    a program, for gate/up of experts in the e4m3 fragment order. PDL: gate/up may launch at once
-    (it waits for this kernel before reading the digits)."""
-    if PDL:
-        gdc_launch_dependents()
-    row, col0 = tl.program_id(0), tl.program_id(1) * BLOCK
-    x = tl.load(x_ptr + row * K + col0 + tl.arange(0, BLOCK)).to(tl.float32)
-    _store_digits(tl.reshape(x, (1, BLOCK // 32, 32)), tl.full((1,), row, tl.int32), tl.full((1,), True, tl.int1),
-                  col0, digits_ptr, scales_ptr, K)
-
-
-@triton.jit
-def _x_digit_words(digits_ptr, scales_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr):
-    """x of the K step at k0 as `_f8_step` takes it: the block-diagonal operands of x[x_rows]'s
-    digits (`_store_digits`; `digits_ptr` their int32 view) for the first and the second 16 columns
-    of each block (`_decode_e4m3_fragments`), as words [R * 4 * BK / 32, BK / 8] int32 each (row (r,
-    d, b) digit d of x[r] on block b's 16 columns, zeros elsewhere and for masked rows: the load's
-    mask, constant over each 16 bytes), and the block scales [R, BK / 32]. Words, not bytes: a
-    tile of bytes carried to the next step is taken apart a byte a register and packed again."""
-    R: tl.constexpr = x_rows.shape[0]
-    G: tl.constexpr = BK // 32
-    C: tl.constexpr = BK // 8  # words of a half step
-    w = tl.arange(0, C)[None, None, None, :]
-    own = (tl.arange(0, G)[None, None, :, None] == w // 4) & x_mask[:, None, None, None]
-    at = digits_ptr + x_rows[:, None, None, None] * K + tl.arange(0, 4)[None, :, None, None] * (K // 4) + k0 // 4 + w
-    first = tl.reshape(tl.load(at, mask=own, other=0), (R * 4 * G, C))
-    second = tl.reshape(tl.load(at + C, mask=own, other=0), (R * 4 * G, C))
-    scales = tl.load(scales_ptr + x_rows[:, None] * (K // 32) + k0 // 32 + tl.arange(0, G)[None, :],
-                     mask=x_mask[:, None], other=0.0)
-    return first, second, scales
-
-
-@triton.jit
-def _digit_operand(words, FAST: tl.constexpr):
-    """Digit words [N, C] (`_x_digit_words`) -> the dot's operand [N, 4 C]: e4m3 (FAST) or fp32."""
-    if FAST:
-        operand = _word_bytes(words).to(tl.float8e4nv, bitcast=True)
-    else:
-        operand = _e4m3_integer(_word_bytes(words))
-    return operand
-
-
-@triton.jit
-def _f8_step(tile, scale_codes, x, sums, BK: tl.constexpr, FAST: tl.constexpr):
-    """`_k_step` of experts in the e4m3 fragment order: sums [BN, R * BK / 32] plus the K step's
-    block sums, each scaled by its weights' and x's block scales (x: `_x_digit_words`). The dots
-    give each (row, digit, block) a column of its own: the products of a column are integers times
-    2^-7 summing to less than 2^13 of them, which the FP8 tensor cores add exactly (their
-    accumulator keeps 13 bits below its leading one); the digits are then added with their weights
-    32^d in fp32."""
-    first_x, second_x, x_scales = x
-    R: tl.constexpr = x_scales.shape[0]
-    BN: tl.constexpr = tile.shape[0]
-    G: tl.constexpr = BK // 32
-    first_w, second_w = _decode_e4m3_fragments(tile, BK, FAST)
-    digit_sums = _dot(first_w, _digit_operand(first_x, FAST), tl.zeros((BN, R * 4 * G), dtype=tl.float32), FAST)
-    digit_sums = _dot(second_w, _digit_operand(second_x, FAST), digit_sums, FAST)
-    low, high = tl.split(tl.permute(tl.reshape(digit_sums, (BN, R, 2, 2, G)), (0, 1, 4, 3, 2)))  # digit 2 high + low
-    d0, d1 = tl.split(low)
-    d2, d3 = tl.split(high)
-    block_sums = tl.reshape(d0 + 32.0 * d1 + 1024.0 * d2 + 32768.0 * d3, (BN, R * G))
-    return sums + block_sums * (_diagonal_scales(scale_codes, R, FAST, True) * tl.reshape(x_scales, (1, R * G)))
-
-
-@triton.jit
 def _x_tile(x_ptr, x_rows, x_mask, k0, K, BK: tl.constexpr, FAST: tl.constexpr):
     """x[x_rows, k0 .. k0 + BK] (masked rows 0) as the dot takes it."""
     rk = k0 + tl.arange(0, BK)
@@ -649,17 +451,16 @@ def _dot(w, x, acc, FAST: tl.constexpr):
 def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
             FAST: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr, FRAG: tl.constexpr,
             PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0, READY: tl.constexpr = False, ready=None,
-            target=0, error=None, DIAG: tl.constexpr = False, F8: tl.constexpr = False, xs_ptr=None):
+            target=0, error=None, DIAG: tl.constexpr = False):
     """acc [BN, ROWS] fp32 = W[row0 .. row0 + BN, :] @ x[x_rows, :]^T over all K (rows of the
     stacked matrix: `_load_tile`). FRAG: the codes are in the fragment order
     (`ExpertWeights.fragments`), which without TMA takes `_fragment_matvec`'s loop. NS: the
     other loops' software-pipelining depth (`tl.range` num_stages; None: the launch's). PDL,
-    SPLIT, part, DIAG, F8 and xs_ptr: `_fragment_matvec`'s (the other loops do not take them; the
-    launcher refuses them there)."""
+    SPLIT, part and DIAG: `_fragment_matvec`'s (the other loops do not take them; the launcher
+    refuses them there)."""
     if FRAG and not TMA:
         acc = _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN, BK, FAST, PDL=PDL, SPLIT=SPLIT,
-                               part=part, READY=READY, ready=ready, target=target, error=error, DIAG=DIAG, F8=F8,
-                               xs_ptr=xs_ptr)
+                               part=part, READY=READY, ready=ready, target=target, error=error, DIAG=DIAG)
     else:
         acc = tl.zeros((BN, x_rows.shape[0]), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=NS):
@@ -676,7 +477,7 @@ def _matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr,
 def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.constexpr, BK: tl.constexpr,
                      FAST: tl.constexpr, PDL: tl.constexpr = False, PAIR: tl.constexpr = False, up_codes=None,
                      up_scales=None, SPLIT: tl.constexpr = 1, part=0, READY: tl.constexpr = False, ready=None,
-                     target=0, error=None, DIAG: tl.constexpr = False, F8: tl.constexpr = False, xs_ptr=None):
+                     target=0, error=None, DIAG: tl.constexpr = False):
     """`_matvec` of fragment-order codes, prefetched by hand: while K step k is decoded and
     multiplied, the codes, scales and x of step k + 1 are already on their way into registers
     (`_load_fragments`; the last step loads itself again, in bounds, rather than branch).
@@ -689,14 +490,9 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
     tile of `codes` (w1) and `up_codes` (w3) (`_load_fragments`). SPLIT: only slice `part` of
     SPLIT equal slices of K. READY: instead of PDL's wait, wait (bounded) for *ready >= target,
     the publication of x by the tasks that write it (`LaunchConfig.overlap`); NaN if it gave up.
-    DIAG: the block scales on fp32 partial sums, x block-diagonal (module docstring, "Diagonal").
-    F8 (with DIAG): codes in the e4m3 fragment order, x as base-32 digits at x_ptr with their block
-    scales at xs_ptr (`_store_digits`), FP8 tensor cores (module docstring, "FP8")."""
+    DIAG: the block scales on fp32 partial sums, x block-diagonal (module docstring, "Diagonal")."""
     k_lo = part * (K // SPLIT)
     k_hi = k_lo + K // SPLIT
-    if F8:
-        return _f8_matvec(codes, scales_ptr, row0, x_ptr, xs_ptr, x_rows, x_mask, K, k_lo, k_hi, BN, BK, FAST, PDL,
-                          PAIR, up_codes, up_scales, READY, ready, target, error)
     tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales, DIAG)
     if READY:  # this group's gate/up tasks have published h (`LaunchConfig.overlap`)
         published = wait_at_least(ready, target, error, 0, _MAX_POLLS)
@@ -722,41 +518,12 @@ def _fragment_matvec(codes, scales_ptr, row0, x_ptr, x_rows, x_mask, K, BN: tl.c
 
 
 @triton.jit
-def _f8_matvec(codes, scales_ptr, row0, x_ptr, xs_ptr, x_rows, x_mask, K, k_lo, k_hi, BN: tl.constexpr,
-               BK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr, up_codes, up_scales,
-               READY: tl.constexpr, ready, target, error):
-    """`_fragment_matvec` of experts in the e4m3 fragment order (its arguments), the block sums
-    added at the end: [BN, R]. The same prefetch one K step ahead, x included (`_x_digit_words`),
-    everything 8-bit carried as 32-bit words."""
-    tile, scale_codes = _load_fragments(codes, scales_ptr, row0, k_lo, K, BN, BK, PAIR, up_codes, up_scales, True,
-                                        True)
-    if READY:
-        published = wait_at_least(ready, target, error, 0, _MAX_POLLS)
-    elif PDL:
-        gdc_wait()
-    x = _x_digit_words(x_ptr, xs_ptr, x_rows, x_mask, k_lo, K, BK)
-    R: tl.constexpr = x_rows.shape[0]
-    sums = tl.zeros((BN, R * (BK // 32)), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BK, num_stages=1):
-        ahead = tl.minimum(k0 + BK, k_hi - BK)
-        next_tile, next_scales = _load_fragments(codes, scales_ptr, row0, ahead, K, BN, BK, PAIR, up_codes,
-                                                 up_scales, True, True)
-        next_x = _x_digit_words(x_ptr, xs_ptr, x_rows, x_mask, ahead, K, BK)
-        sums = _f8_step(tile, scale_codes, x, sums, BK, FAST)
-        tile, scale_codes, x = next_tile, next_scales, next_x
-    acc = tl.sum(tl.reshape(sums, (BN, R, BK // 32)), axis=2)
-    if READY:
-        acc = tl.where(published, acc, float("nan"))
-    return acc
-
-
-@triton.jit
 def _k_step(tile, scale_codes, x, sums, BK: tl.constexpr, FAST: tl.constexpr, DIAG: tl.constexpr):
     """sums plus one K step's products: [BN, R], or (DIAG) the scaled block sums [BN, R * BK / 32]."""
     if DIAG:
         block_sums = _dot(_decode_fragments(tile, scale_codes, BK, FAST, SCALED=False), _diagonal_x(x, FAST),
                           tl.zeros(sums.shape, dtype=tl.float32), FAST)
-        sums += block_sums * _diagonal_scales(scale_codes, x.shape[0], FAST, False)
+        sums += block_sums * _diagonal_scales(scale_codes, x.shape[0], FAST)
     else:
         sums = _dot(_decode_fragments(tile, scale_codes, BK, FAST), x, sums, FAST)
     return sums
@@ -778,16 +545,16 @@ def _diagonal_x(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_scales(scale_codes, R: tl.constexpr, FAST: tl.constexpr, F8: tl.constexpr):
+def _diagonal_scales(scale_codes, R: tl.constexpr, FAST: tl.constexpr):
     """Scale codes [BN, 4, 2] (`_load_fragments` with OWN: lane t's, of blocks 2t and 2t + 1) ->
     fp32 [BN, R * G]: column r * G + b the scale of block b, 2^(e - 127) (FAST: times 2^26,
-    undoing the weights' 2^-126 and x's 2^100; F8: times 2^6, the e4m3 weights' 2^-6)."""
+    undoing the weights' 2^-126 and x's 2^100)."""
     BN: tl.constexpr = scale_codes.shape[0]
     G: tl.constexpr = 4 * scale_codes.shape[2]
     tl.static_assert(G == 8, "a lane holds blocks 2t, 2t + 1 of the dot's columns: K steps of 256")
     e = tl.reshape(scale_codes.to(tl.int32), (BN, G))
     if FAST:
-        scale = ((e + (6 if F8 else 26)) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 6 or 26)
+        scale = ((e + 26) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 26)
     else:
         scale = _scales(e, False)
     return tl.reshape(tl.broadcast_to(tl.reshape(scale, (BN, 1, G)), (BN, R, G)), (BN, R * G))
@@ -861,43 +628,34 @@ def swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
 def paired_up_task(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
                    w3_scales, K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
                    FAST: tl.constexpr, READY: tl.constexpr = False, ready=None, DIAG: tl.constexpr = False,
-                   SPLIT: tl.constexpr = 1, part=0, slices_ptr=None, arrivals_ptr=None, F8: tl.constexpr = False,
-                   xs_ptr=None, hs_ptr=None, WAIT: tl.constexpr = False):
+                   SPLIT: tl.constexpr = 1, part=0, slices_ptr=None, arrivals_ptr=None):
     """Gate and up of intermediate block nb (BN / 2 columns) for the group that starts at sorted
     pick j, as one tile of fragment-order codes (BN / 2 rows of w1 over the same rows of w3,
     `_load_fragments`), and their SwiGLU with the routing weight in the epilogue: h[pick, block]
     (`swiglu_value`), with no gate/up round trip through memory and no SwiGLU pass. READY: then
     publish the block to the group's counter ready[j] (`LaunchConfig.overlap`). DIAG: a group of
-    up to DIAG_ROWS rows takes the diagonal loop. SPLIT: only slice `part` of K (`_split_sums`).
-    F8: codes in the e4m3 fragment order, every group of up to ROWS_ rows (`task_rows`), x as
-    digits at x_ptr with block scales at xs_ptr, h stored as digits at h_ptr with block scales at
-    hs_ptr (`_store_digits`). WAIT: x comes from a kernel this one is a programmatic dependent of
-    (`_x_digits`)."""
-    if F8:  # every group has one or two rows
-        _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
-                         w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, True, READY, ready,
-                         SPLIT, part, slices_ptr, arrivals_ptr, True, xs_ptr, hs_ptr, WAIT)
-    elif DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
+    up to DIAG_ROWS rows takes the diagonal loop. SPLIT: only slice `part` of K (`_split_sums`)."""
+    if DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
         _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
                          w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, DIAG_ROWS, FAST, True, READY, ready,
-                         SPLIT, part, slices_ptr, arrivals_ptr, False, None, None, WAIT)
+                         SPLIT, part, slices_ptr, arrivals_ptr)
     else:
         _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
                          w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, False, READY, ready,
-                         SPLIT, part, slices_ptr, arrivals_ptr, False, None, None, WAIT)
+                         SPLIT, part, slices_ptr, arrivals_ptr)
 
 
 @triton.jit
 def _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
                      w3_codes, w3_scales, K, I, TOPK, limit, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr,
                      FAST: tl.constexpr, DIAG: tl.constexpr, READY: tl.constexpr, ready, SPLIT: tl.constexpr, part,
-                     slices_ptr, arrivals_ptr, F8: tl.constexpr, xs_ptr, hs_ptr, WAIT: tl.constexpr):
+                     slices_ptr, arrivals_ptr):
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         HB: tl.constexpr = BN // 2
         acc = _fragment_matvec(w1_codes, w1_scales, expert * I + nb * HB, x_ptr, picks // TOPK, mask, K, BN, BK,
-                               FAST, PDL=WAIT, PAIR=True, up_codes=w3_codes, up_scales=w3_scales, SPLIT=SPLIT,
-                               part=part, DIAG=DIAG, F8=F8, xs_ptr=xs_ptr)
+                               FAST, PAIR=True, up_codes=w3_codes, up_scales=w3_scales, SPLIT=SPLIT, part=part,
+                               DIAG=DIAG)
         last = True
         if SPLIT > 1:
             acc, last = _split_sums(acc, nb, picks, mask, slices_ptr, arrivals_ptr + j * (2 * I // BN) + nb, I,
@@ -905,13 +663,9 @@ def _paired_up_group(j, nb, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts
         if last:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HB, ROWS_)), (1, 2, 0)))
             weight = tl.load(rw_ptr + picks, mask=mask, other=0.0)
-            h = swiglu_value(gate, up, weight[None, :], limit, FAST)  # [HB, ROWS_]
-            if F8:  # down's x: h's digits, 32 columns a block
-                _store_digits(tl.reshape(tl.trans(h.to(tl.float32)), (ROWS_, HB // 32, 32)), picks, mask, nb * HB,
-                              h_ptr, hs_ptr, I)
-            else:
-                n = nb * HB + tl.arange(0, HB)
-                tl.store(h_ptr + picks[None, :] * I + n[:, None], h, mask=mask[None, :])
+            n = nb * HB + tl.arange(0, HB)
+            tl.store(h_ptr + picks[None, :] * I + n[:, None], swiglu_value(gate, up, weight[None, :], limit, FAST),
+                     mask=mask[None, :])
             if READY:
                 signal(ready + j)
 
@@ -951,36 +705,31 @@ def down_task(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_code
               BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr,
               NS: tl.constexpr = None, TMA: tl.constexpr = False,
               FRAG: tl.constexpr = False, PDL: tl.constexpr = False, SPLIT: tl.constexpr = 1, part=0,
-              READY: tl.constexpr = False, ready=None, target=0, error=None, DIAG: tl.constexpr = False,
-              F8: tl.constexpr = False, hs_ptr=None):
+              READY: tl.constexpr = False, ready=None, target=0, error=None, DIAG: tl.constexpr = False):
     """Down task (sorted pick j, hidden block nb): per-pick outputs out[pick, block] in fp32. PDL:
     h comes from a kernel this one is a programmatic dependent of (`_fragment_matvec`). SPLIT:
     slice `part` of the intermediate only (its partial sum; out points at that slice's outputs).
     READY: wait for ready[j] >= target first instead (`LaunchConfig.overlap`; error: the error word).
-    DIAG: a group of up to DIAG_ROWS rows takes the diagonal loop. F8: codes in the e4m3 fragment
-    order, every group of up to ROWS_ rows (`task_rows`), h as digits with block scales at hs_ptr."""
+    DIAG: a group of up to DIAG_ROWS rows takes the diagonal loop."""
     if READY:  # this group's flag
         ready = ready + j
-    if F8:  # every group has one or two rows
+    if DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
         _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK,
-                    ROWS_, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, True, True, hs_ptr)
-    elif DIAG and tl.load(counts_ptr + j) <= DIAG_ROWS:  # one or two rows: the diagonal loop
-        _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK,
-                    DIAG_ROWS, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, True, False, None)
+                    DIAG_ROWS, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, True)
     else:
         _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, BN, BK,
-                    ROWS_, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, False, False, None)
+                    ROWS_, FAST, NS, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, False)
 
 
 @triton.jit
 def _down_group(j, nb, h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I,
                 BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr,
                 TMA: tl.constexpr, FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, part,
-                READY: tl.constexpr, ready, target, error, DIAG: tl.constexpr, F8: tl.constexpr, hs_ptr):
+                READY: tl.constexpr, ready, target, error, DIAG: tl.constexpr):
     active, expert, picks, mask = _group(j, counts_ptr, order_ptr, experts_ptr, ROWS_)
     if active:
         y = _matvec(w2_codes, w2_scales, expert * D + nb * BN, h_ptr, picks, mask, I, BN, BK, FAST, NS, TMA, FRAG,
-                    PDL, SPLIT, part, READY, ready, target, error, DIAG, F8, hs_ptr)
+                    PDL, SPLIT, part, READY, ready, target, error, DIAG)
         _store_down(y, nb, picks, mask, out_ptr, D, BN)
 
 
@@ -1045,9 +794,9 @@ def _up(x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, 
 
 @triton.jit
 def _paired_up(x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes, w3_scales,
-               K, I, TOPK, limit, ready, slices_ptr, arrivals_ptr, xs_ptr, hs_ptr, BN: tl.constexpr, BK: tl.constexpr,
+               K, I, TOPK, limit, ready, slices_ptr, arrivals_ptr, BN: tl.constexpr, BK: tl.constexpr,
                ROWS_: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr, READY: tl.constexpr, DIAG: tl.constexpr,
-               SPLIT: tl.constexpr, F8: tl.constexpr, WAIT: tl.constexpr):
+               SPLIT: tl.constexpr):
     if PDL:  # down's programs may launch once every program here has started
         gdc_launch_dependents()
     if READY:  # group-major: a group's blocks run together, and it signals when each is done
@@ -1056,7 +805,7 @@ def _paired_up(x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_code
         j, block = tl.program_id(0), tl.program_id(1)
     paired_up_task(j, block // SPLIT, x_ptr, h_ptr, rw_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales,
                    w3_codes, w3_scales, K, I, TOPK, limit, BN, BK, ROWS_, FAST, READY, ready, DIAG, SPLIT,
-                   block % SPLIT, slices_ptr, arrivals_ptr, F8, xs_ptr, hs_ptr, WAIT)
+                   block % SPLIT, slices_ptr, arrivals_ptr)
 
 
 @triton.jit
@@ -1069,16 +818,16 @@ def _swiglu(gu_ptr, rw_ptr, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.const
 
 @triton.jit
 def _down(h_ptr, out_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D, I, ready, target, error,
-          hs_ptr, BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr, ROWS_: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
           FRAG: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr, READY: tl.constexpr,
-          DIAG: tl.constexpr, F8: tl.constexpr):
+          DIAG: tl.constexpr):
     part = tl.program_id(2)
     if GROUPED:  # group-major grid (`LaunchConfig.overlap`); READY: wait for the group's gate/up tasks
         j, nb, picks = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
     else:
         j, nb, picks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     down_task(j, nb, h_ptr, out_ptr + part * picks * D, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, D,
-              I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, DIAG, F8, hs_ptr)
+              I, BN, BK, ROWS_, FAST, None, TMA, FRAG, PDL, SPLIT, part, READY, ready, target, error, DIAG)
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -1129,9 +878,6 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     the slices; 2.88-2.99 / 3.23-3.27 / 3.35-3.37 / 3.30-3.32 at 2 / 6 / 16 / 48 rows against
     2.69-2.74 / 2.95-2.96 / 3.06 / 3.08-3.09 without diagonal in the same runs. Where the sizes
     refuse it, paired tiles without. In the checkpoint's order 64 x 256, 1 stage."""
-    if weights.fp8:  # the diagonal loop of paired tiles is the only one it has; slices were slower
-        return LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128 if fast else 0, pdl=fast,
-                            paired=True, overlap=True, diagonal=True)
     if not (fast and weights.fragments):
         return LaunchConfig(fast)
     config = LaunchConfig(fast, block_n=128, block_k=256, num_warps=8, max_registers=128, pdl=True)
@@ -1152,9 +898,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
     if config is None:
         config = default_config(weights, x.shape[0],
                                 fast=x.is_cuda and torch.version.cuda is not None and weights.supports_fast_decode())
-    buffers = StageBuffers(ids.numel(), weights, x.device, poison, config.down_split, config.up_split, x.shape[0])
-    launch_stages(x.contiguous(), group_picks(ids, task_rows(weights, x.shape[0])),
-                  route_weights.to(torch.float32).flatten().contiguous(), weights, limit, config, buffers)
+    buffers = StageBuffers(ids.numel(), weights, x.device, poison, config.down_split, config.up_split)
+    launch_stages(x.contiguous(), group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
+                  weights, limit, config, buffers)
     r, k = ids.shape
     per_pick = buffers.per_pick[0].view(r, k, -1)
     for part in buffers.per_pick[1:]:  # the down slices' partial sums, in slice order
@@ -1175,32 +921,21 @@ class StageBuffers:
     `LaunchConfig.down_split` slices) for P = R * k picks, `LaunchConfig.overlap`'s words [P + 1]
     int32 (a counter a group, indexed by its first sorted pick, and the error word of the waits),
     and `up_split`'s arrival counters, one a group and paired block (zeroed here; the last
-    arrival of each launch puts its counter back to 0). Experts in the e4m3 fragment order
-    (`ExpertWeights.fp8`) take x and h as base-32 digits (`_store_digits`): x's [rows, 4, d] uint8
-    with block scales [rows, d / 32] fp32 (`rows`: the step's rows) and h's [P, 4, I] with [P, I
-    / 32], in place of h. The intermediates are left uninitialised (the kernels write every
-    element anything reads; pad picks' outputs are masked by `routed_experts`), or filled with
-    NaN (digits: e4m3 NaN) with `poison`, for tests to catch an element no task wrote."""
+    arrival of each launch puts its counter back to 0). The intermediates are left uninitialised
+    (the kernels write every element anything reads; pad picks' outputs are masked by
+    `routed_experts`), or filled with NaN with `poison`, for tests to catch an element no task
+    wrote."""
 
     def __init__(self, picks: int, weights: ExpertWeights, device, poison: bool = False, splits: int = 1,
-                 up_splits: int = 1, rows: int = 0):
+                 up_splits: int = 1):
         def intermediate(shape, dtype):
             if poison:
-                return torch.full(shape, 0x7F if dtype == torch.uint8 else float("nan"), dtype=dtype, device=device)
+                return torch.full(shape, float("nan"), dtype=dtype, device=device)
             return torch.empty(shape, dtype=dtype, device=device)
 
         inter, d = weights.intermediate, weights.hidden
         self.gate_up = intermediate((picks, up_splits, 2, inter), torch.float32)
-        if weights.fp8:
-            if rows < 1:
-                raise ValueError("StageBuffers of experts in the e4m3 fragment order need the step's rows (rows=R) "
-                                 "for x's digits")
-            self.x_digits, self.x_scales = intermediate((rows, 4, d), torch.uint8), intermediate((rows, d // 32),
-                                                                                                 torch.float32)
-            self.h, self.h_scales = intermediate((picks, 4, inter), torch.uint8), intermediate((picks, inter // 32),
-                                                                                               torch.float32)
-        else:
-            self.h = intermediate((picks, inter), torch.bfloat16)
+        self.h = intermediate((picks, inter), torch.bfloat16)
         self.per_pick = intermediate((splits, picks, d), torch.float32)
         # `LaunchConfig.overlap`'s counters: zeroed by `launch_stages` before each gate/up launch that sets them
         self.ready = torch.empty(picks + 1, dtype=torch.int32, device=device)
@@ -1212,12 +947,6 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
     """Why `config` cannot run the stage of `weights` (what it lacks, as a message), or None."""
     pointers_per_task = weights.fragments and not config.tma and not config.programs
     d, inter = weights.hidden, weights.intermediate
-    if weights.fp8 and not (config.paired and config.diagonal and pointers_per_task):
-        return ("experts in the e4m3 fragment order (ExpertWeights.fp8) run the diagonal loop of paired tiles read "
-                "through pointers: they need LaunchConfig(paired=True, diagonal=True), no tma and programs = 0")
-    if weights.fp8 and min(config.block_n, 2 * weights.intermediate) % 64:
-        return ("experts in the e4m3 fragment order need paired tiles of a multiple of 64 rows (h's digits are made "
-                f"32 columns at a time; here {min(config.block_n, 2 * weights.intermediate)})")
     if config.fast and not weights.supports_fast_decode():
         return ("these experts have E8M0 scale codes outside [2, 128], which the fast decode cannot fold into a "
                 "bf16 scale: use LaunchConfig(fast=False)")
@@ -1255,7 +984,7 @@ def launch_refusal(config: LaunchConfig, weights: ExpertWeights) -> str | None:
 
 
 def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights: ExpertWeights, limit: float,
-                  config: LaunchConfig, buffers: StageBuffers, kernels=("digits", "up", "swiglu", "down")) -> dict:
+                  config: LaunchConfig, buffers: StageBuffers, kernels=("up", "swiglu", "down")) -> dict:
     """The stage's kernels alone (gate/up, SwiGLU, down; `kernels` picks some, for benchmarks of
     one): x [R, d] bf16, `groups` from `group_picks`, flat routing weights [R * k]; fills
     `buffers`. Returns the compiled gate/up and down kernels launched ({"up": ..., "down": ...};
@@ -1287,13 +1016,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     early groups run in the slots gate/up's last wave leaves idle. No deadlock: down launches
     only once every gate/up program has started (pdl), or after gate/up ends (no pdl). A wait that
     gives up (a bug) records itself in `buffers.ready[-1]` and leaves NaN in the task's outputs.
-    Down launched without gate/up (`kernels`, for a benchmark of down alone) does not wait.
-
-    Experts in the e4m3 fragment order (`ExpertWeights.fp8`; `groups` of `task_rows` rows a
-    task): gate/up is preceded by `_x_digits` (x's base-32 digits into `buffers.x_digits`), and
-    with pdl gate/up is its programmatic dependent, which loads its first weight tile before
-    waiting for it; gate/up's epilogue stores h's digits, which down reads (module docstring,
-    "FP8")."""
+    Down launched without gate/up (`kernels`, for a benchmark of down alone) does not wait."""
     refusal = launch_refusal(config, weights)
     if refusal:
         raise ValueError(refusal)
@@ -1301,7 +1024,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     block_up, block_down = min(config.block_n, (1 + config.paired) * inter), min(config.block_n, d)
     order, experts, counts = groups
     picks = order.numel()
-    meta = dict(ROWS_=task_rows(weights, x.shape[0]), FAST=config.fast, num_warps=config.num_warps,
+    meta = dict(ROWS_=ROWS, FAST=config.fast, num_warps=config.num_warps,
                 num_stages=config.num_stages)
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
@@ -1309,30 +1032,22 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     down_meta = dict(BN=block_down, BK=min(config.block_k, inter), **meta)
     # not the paired kernel's (fragments, pointers only)
     layout = dict(TMA=config.tma, FRAG=weights.fragments, DIAG=config.diagonal)
-    w1, w2, w3 = (codes_operand(m, weights.fragments, config.tma, meta["BN"], meta["BK"], weights.fp8)
-                  for m, meta in ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
-    f8 = dict(F8=weights.fp8)
-    x_operand, x_scales = (buffers.x_digits.view(torch.int32), buffers.x_scales) if weights.fp8 else (x, None)
-    h_scales = buffers.h_scales if weights.fp8 else None
+    w1, w2, w3 = (codes_operand(m, weights.fragments, config.tma, meta["BN"], meta["BK"]) for m, meta in
+                  ((weights.w1, up_meta), (weights.w2, down_meta), (weights.w3, up_meta)))
     up_args = (x, buffers.gate_up, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0])
-    h_operand = buffers.h.view(torch.int32) if weights.fp8 else buffers.h  # fp8: digits, read as words
-    down_args = (h_operand, buffers.per_pick, counts, order, experts, *w2, d, inter)
+    down_args = (buffers.h, buffers.per_pick, counts, order, experts, *w2, d, inter)
     compiled = {}
     dependent = {"launch_pdl": True} if config.pdl else {}  # a Triton launch option: NVIDIA only
     if "up" in kernels:
         if config.paired:
             if config.overlap:
                 buffers.ready.zero_()
-            if weights.fp8 and "digits" in kernels:
-                _x_digits[(x.shape[0], d // 256)](x, buffers.x_digits, buffers.x_scales, d, BLOCK=256, PDL=config.pdl)
             blocks = config.up_split * 2 * inter // block_up  # slices of a block adjacent
             grid = (blocks, picks) if config.overlap else (picks, blocks)
-            wait = weights.fp8 and config.pdl  # a programmatic dependent of _x_digits
             compiled["up"] = _paired_up[grid](
-                x_operand, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
-                float(limit), buffers.ready, buffers.gate_up, buffers.arrivals, x_scales, h_scales, PDL=config.pdl,
-                READY=config.overlap, DIAG=config.diagonal, SPLIT=config.up_split, WAIT=wait, **f8, **up_meta,
-                **({"launch_pdl": True} if wait else {}))
+                x, buffers.h, route_weights, counts, order, experts, *w1, *w3, d, inter, picks // x.shape[0],
+                float(limit), buffers.ready, buffers.gate_up, buffers.arrivals, PDL=config.pdl, READY=config.overlap,
+                DIAG=config.diagonal, SPLIT=config.up_split, **up_meta)
         elif config.programs:
             compiled["up"] = _up_persistent[(config.programs,)](picks, *up_args, **layout, **up_meta)
         else:
@@ -1347,23 +1062,20 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
         else:
             grid = (d // block_down, picks) if config.overlap else (picks, d // block_down)
             compiled["down"] = _down[grid + (config.down_split,)](
-                *down_args, buffers.ready, 2 * inter // block_up, buffers.ready[picks:], h_scales, PDL=config.pdl,
+                *down_args, buffers.ready, 2 * inter // block_up, buffers.ready[picks:], PDL=config.pdl,
                 SPLIT=config.down_split, GROUPED=config.overlap, READY=config.overlap and "up" in kernels, **layout,
-                **f8, **down_meta, **dependent)
+                **down_meta, **dependent)
     return compiled
 
 
 def codes_operand(matrix: tuple[torch.Tensor, torch.Tensor], fragments: bool, tma: bool, block_n: int,
-                  block_k: int, fp8: bool = False):
+                  block_k: int):
     """(codes, scales) as the kernels take them: the stacked codes [E, N, K / 2], or in the
-    fragment order (`fragments`) their 16-bit halves [E, N, K / 4] int16 (a view; in the e4m3
-    fragment order, `fp8`, the bytes), or (tma) a
+    fragment order (`fragments`) their 16-bit halves [E, N, K / 4] int16 (a view), or (tma) a
     tensor descriptor: of the codes viewed as [E * N, K / 2] in tiles of block_n rows and block_k
     columns of weights, or of the halves viewed as the fragment order's blocks [E * N / 16, K / 128,
     2, 256] in [block_n / 16, block_k / 128, 2, 256] (the same tile)."""
     codes, scales = matrix
-    if fp8:
-        return codes.view(torch.int32), scales
     codes = codes.view(torch.int16) if fragments else codes
     if not tma:
         return codes, scales

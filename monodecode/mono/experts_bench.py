@@ -12,12 +12,10 @@ distinct experts each step touches times one expert's MXFP4 bytes (codes + scale
 The gate/up and the down kernel are also timed alone, each over its own bytes (w1 + w3; w2).
 The copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, eager) is measured in
 the same run. Layouts: the codes in the checkpoint's order, decoded halves interleaved for the
-dot (`interleave`), in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
-mono runner stacks them), or in the e4m3 fragment order (`e4m3`, `ExpertWeights.fp8`: FP8 tensor
-cores, x as base-32 digits; paired and diagonal configs only); `tma`, `+tma`: the codes tiles
-loaded through tensor descriptors (`LaunchConfig.tma`). STAGES is Triton's pipelining of the K
-loop, which the fragment orders without tma do not use (they prefetch by themselves);
-REGISTERS caps the registers a thread
+dot (`interleave`), or in the fragment order (`fragments`, `ExpertWeights.fragments`, how the
+mono runner stacks them); `tma`, `+tma`: the codes tiles loaded through tensor descriptors
+(`LaunchConfig.tma`). STAGES is Triton's pipelining of the K loop, which the fragment order
+without tma does not use (it prefetches by itself); REGISTERS caps the registers a thread
 (`LaunchConfig.max_registers`, name ending in `rN`); PDL 1 launches the SwiGLU and down kernels
 as programmatic dependents of gate/up (`LaunchConfig.pdl`, `pdl`); PAIRED 1 takes gate and up of
 a block in one tile with the SwiGLU in its epilogue (`LaunchConfig.paired`, `paired`: gate/up
@@ -80,25 +78,23 @@ def resources(bank, config, g) -> dict:
     memory (cp.async in the PTX: its software pipelining) of the gate/up and down kernels."""
     ids = routings(6, 1, g)[0]
     x = torch.randn(6, D, device="cuda", generator=g).to(torch.bfloat16)
-    kernels = X.launch_stages(x, X.group_picks(ids, X.task_rows(bank, 6)),
-                              torch.rand(6 * TOPK, device="cuda", generator=g), bank, 10.0, config,
-                              X.StageBuffers(6 * TOPK, bank, "cuda", splits=config.down_split,
-                                             up_splits=config.up_split, rows=6))
+    kernels = X.launch_stages(x, X.group_picks(ids), torch.rand(6 * TOPK, device="cuda", generator=g), bank, 10.0,
+                              config, X.StageBuffers(6 * TOPK, bank, "cuda", splits=config.down_split,
+                                                              up_splits=config.up_split))
     return {name: {"registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                    "cp_async": k.asm.get("ptx", "").count("cp.async.")}
             for name, k in kernels.items() if k is not None}
 
 
-def time_steps(bank, config, rows, steps, g, kernels=("digits", "up", "swiglu", "down")) -> tuple[float, float]:
+def time_steps(bank, config, rows, steps, g, kernels=("up", "swiglu", "down")) -> tuple[float, float]:
     """(median microseconds per step, mean distinct experts per step) of `kernels` (all three:
     the stage, kernels only; "up" or "down" alone: that kernel)."""
     plans = []
     for ids in routings(rows, steps, g):
         x = torch.randn(rows, D, device="cuda", generator=g).to(torch.bfloat16)
         w = torch.rand(rows * TOPK, device="cuda", generator=g)
-        buffers = X.StageBuffers(rows * TOPK, bank, "cuda", splits=config.down_split, up_splits=config.up_split,
-                                 rows=rows)
-        plans.append((x, X.group_picks(ids, X.task_rows(bank, rows)), w, buffers, ids.unique().numel()))
+        buffers = X.StageBuffers(rows * TOPK, bank, "cuda", splits=config.down_split, up_splits=config.up_split)
+        plans.append((x, X.group_picks(ids), w, buffers, ids.unique().numel()))
     run = lambda: [X.launch_stages(x, grp, w, bank, 10.0, config, buffers, kernels)  # noqa: E731
                    for x, grp, w, buffers, _ in plans]
     run()
@@ -117,7 +113,7 @@ def time_steps(bank, config, rows, steps, g, kernels=("digits", "up", "swiglu", 
     return sorted(times)[2], sum(p[-1] for p in plans) / steps
 
 
-LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma", "e4m3")
+LAYOUTS = ("interleave", "fragments", "tma", "fragments+tma")
 
 
 def variants(quick: bool, programs_per_sm: list[int], layouts: list[str], configs: list[tuple] | None = None,
@@ -179,18 +175,16 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_bandwidth("cuda")
     checkpoint_order = random_bank(g)
-    banks = {"checkpoint": checkpoint_order}  # and the same experts in each other order asked for
-    if any(layout.startswith("fragments") for layout in layouts):
-        banks["fragments"] = X.in_fragment_order(checkpoint_order)
-    if "e4m3" in layouts:
-        banks["e4m3"] = X.in_fragment_order(checkpoint_order, fp8=True)
+    banks = {False: checkpoint_order}
+    if any(layout.startswith("fragments") for layout in layouts):  # the same experts, a second copy
+        banks[True] = X.in_fragment_order(checkpoint_order)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d"),
               "copy_TBps": copy / 1e12, "expert_MB": expert_bytes() / 1e6, "variants": {}}
     print(f"copy {copy / 1e12:.3f} TB/s on {result['device']}", flush=True)
     for name, layout, config in variants(args.quick, [int(p) for p in args.programs_per_sm.split(",")], layouts,
                                              configs, not args.no_portable):
-        bank = banks["e4m3" if layout == "e4m3" else "fragments" if layout.startswith("fragments") else "checkpoint"]
+        bank = banks[layout.startswith("fragments")]
         try:
             err = check(bank, config, g)
         except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
@@ -201,9 +195,9 @@ def main(argv=None) -> int:
             us, distinct = time_steps(bank, config, rows, args.steps, g)
             tbps = distinct * expert_bytes() / (us * 1e-6) / 1e12
             entry["rows"][rows] = {"us": us, "distinct_experts": distinct, "TBps": tbps, "of_copy": tbps * 1e12 / copy}
-            for kernels, share in ((("digits", "up"), 2 / 3), (("down",), 1 / 3)):  # w1 + w3; w2: their own bytes
-                us, distinct = time_steps(bank, config, rows, args.steps, g, kernels)
-                entry["rows"][rows][f"{kernels[-1]}_TBps"] = share * distinct * expert_bytes() / (us * 1e-6) / 1e12
+            for kernel, share in (("up", 2 / 3), ("down", 1 / 3)):  # w1 + w3, and w2: each kernel's own bytes
+                us, distinct = time_steps(bank, config, rows, args.steps, g, (kernel,))
+                entry["rows"][rows][f"{kernel}_TBps"] = share * distinct * expert_bytes() / (us * 1e-6) / 1e12
         result["variants"][name] = entry
         cells = "  ".join(f"{r}:{v['TBps']:.2f} ({v['up_TBps']:.2f}/{v['down_TBps']:.2f})"
                           for r, v in entry["rows"].items())
