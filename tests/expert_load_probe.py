@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from monodecode.bench.timing import copy_bandwidth, timed
+from monodecode.bench.timing import copy_bandwidth, graphed, timed
 
 K, BN, BK, WARPS = 4096, 128, 256, 8
 ROWS_TOTAL = 1 << 19  # 1 GiB of codes
@@ -165,20 +165,7 @@ def steps(out_dir: str) -> None:
         run = lambda: [_step_tiles[(tiles, split)](codes, p, out, K, rows, SPLIT=split, AHEAD=ahead,  # noqa: E731
                                                    BN=bn, BK=BK, STEP_MAJOR=step_major, num_warps=warps,
                                                    maxnreg=128) for p in picks]
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / steps_a_graph)
-        us = sorted(times)[2]
+        us = timed(graphed(run, "cuda"), "cuda", reps=5) * 1e6 / steps_a_graph  # median of 5 replays
         entry = {"experts": experts, "split": split, "ahead": ahead, "tile_rows": bn, "warps": warps,
                  "blocks": ("as stored", "step-major")[step_major], "programs": tiles * split, "us": us,
                  "TBps": experts * rows * K / 2 / us / 1e6}
