@@ -152,10 +152,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated, of {', '.join(LAYOUTS)} (module docstring)")
     parser.add_argument("--configs", default="",
                         help="semicolon-separated block_n,block_k,warps,stages[,max registers[,pdl 0/1[,paired 0/1"
-                             "[,down split[,overlap 0/1[,diagonal 0/1[,up split]]]]]]] "
-                             "(e.g. 128,256,8,1,128,1;64,256,4,3) "
-                             "instead of the grid "
-                             "(0 registers: uncapped)")
+                             "[,down split[,overlap 0/1[,diagonal 0/1[,up split]]]]]]] (e.g. 128,256,8,1,128,1;"
+                             "64,256,4,3) instead of the grid (0 registers: uncapped)")
     parser.add_argument("--no-portable", action="store_true",
                         help="leave out the portable decode (e.g. to profile one variant alone)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
