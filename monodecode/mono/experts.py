@@ -874,8 +874,8 @@ def default_config(weights: ExpertWeights, rows: int, fast: bool) -> LaunchConfi
     their fp32 partial sums (`LaunchConfig.diagonal`, where the K steps are 256); at 1 row also
     gate/up and down in two slices each (`up_split`, `down_split`), where the sizes allow: more,
     shorter tasks for the 264 program slots that 6 experts' 192 tiles leave a quarter empty.
-    Measured (docs/PERFORMANCE.md): 2.32-2.37 TB/s at 1 row with diagonal alone, 2.43-2.47 with
-    the slices; 2.88-2.99 / 3.23-3.27 / 3.35-3.37 / 3.30-3.32 at 2 / 6 / 16 / 48 rows against
+    Measured (docs/PERFORMANCE.md): 2.32-2.37 TB/s at 1 row with diagonal alone, 2.39-2.47 with
+    the slices; 2.88-2.99 / 3.22-3.27 / 3.34-3.38 / 3.30-3.32 at 2 / 6 / 16 / 48 rows against
     2.69-2.74 / 2.95-2.96 / 3.06 / 3.08-3.09 without diagonal in the same runs. Where the sizes
     refuse it, paired tiles without. In the checkpoint's order 64 x 256, 1 stage."""
     if not (fast and weights.fragments):
