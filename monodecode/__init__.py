@@ -2,10 +2,11 @@
 
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import ConfigError, ModelConfig, load_config, preset
-from .model import Model, load
+from .decode import Decoder, load
+from .model import Model
 
 __version__ = "0.1.0"
 __all__ = [
-    "Checkpoint", "CheckpointError", "ConfigError", "Model", "ModelConfig", "load", "load_config", "preset",
+    "Checkpoint", "CheckpointError", "ConfigError", "Decoder", "Model", "ModelConfig", "load", "load_config", "preset",
     "write_synthetic_checkpoint",
 ]

@@ -97,8 +97,8 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from .engine.tokenizer import file_tokenizer
+    from .decode import load
     from .generate import generate, generate_speculative
-    from .model import load
     from .spec.config import SpeculativeConfig
 
     tokenizer = file_tokenizer(args.model)  # no byte fallback: without one, ids in and out
@@ -304,7 +304,7 @@ def add_bench_commands(commands) -> None:
     layer.add_argument("--kinds", default="window,CSA,HCA", help="layer kinds to time, comma-separated")
     layer.add_argument("--shapes", default="default",
                        help="mono launch shapes to time, ';'-separated, each `default` or field=value,... of "
-                            "monodecode.mono.runner.LaunchShape (e.g. 'default;k2_warps=8,expert_block_n=128')")
+                            "monodecode.mono.shape.LaunchShape (e.g. 'default;k2_warps=8,expert_block_n=128')")
     layer.add_argument("--timeline", action="store_true",
                        help="also print and save the per-stage times of one eager run of the mono kernels (GPU)")
     layer.add_argument("--out", default=".", help="where bench_layer.json (and bench_layer.png) go")

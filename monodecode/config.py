@@ -401,14 +401,15 @@ def _v4_pro() -> ModelConfig:
 
 def _tiny() -> ModelConfig:
     # Every layer kind at CPU-test size: window (hash-routed), CSA (hash), HCA (bias), CSA (bias).
-    # A 64-token sequence crosses the 16-token window, 16 CSA windows and 4 HCA windows; the
+    # Hidden and expert sizes of 128, the smallest the mono kernels take (the experts' fragment order
+    # works in groups of 128 columns), so that the kernels' tests run on this preset. A 64-token sequence crosses the 16-token window, 16 CSA windows and 4 HCA windows; the
     # indexer keeps 8 of up to 16 compressed entries, so its top-k really selects; 16 indexer
     # heads keep its scores free of exact ties (a score is 0 when every head's q.k is negative).
     return ModelConfig(
-        vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
+        vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
         qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, sliding_window=16,
         compress_ratios=(0, 4, 16, 4), index_n_heads=16, index_head_dim=32, index_topk=8,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
         num_hash_layers=2, routed_scaling_factor=1.5, swiglu_limit=10.0,
         rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=32),
         max_position_embeddings=4096, num_nextn_predict_layers=3, dspark_block_size=5,

@@ -5,7 +5,7 @@
 #   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation, engine
 #                 (one call held both until the tests outgrew the 10 minutes of a call); for either,
 #                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm'), FILES the test files
-#   check         python -m monodecode.mono.check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
+#   check         python -m monodecode.bench.mono_check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
@@ -13,18 +13,13 @@
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
 #   bench-decode  monodecode bench decode on 4 layers
-#   experts       the routed-expert stage alone: a program a task, and 1 or 2 persistent programs a SM (as in K2),
-#                 PPS; the code layouts in LAYOUTS (default interleave,fragments; experts_bench.py); CONFIGS
-#                 (BN,BK,WARPS,STAGES[,REGISTERS[,PDL[,PAIRED[,DOWN_SPLIT[,OVERLAP[,DIAGONAL[,UP_SPLIT]]]]]]];...)
-#                 instead of the quick grid
-#   experts-ncu   Nsight Compute's full report (hardware counters) of the expert stage's gate/up and down kernels
-#                 at ROWS rows (default 48), one variant (CONFIGS, PPS as for experts; caches flushed)
+#   experts       the routed-expert stage alone, as K2 runs it (python -m monodecode.bench.experts), the
+#                 launch shapes in $SHAPES (default: the default shape)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
 # (TIMELINE= , empty, leaves its per-stage timeline out).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|check|check-shape|bench-layer|compiled|bench-decode|experts|\
-experts-ncu}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|check|check-shape|bench-layer|compiled|bench-decode|experts}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -43,14 +38,14 @@ case $part in
       ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
       tests/test_model.py tests/test_speculative.py tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
   check)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
   check-shape)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
+    timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
-      --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default;block_n=0;block_k=256}" \
+      --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
@@ -59,17 +54,8 @@ case $part in
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.mono.experts_bench --quick --steps 12 \
-      --programs-per-sm "${PPS:-0,1,2}" --layouts "${LAYOUTS:-interleave,fragments}" \
-      --configs "${CONFIGS:-}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
-  experts-ncu)
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
-    kernels=$([ "${PPS:-0}" = 0 ] && echo '^_(up|paired_up|down)$' || echo '^_(up|down)_persistent$')
-    # skip the check's and the resource probe's launches and the warm-up: profile inside the graph's replay
-    timeout ${TIMEOUT:-560} "$ncu" --clock-control none --set full --kernel-name "regex:$kernels" \
-      --launch-skip 12 --launch-count 2 python3 -m monodecode.mono.experts_bench --rows "${ROWS:-48}" --steps 4 \
-      --programs-per-sm "${PPS:-0}" --no-portable --layouts fragments --configs "${CONFIGS:-128,256,8,1,128}" \
-      --out "$out" >> "$out/$part.txt" 2>&1 ;;
+    timeout ${TIMEOUT:-560} python3 -m monodecode.bench.experts --shapes "${SHAPES:-default}" --out "$out" \
+      >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 status=$?

@@ -2,12 +2,8 @@
 code paths and the report, not the times."""
 
 import json
-import os
-
 import pytest
 
-if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 from monodecode.cli import main
 from monodecode.model import Model
@@ -56,20 +52,20 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
 
 def test_bench_layer_times_each_launch_shape(device, tmp_path):
     assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--kinds", "window",
-                 "--shapes", "default;block_n=32,expert_stages=2", "--context", "20", "--reps", "1",
+                 "--shapes", "default;block_n=32,expert_block_n=32", "--context", "20", "--reps", "1",
                  "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
     assert [(r["kind"], r["width"], r["shape"]) for r in rows] == [
-        ("window", 2, "default"), ("window", 2, "block_n=32,expert_stages=2")]
+        ("window", 2, "default"), ("window", 2, "block_n=32,expert_block_n=32")]
     assert rows[0]["per_op_eager_s"] == rows[1]["per_op_eager_s"]  # the per-op path is timed once
     assert all(r["mono_kernels_s"] > 0 for r in rows)
 
 
 def test_launch_shapes_parse_and_name_bad_fields():
-    from monodecode.mono.runner import LaunchShape
+    from monodecode.mono.shape import LaunchShape
 
-    shape = LaunchShape.parse("k2_warps=8, expert_block_n=128,gemv_stages=none")
-    assert (shape.k2_warps, shape.expert_block_n, shape.gemv_stages) == (8, 128, None)
+    shape = LaunchShape.parse("k2_warps=4, expert_block_n=64,block_k=256")
+    assert (shape.k2_warps, shape.expert_block_n, shape.block_k) == (4, 64, 256)
     assert LaunchShape.parse(shape.spec()) == shape and LaunchShape.parse("default") == LaunchShape()
     with pytest.raises(ValueError, match="warps=8"):
         LaunchShape.parse("warps=8")
@@ -96,15 +92,15 @@ def test_batched_layer_matches_the_per_op_block(device, ratio):
     cache = model.make_cache(4, 96, 8)
     lengths = [30, 3, 12, 1]
     for slot, n in enumerate(lengths):
-        model.step_per_op(cache, torch.randint(0, 512, (n,), generator=g), torch.arange(n), torch.full((n,), slot))
+        model.step(cache, torch.randint(0, 512, (n,), generator=g), torch.arange(n), torch.full((n,), slot))
     block, ref_cache, batched = model.blocks[0], copy.deepcopy(cache), BatchedLayer(model.blocks[0])
     for rows in ([5, 1, 2, 1], [3, 4, 1, 0], [1, 2, 5, 8]):
         slots = torch.tensor([s for s, n in enumerate(rows) for _ in range(n)], device=device)
         positions = torch.tensor([lengths[s] + i for s, n in enumerate(rows) for i in range(n)], device=device)
         lengths = [n + r for n, r in zip(lengths, rows)]
         tokens = torch.randint(0, 512, (len(slots),), generator=g).to(device)
-        streams = torch.randn(len(slots), 4, 64, generator=g).to(torch.bfloat16).to(device)
-        ref = block(streams, tokens, positions, model._group_rows(ref_cache, tokens, positions, slots),
+        streams = torch.randn(len(slots), config.hc_mult, config.hidden_size, generator=g).to(torch.bfloat16).to(device)
+        ref = block(streams, tokens, positions, model.group_rows(ref_cache, tokens, positions, slots),
                     ref_cache.layers[0])
         out = batched(streams, tokens, positions, slots, cache.layers[0])
         a, b = out.double().flatten().cpu(), ref.double().flatten().cpu()
@@ -146,7 +142,7 @@ def test_bench_decode_times_both_paths_at_each_request_count(device, tmp_path):
 
 def test_the_per_op_graph_step_is_the_per_op_step(device):
     """bench decode's per-op baseline (every layer in fixed shapes, then the head) against
-    Model.step_per_op on copies of the same caches: logits and the draft's features."""
+    Model.step on copies of the same caches: logits and the draft's features."""
     import copy
 
     import torch
@@ -159,11 +155,11 @@ def test_the_per_op_graph_step_is_the_per_op_step(device):
     g = torch.Generator().manual_seed(6)
     cache = model.make_cache(3, 64, 6)
     for slot, n in enumerate([20, 9, 33]):
-        model.step_per_op(cache, torch.randint(0, 512, (n,), generator=g), torch.arange(n), torch.full((n,), slot))
+        model.step(cache, torch.randint(0, 512, (n,), generator=g), torch.arange(n), torch.full((n,), slot))
     tokens = torch.randint(0, 512, (9,), generator=g)
     positions, slots = [20, 21, 22, 9, 33, 34, 35, 36, 37], [0, 0, 0, 1, 2, 2, 2, 2, 2]
     ref_cache = copy.deepcopy(cache)
-    ref_logits, ref_hidden = model.step_per_op(ref_cache, tokens, positions, slots, return_hidden=True)
+    ref_logits, ref_hidden = model.step(ref_cache, tokens, positions, slots, return_hidden=True)
     logits, hidden = PerOpGraphStep(model)(cache, tokens, positions, slots, return_hidden=True)
     for out, ref in ((logits, ref_logits), (hidden, ref_hidden)):
         a, b = out.double().flatten().cpu(), ref.double().flatten().cpu()

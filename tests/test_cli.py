@@ -13,7 +13,7 @@ def test_inspect_v4_flash_reports_the_layer_byte_counts(capsys):
     assert "  csa      21  2-42 step 2\n" in out
     assert "  hca      20  3-41 step 2\n" in out
     # dense bytes per layer kind (hash layers read tid2eid rows instead of the 1 KiB bias) and
-    # six 12.75 MiB experts: the numbers of research/dsv4_arch.md section 11.2
+    # six 12.75 MiB experts
     assert "window (hash-routed)    131.03 MiB   76.50 MiB  207.53 MiB" in out
     assert "hca                     139.28 MiB   76.50 MiB  215.78 MiB" in out
     assert "csa                     159.55 MiB   76.50 MiB  236.05 MiB" in out

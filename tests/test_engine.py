@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 
-import monodecode
 from monodecode.engine import Engine, SamplingParams
 from monodecode.engine.tokenizer import ByteTokenizer
 from monodecode.generate import generate
+from monodecode.model import load_model
 from monodecode.sampling import sample
 from monodecode.spec.config import SpeculativeConfig
 
@@ -18,7 +18,7 @@ PROMPTS = [[5, 9, 14], list(range(40, 61)), [300, 300, 7], [11], list(range(100,
 
 @pytest.fixture(scope="module")
 def model(device):
-    return monodecode.load("tiny", seed=3, device=device)
+    return load_model("tiny", seed=3, device=device)
 
 
 def engine(model, **kw):
@@ -69,9 +69,8 @@ def test_stop_strings_stop_ids_and_eos(model):
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     ids, text, reason, _ = run(eng, PROMPTS[1], free)
     assert reason == "length" and len(ids) == 40
-    middle = next(i for i in range(len(text) // 2, len(text)) if text[i:i + 2].isprintable()
-                  and len(text[i:i + 2]) == 2 and "\ufffd" not in text[i:i + 2])
-    stop = text[middle:middle + 2]
+    # a character the noise decodes to cleanly, not at the start (the tiny model's bytes are mostly not UTF-8)
+    stop = next(c for c in text[1:] if c.isprintable() and c != "\ufffd" and text.find(c) > 0)
     cut_text = text[: text.find(stop)]
     _, got, reason, outputs = run(eng, PROMPTS[1], SamplingParams(**{**free.__dict__, "stop": ("zzz-never", stop)}))
     assert (got, reason) == (cut_text, "stop") and outputs[-1].finished
@@ -135,7 +134,7 @@ def test_requests_that_cannot_fit_are_refused(model):
 def test_decode_steps_take_the_mono_path_when_it_is_on(device):
     """bf16, mono on (on a CPU: Triton's interpreter): the decode steps run on the kernels, are
     counted as such, and greedy outputs equal the per-op path's."""
-    model = monodecode.load("tiny", seed=3, dtype=torch.bfloat16, device=device)
+    model = load_model("tiny", seed=3, dtype=torch.bfloat16, device=device)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     per_op = engine(model, mono="off").generate(PROMPTS[:2], params)
     with warnings.catch_warnings():

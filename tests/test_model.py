@@ -6,16 +6,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import monodecode
 from monodecode import formats
 from monodecode.checkpoint import Checkpoint, write_synthetic_checkpoint
 from monodecode.config import preset
 from monodecode.generate import generate
+from monodecode.model import load_model
 
 
 @pytest.fixture(scope="module")
 def model(device):
-    return monodecode.load("tiny", seed=11, device=device)
+    return load_model("tiny", seed=11, device=device)
 
 
 def rel_err(a, b):
@@ -113,8 +113,8 @@ def test_bf16_is_close_to_fp32(device):
     """bf16 rounding may flip a near-tied expert choice for a token, which changes that row a
     lot (seen on the H200: one row of 24), so the bound is on the typical row, not the worst."""
     ids = random_ids(torch.Generator().manual_seed(5), 24)
-    ref = monodecode.load("tiny", seed=11, device=device).score(ids).cpu()
-    bf16 = monodecode.load("tiny", seed=11, dtype=torch.bfloat16, device=device).score(ids).cpu()
+    ref = load_model("tiny", seed=11, device=device).score(ids).cpu()
+    bf16 = load_model("tiny", seed=11, dtype=torch.bfloat16, device=device).score(ids).cpu()
     assert bf16.dtype == torch.float32
     row_err = (bf16 - ref).abs().amax(-1) / ref.abs().amax(-1)
     assert row_err.median() < 0.03
@@ -150,7 +150,7 @@ def test_the_lm_head_is_the_fp32_product_of_the_bf16_operands(device):
 
     from monodecode.model.norm import rms_norm
 
-    m = monodecode.load("tiny", seed=11, dtype=torch.bfloat16, device=device)
+    m = load_model("tiny", seed=11, dtype=torch.bfloat16, device=device)
     assert m._fp32_output_gemm == (device == "cuda")
     x = torch.randn(2, 3, m.config.hidden_size, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     logits = m.lm_head(x.to(device))
@@ -164,8 +164,8 @@ def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path, devi
     src = write_synthetic_checkpoint(preset("tiny"), tmp_path / "q", seed=3, progress=False)
     dequantized_copy(src, tmp_path / "bf16")
     ids = random_ids(torch.Generator().manual_seed(6), 48)
-    quantized = monodecode.load(src, device=device).score(ids)
-    plain = monodecode.load(tmp_path / "bf16", device=device).score(ids)
+    quantized = load_model(src, device=device).score(ids)
+    plain = load_model(tmp_path / "bf16", device=device).score(ids)
     # FP8 and MXFP4 values are exact in bf16, so the two models compute the same thing
     assert rel_err(quantized, plain) < 1e-6
     assert torch.isfinite(quantized).all()
@@ -173,16 +173,16 @@ def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path, devi
 
 def test_preset_is_deterministic_by_seed(device):
     ids = torch.arange(10)
-    a = monodecode.load("tiny", seed=1, device=device).score(ids)
-    assert torch.equal(a, monodecode.load("tiny", seed=1, device=device).score(ids))
-    assert not torch.allclose(a, monodecode.load("tiny", seed=2, device=device).score(ids))
+    a = load_model("tiny", seed=1, device=device).score(ids)
+    assert torch.equal(a, load_model("tiny", seed=1, device=device).score(ids))
+    assert not torch.allclose(a, load_model("tiny", seed=2, device=device).score(ids))
 
 
 def test_preset_equals_its_written_checkpoint(tmp_path, device):
     path = write_synthetic_checkpoint(preset("tiny"), tmp_path / "t", seed=11, progress=False)
     ids = torch.arange(30) * 7
-    written = monodecode.load(path, device=device).score(ids)
-    assert torch.equal(written, monodecode.load("tiny", seed=11, device=device).score(ids))
+    written = load_model(path, device=device).score(ids)
+    assert torch.equal(written, load_model("tiny", seed=11, device=device).score(ids))
 
 
 @pytest.mark.parametrize(
@@ -225,6 +225,6 @@ def test_weights_that_cannot_fit_are_refused_before_reading(monkeypatch, capsys)
 
     monkeypatch.setattr(transformer, "free_memory", lambda device: 1000)
     with pytest.raises(MemoryError, match=r"the weights need [0-9.]+ MiB on cpu as loaded \(float32\), 0\.0 MiB is free"):
-        monodecode.load("tiny")
+        load_model("tiny")
     assert main(["generate", "--max-tokens", "2"]) == 2
     assert "Use fewer layers" in capsys.readouterr().err

@@ -6,10 +6,6 @@ MONODECODE_TEST_DEVICE=cuda they run compiled (FAST) and the reference runs in b
 """
 
 import copy
-import os
-
-if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""The mono kernels build with compiled Triton for sm_90 (no GPU needed): see tests/mono_compile.py."""
+"""The mono kernels build with compiled Triton for sm_90 (no GPU needed): tools/mono_compile.py
+and tools/expert_sass.py, each in a subprocess where Triton compiles."""
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -9,51 +9,45 @@ from pathlib import Path
 
 import pytest
 
-# Triton is not imported here: the other kernel tests set TRITON_INTERPRET before it is.
+# Triton is not imported here: the kernel tests run it interpreted (conftest.py).
 TRITON = importlib.util.find_spec("triton")
 HAS_NVIDIA_BACKEND = TRITON is not None and any(
     (Path(root) / "backends" / "nvidia").is_dir() for root in TRITON.submodule_search_locations)
+TOOLS = Path(__file__).parent.parent / "tools"
+needs_nvidia = pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
 
 
-@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
-@pytest.mark.parametrize("shape", ["default", "gemv_tma=1,expert_tma=1"])
-def test_k1_and_k2_build_for_sm90(shape):
-    """The default shape, and every weight tile through tensor descriptors."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("mono_compile.py")
-    done = subprocess.run([sys.executable, str(script), "--shape", shape], env=env, capture_output=True, text=True,
+def run_tool(name: str, env: dict, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(TOOLS / name), *args], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    # widths 1 and 48: K1, K2 and the ffn launch for hash and bias routing, and two with a timeline
-    assert "10 kernels built" in done.stdout, done.stdout
+    return done.stdout
 
 
-def k_loop(*options: str) -> tuple[int, dict[str, int]]:
-    """(instructions, opcode counts) of the expert K loop (the longest loop) that
-    tests/expert_sass.py prints for these options."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("expert_sass.py")
-    done = subprocess.run([sys.executable, str(script), "--top", "100", *options], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "128 weights a thread a K step" in done.stdout
-    loops = [re.match(r"loop of (\d+) instructions \([^)]*\): (.*)", line) for line in done.stdout.splitlines()]
-    length, mix = max((int(m[1]), m[2]) for m in loops if m)
-    return length, {op: int(n) for op, n in (item.rsplit(" ", 1) for item in mix.split(", "))}
+@needs_nvidia
+def test_k1_and_k2_build_for_sm90(compiled_env):
+    """Widths 1 and 48: K1, K2 and the ffn launch for hash and bias routing, and the first K1 and K2
+    with the timeline's stamps."""
+    assert "10 kernels built" in run_tool("mono_compile.py", compiled_env)
 
 
-@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton has no NVIDIA backend")
-def test_the_expert_k_loop_disassembles_for_sm90():
-    """tests/expert_sass.py: the gate/up kernel's K loop found in the SASS, with its tensor-core ops
-    and its loads; in the fragment order (`experts.to_fragment_order`, the launcher's 8-warp
-    128 x 256 tile capped at 128 registers) the decoded pairs need no byte shuffles, a code is a
-    shift and a mask, and the codes come straight from global memory into the dot's registers
-    (`experts._load_fragments`: no shared-memory loads or async copies): fewer PRMT, at most 3.0
-    instructions a weight (2.95 with this machine's Triton; the checkpoint's order takes 5.0)."""
-    interleaved, interleaved_mix = k_loop()
-    fragments, fragments_mix = k_loop("--fragments", "--block-n", "128", "--warps", "8", "--max-registers", "128")
-    for mix in (interleaved_mix, fragments_mix):
-        assert mix["HGMMA"] > 0 and mix["LDG"] > 0, mix
-    assert fragments_mix.get("PRMT", 0) < interleaved_mix["PRMT"], (interleaved_mix, fragments_mix)
-    assert "LDS" not in fragments_mix and "LDGSTS" not in fragments_mix, fragments_mix
-    assert fragments <= 3.0 * 128 < interleaved, (fragments, interleaved)
+@needs_nvidia
+@pytest.mark.parametrize("matrix", ["gate/up", "down"])
+def test_the_expert_k_loops_disassemble_for_sm90(compiled_env, matrix):
+    """The expert stage's K loops in the SASS (the default 8-warp 128 x 256 tile, v4-flash sizes):
+    the ordinary loop and the diagonal one (tasks of one or two rows), each on the tensor cores
+    with the codes straight from global memory into the dot's registers (`experts.load_fragments`:
+    no shared-memory loads or async copies), at most 3.0 instructions a weight."""
+    out = run_tool("expert_sass.py", compiled_env, "--top", "100", *(["--down"] if matrix == "down" else []))
+    per_thread = int(re.search(r"(\d+) weights a thread a K step", out)[1])
+    k_loops = []
+    for line in out.splitlines():
+        found = re.match(r"loop of (\d+) instructions \([^)]*\): (.*)", line)
+        if found:
+            mix = {op: int(n) for op, n in (item.rsplit(" ", 1) for item in found[2].split(", "))}
+            if "HGMMA" in mix and int(found[1]) < 4 * per_thread:  # not the task loop around them
+                k_loops.append((int(found[1]), mix))
+    assert len({length for length, _ in k_loops}) >= 2, out  # (gate/up: both once for w1 and once for w3)
+    for length, mix in k_loops:
+        assert mix["LDG"] > 0 and "LDS" not in mix and "LDGSTS" not in mix, mix
+        assert length <= 3.0 * per_thread, (length, per_thread)

@@ -4,11 +4,6 @@ On the CPU the kernels run under Triton's interpreter; with MONODECODE_TEST_DEVI
 compiled. The references run on the same device, on the same bf16 inputs.
 """
 
-import os
-
-if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
-
 import pytest
 import torch
 

@@ -4,11 +4,6 @@ On the CPU the kernels run under Triton's interpreter (the portable path); with
 MONODECODE_TEST_DEVICE=cuda they run compiled (FAST).
 """
 
-import os
-
-if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
-
 from types import SimpleNamespace
 
 import pytest

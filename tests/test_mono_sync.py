@@ -4,11 +4,6 @@ On the CPU the kernel runs under Triton's interpreter with grid=(1,) (one progra
 task, in order); with MONODECODE_TEST_DEVICE=cuda it runs one program per SM, cooperatively.
 """
 
-import os
-
-if os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
-
 import pytest
 import torch
 import triton
@@ -75,7 +70,7 @@ def test_an_expired_wait_is_reported_not_hung(device):
     assert torch.equal(out.cpu(), expected(0).to(torch.int32))
 
 
-@pytest.mark.skipif(os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu", reason="needs a GPU")
+@pytest.mark.gpu
 def test_graph_replays_advance_the_epoch_on_the_device(device):
     state = sync.SyncState(device, STAGES)
     data = torch.zeros(TASKS, dtype=torch.int32, device=device)

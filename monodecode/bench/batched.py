@@ -1,6 +1,6 @@
 """The per-op baseline of `bench layer`: a decoder layer's own math with no host syncs, so that it
-can be captured in a CUDA graph (DESIGN.md section 6: a fair per-op baseline batches the experts
-and prepares their weights once).
+can be captured in a CUDA graph (a fair per-op baseline batches the experts and prepares their
+weights once).
 
 `BatchedLayer(block)` runs `model.layer.Block` of any kind on a decode step (the step's rules:
 `model/batched.py`): the same projections, norms, mHC seams and rounding points, with changes of
@@ -29,8 +29,8 @@ class BatchedLayer:
     def __init__(self, block: Block):
         self.block, self.c = block, block.c
         self.attention = BatchedAttention(block.attention, block.w[f"{block.p}attn_norm"].device)
-        bank = block.moe.experts
-        experts = [bank.expert(e) for e in range(len(bank.w1))]  # (w1, w2, w3) each in the compute dtype
+        bank, num_experts = block.moe.experts, block.moe.gate.shape[0]  # the router gate: a row an expert
+        experts = [bank.expert(e) for e in range(num_experts)]  # (w1, w2, w3) each in the compute dtype
         # x @ w13[e] -> gate | up, [E, d, 2I]; h @ w2[e] -> [E, I, d]
         self.w13 = torch.stack([torch.cat([w1, w3]).t() for w1, _, w3 in experts]).contiguous()
         self.w2 = torch.stack([w2.t() for _, w2, _ in experts]).contiguous()

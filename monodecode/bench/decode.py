@@ -12,8 +12,7 @@ a step), the target verifying B x (1 + block) rows a step, through
 Per path and B: the median step time, split into the draft's proposal, the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
 commits to the draft's rings: host work); tokens committed a step a request; tokens/s per user.
-The draft is the same on both paths: per-op and eager, its routed experts on the mono expert
-stage's launcher (`Draft.experts_on_kernels`: the model has the mono runner), not on K1/K2 yet.
+The draft is the same on both paths: per-op and eager (not on K1/K2 yet).
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
 interpreter: the code paths, not the numbers.
 """
@@ -31,6 +30,7 @@ import torch
 
 from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
+from ..decode import Decoder
 from ..model import Model
 from ..model.weights import free_memory, resident_bytes
 from ..spec.config import SpeculativeConfig
@@ -41,12 +41,12 @@ from .timing import graphed, timed
 RESERVE = 24 * 2**30  # bytes left free by `--layers fit`: caches, scratch, graphs, the draft's weights
 
 
-def build(name: str, layers: int, device: str) -> Model:
-    """The first `layers` layers of `name` (the draft's target layers moved onto the last ones)."""
+def build(name: str, layers: int, device: str) -> Decoder:
+    """The first `layers` layers of `name` (the draft's target layers moved onto the last ones),
+    on the mono kernels."""
     model = Model.from_checkpoint(SyntheticCheckpoint(preset(name, num_hidden_layers=layers), seed=0), device,
                                   torch.bfloat16)
-    model.use_mono("on")
-    return model
+    return Decoder(model, "on")
 
 
 def layers_that_fit(name: str, device) -> int:
@@ -123,7 +123,7 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
-def measure(model: Model, target_step, caches, requests, steps: int, acceptance: float) -> dict:
+def measure(model: Decoder, target_step, caches, requests, steps: int, acceptance: float) -> dict:
     """`steps` timed speculative steps (after two warm-up steps, which capture the graphs)."""
     block = model.draft().block_size
     config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": block,
@@ -164,12 +164,12 @@ def run(args) -> int:
     device = torch.device(args.device)
     layers = layers_that_fit(args.preset, device) if args.layers == "fit" else int(args.layers)
     started = time.strftime("%Y-%m-%d %H:%M")
-    model = build(args.preset, layers, args.device)
+    model = build(args.preset, layers, args.device)  # a Decoder: prefills run per-op, verify steps on the kernels
     block = model.draft().block_size
     bank_bytes = 3 * 2 * model.config.n_routed_experts * model.config.moe_intermediate_size * model.config.hidden_size
     per_op, reserve = None, RESERVE if device.type == "cuda" else 0
     if bank_bytes * layers + reserve <= free_memory(device):
-        per_op = PerOpGraphStep(model)
+        per_op = PerOpGraphStep(model.model)
     else:
         print(f"per-op graph: not run: its bf16 expert banks need {bank_bytes * layers / 2**30:.0f} GiB for "
               f"{layers} layers (use --layers N for a model where both paths fit)")
@@ -182,7 +182,7 @@ def run(args) -> int:
         caches = base.make_caches(count, args.context + (args.steps + 3) * (block + 1) + block + 2)
         requests = [base.prefill(caches, slot, torch.randint(0, model.config.vocab_size, (args.context,),
                                                                generator=g).tolist()) for slot in range(count)]
-        head = head_seconds(model, count * (block + 1), args.reps)
+        head = head_seconds(model.model, count * (block + 1), args.reps)
         for path, step in (("per-op graph", per_op), ("mono", model.step)):
             if step is None:
                 continue

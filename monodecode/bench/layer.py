@@ -6,7 +6,7 @@ so that the routing follows the activations; synthetic weights, bf16; every requ
 over them as verify rows) and each layer, with a random residual as the layer's input:
 - `per-op eager`: the per-op block (attention + MoE), eagerly, timed with events. It is our
   reference, not a fair baseline yet: it loops over the step's experts in Python and dequantizes
-  each expert's MXFP4 on every call (DESIGN.md 6 asks for batched experts prepared once);
+  each expert's MXFP4 on every call;
 - `per-op graph`: the same math without host syncs and with the experts batched and prepared
   once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with `--compile MODE`,
   also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs; one compile a
@@ -14,8 +14,8 @@ over them as verify rows) and each layer, with a random residual as the layer's 
 - `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (fixed shapes,
   model/batched.py) + K2's FFN launch, in a CUDA graph (`mono kernels`: the kernels alone; of
   them K1 timed alone in a graph of its own, K2 the rest).
-`--shapes` times mono once per launch shape (`mono.runner.LaunchShape`: programs a SM, warps,
-tile sizes, pipelining depth; a row each), `--kinds` restricts the layer kinds, and `--timeline`
+`--shapes` times mono once per launch shape (`mono.shape.LaunchShape`: programs a SM, warps,
+tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
 
 The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
@@ -38,10 +38,11 @@ import torch
 
 from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
+from ..decode import Decoder
 from ..model import Model
 from ..model.attention import RequestRows
 from ..mono.plan import WHOLE, MonoRefused
-from ..mono.runner import LaunchShape
+from ..mono.shape import LaunchShape
 from ..mono.timeline import format_times, stage_times
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedLayer
@@ -51,14 +52,12 @@ KINDS = {0: "window", 4: "CSA", 128: "HCA"}
 MAX_REQUESTS = 8
 
 
-def build(name: str, device: str) -> Model:
+def build(name: str, device: str) -> Decoder:
     ratios = tuple(KINDS)
     # no DSpark draft: nothing here runs it, and its three layers of experts would double the build
     config = preset(name, num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=0,
                     dspark_target_layer_ids=tuple(range(len(ratios))), num_nextn_predict_layers=0)
-    model = Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16)
-    model.use_mono("on")
-    return model
+    return Decoder(Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16), "on")
 
 
 def prefill(model: Model, context: int):
@@ -66,7 +65,7 @@ def prefill(model: Model, context: int):
     cache = model.make_cache(MAX_REQUESTS, context + 64, 8)
     for slot in range(MAX_REQUESTS):
         prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g)
-        model.step_per_op(cache, prompt, torch.arange(context), torch.full((context,), slot))
+        model.step(cache, prompt, torch.arange(context), torch.full((context,), slot))
     return cache
 
 
@@ -81,8 +80,9 @@ def step_rows(width: int, context: int):
 
 
 class LayerBench:
-    def __init__(self, model: Model, cache, context: int, reps: int, compile_mode: str | None = None):
-        self.model, self.runner, self.base_cache = model, model.mono, cache
+    def __init__(self, decoder: Decoder, cache, context: int, reps: int, compile_mode: str | None = None):
+        model = decoder.model
+        self.model, self.runner, self.base_cache = model, decoder.mono, cache
         self.context, self.reps, self.device = context, reps, model.device
         self.specs = tensor_specs(model.config)
         self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
@@ -92,7 +92,7 @@ class LayerBench:
     def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
                 timeline: bool = False) -> list[dict]:
         """One row a launch shape: the per-op times (measured once) and mono's with that shape."""
-        from ..mono import k1, k2  # after use_mono: on a CPU it turns Triton's interpreter on first
+        from ..mono import k1, k2  # after the runner's build: on a CPU it turns Triton's interpreter on first
 
         model, runner, c = self.model, self.runner, self.model.config
         positions, slots = step_rows(width, self.context)
@@ -103,7 +103,7 @@ class LayerBench:
         s.slots.copy_(torch.tensor(slots))
         streams = torch.randn(width, c.hc_mult, c.hidden_size, generator=g).to(torch.bfloat16).to(self.device)
         lw, lc, block = runner.layers[layer], cache.layers[layer], model.blocks[layer]
-        groups = model._group_rows(cache, s.tokens, s.positions, s.slots)
+        groups = model.group_rows(cache, s.tokens, s.positions, s.slots)
         whole = runner.plan[layer] == WHOLE
 
         def kernels(attention_too: bool, k2_too: bool = True):
@@ -229,8 +229,9 @@ def run(args) -> int:
     if args.timeline and device.type != "cuda":
         raise SystemExit("--timeline reads the GPU's global timer: it needs --device cuda")
     started = time.strftime("%Y-%m-%d %H:%M")
-    model = build(args.preset, args.device)
-    bench = LayerBench(model, prefill(model, args.context), args.context, args.reps, args.compile)
+    decoder = build(args.preset, args.device)
+    model = decoder.model
+    bench = LayerBench(decoder, prefill(model, args.context), args.context, args.reps, args.compile)
     bandwidth = copy_bandwidth(device)
     g = torch.Generator().manual_seed(2)
     rows = []
@@ -249,7 +250,7 @@ def run(args) -> int:
                 best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
                                   if t is not None)
                 mono = m["mono_s"]
-                rows.append({"kind": KINDS[ratio], "plan": model.mono.plan[layer], "width": width, **m,
+                rows.append({"kind": KINDS[ratio], "plan": decoder.mono.plan[layer], "width": width, **m,
                              "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
                              "mono_of_floor": floor_s / mono if mono else None,
                              "speedup": best_per_op / mono if mono else None})
@@ -340,7 +341,7 @@ def table(report: dict) -> str:
                  "and speedup use the fastest per-op; "
                  "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; kernels: mono's "
                  "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1; the `ffn` launch); shape: the "
-                 "kernels' launch shape (mono/runner.py LaunchShape); launches: GPU kernels one eager step launches "
+                 "kernels' launch shape (mono/shape.py LaunchShape); launches: GPU kernels one eager step launches "
                  "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
     resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]
                  for k in r.get("kernel_resources") or () if k["row_block"] == max(

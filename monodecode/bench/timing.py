@@ -10,7 +10,7 @@ import torch
 
 
 def copy_bandwidth(device) -> float:
-    """Bytes a second of a large device-to-device copy (read + written), eager (DESIGN.md 7)."""
+    """Bytes a second of a large device-to-device copy (read + written), eager (a graph-captured copy reads slower: measure the floor eagerly)."""
     device = torch.device(device)
     n = 2 * 1024**3 if device.type == "cuda" else 64 * 1024**2
     a = torch.empty(n, dtype=torch.uint8, device=device)

@@ -3,8 +3,10 @@
 Each `step()`:
 1. the scheduler admits waiting requests into free cache slots and picks the prompt chunks to
    prefill (per-op) within the step's token budget;
-2. every request whose prompt is done decodes in one step: a row each (`Model.step`), or under
-   speculation 1 + k rows each (`SpeculativeDecoder.step`); the StepRunner picks the path;
+2. every request whose prompt is done decodes in one step: a row each (`Decoder.step`, which
+   picks the path: the mono kernels or per-op), or under speculation 1 + k rows each
+   (`SpeculativeDecoder.step`, its verify rows through the same `Decoder`); the metrics count
+   the path each decode step took;
 3. the prompt chunks run, together in one per-op step (one step each under speculation); the
    last chunk of a prompt samples the request's first token;
 4. finished requests leave, their slots cleared and freed.
@@ -18,6 +20,7 @@ import time
 
 from tqdm import tqdm
 
+from ..decode import Decoder
 from ..model import Model
 from ..sampling import sample
 from ..spec.config import SpeculativeConfig
@@ -26,28 +29,28 @@ from .logprobs import token_logprobs
 from .metrics import Metrics
 from .params import SamplingParams
 from .request import Request, RequestOutput
-from .runner import StepRunner
 from .scheduler import Scheduler
 
 
 class Engine:
-    def __init__(self, model: Model, *, max_model_len: int, max_num_seqs: int = 8,
+    def __init__(self, model: Model | Decoder, *, max_model_len: int, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, speculative: SpeculativeConfig | None = None,
                  mono: str = "auto", tokenizer=None, metrics: Metrics | None = None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        # the model's steps on the path each takes: the mono kernels ("auto", "on") or per-op
+        self.model = Decoder(model, mono)
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.max_num_seqs = max_num_seqs
         self.metrics = metrics or Metrics()
-        self.runner = StepRunner(model, mono, self.metrics)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.decoder = None
         if speculative is not None:
-            self.decoder = SpeculativeDecoder(model, speculative, target_step=self.runner.decode)
+            self.decoder = SpeculativeDecoder(self.model, speculative, target_step=self._decode_step)
             self.caches = self.decoder.make_caches(max_num_seqs, max_model_len + self.decoder.block_size + 1)
         else:
-            self.caches = model.make_cache(max_num_seqs, max_model_len, max_step_rows=1)
+            self.caches = self.model.make_cache(max_num_seqs, max_model_len, max_step_rows=1)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request cannot run; safe to call from any thread."""
@@ -95,13 +98,11 @@ class Engine:
         in the first steps of the requests that reach it. Touches no request, slot or metric."""
         per_request = 1 if self.decoder is None else self.decoder.block_size + 1
         cache = self.caches if self.decoder is None else self.caches.target
-        mono = self.model.mono
-        fallbacks = None if mono is None else mono.fallbacks.copy()  # steps too wide for the kernels
+        fallbacks = self.model.fallbacks.copy()  # steps too wide for the kernels
         for n in tqdm(range(1, self.max_num_seqs + 1), desc="warming up the decode steps", unit="width"):
             rows = n * per_request
             self.model.step(cache, [0] * rows, [0] * rows, [-1] * rows)
-        if mono is not None:
-            mono.fallbacks = fallbacks
+        self.model.fallbacks = fallbacks
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -142,10 +143,16 @@ class Engine:
                 for token, logprob in zip(tokens, self._logprobs(request, rows, tokens)):
                     request.append(token, logprob)
             return
-        logits = self.runner.decode(self.caches, [r.output_ids[-1] for r in requests],
-                                    [r.next_position for r in requests], [r.slot for r in requests])
+        logits = self._decode_step(self.caches, [r.output_ids[-1] for r in requests],
+                                   [r.next_position for r in requests], [r.slot for r in requests])
         for request, row in zip(requests, logits):
             self._sample(request, row[None])
+
+    def _decode_step(self, cache, tokens, positions, slots, return_hidden: bool = False):
+        """A decode or verify step, counted by the path it took (prefill chunks are not counted)."""
+        out = self.model.step(cache, tokens, positions, slots, return_hidden=return_hidden)
+        self.metrics.count_step(self.model.last_path)
+        return out
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
         """Run prompt chunks: in one step for all of them, or one each under speculation (the

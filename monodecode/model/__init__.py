@@ -1,6 +1,6 @@
 """The per-op path: the reference DeepSeek-V4 implementation in plain PyTorch."""
 
 from .cache import DecodeCache
-from .transformer import Model, load
+from .transformer import Model, load_model
 
-__all__ = ["DecodeCache", "Model", "load"]
+__all__ = ["DecodeCache", "Model", "load_model"]

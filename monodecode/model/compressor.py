@@ -10,7 +10,7 @@ Entry w is visible to the query at position t only when w < (t + 1) // ratio.
 The lightning indexer (CSA only) scores a query against the indexer compressor's entries with
 sum over heads of w_h * relu(q_h . k) and keeps the top `index_topk` visible entries.
 The official reference also simulates FP8 (kv) and FP4 + Hadamard (indexer) quantization here;
-like transformers, this reference does not (research/dsv4_arch.md 4.6-4.7).
+like transformers, this reference does not.
 """
 
 from __future__ import annotations

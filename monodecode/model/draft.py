@@ -1,4 +1,4 @@
-"""The DSpark draft (research/dsv4_arch.md 6.2): `num_nextn_predict_layers` window-only V4 blocks
+"""The DSpark draft: `num_nextn_predict_layers` window-only V4 blocks
 (`mtp.{k}.*`) that propose a whole block of tokens in one parallel pass.
 
 Context: for every committed target position p, `main_x = main_norm(main_proj(h_p))`, where h_p
@@ -82,22 +82,6 @@ class Draft:
             for k in range(c.num_nextn_predict_layers)
         ]
         self.last = f"mtp.{c.num_nextn_predict_layers - 1}."
-        self._stacked = None  # each stage's experts stacked for the kernels, made on first use
-
-    def experts_on_kernels(self, on: bool) -> None:
-        """Run the stages' routed experts on the mono expert stage's launcher (`on`: while the
-        model decodes on the mono kernels) or on the per-op loop, which dequantizes every picked
-        expert on each call. The same math up to fp32 summation order; the experts are stacked
-        once, the per-op bank then reading views of the stack (`mono.weights.stack_experts`)."""
-        on = on and all(len(w) == 2 for stage in self.stages for w in stage.moe.experts.w1)  # MXFP4 only
-        if on and self._stacked is None:
-            from ..mono.weights import stack_experts
-
-            self._stacked = [stack_experts(stage.moe.experts) for stage in self.stages]
-            for experts in self._stacked:
-                experts.supports_fast_decode()  # its one device sync: here, not in a step
-        for k, stage in enumerate(self.stages):
-            stage.moe.expert_stage = self._stacked[k] if on else None
 
     def make_cache(self, num_slots: int) -> DraftCache:
         return DraftCache(self.c, num_slots, self.model.device, self.model.dtype)

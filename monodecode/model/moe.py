@@ -5,11 +5,10 @@ hash-routed layers, else by top-k of score + bias; weights are the unbiased scor
 experts, renormalised, times `routed_scaling_factor`. Experts: SwiGLU in fp32 with the clamp
 (gate <= limit, |up| <= limit), the routing weight applied before `w2` and rounded to the
 activation dtype there, as the reference does; each expert's output rounded to the activation dtype
-(its w2 projection), summed in fp32 per row, expert by expert in ascending id order. With
-`expert_stage` set (the DSpark draft while the mono kernels are in use), the routed experts run
-on the mono expert stage's launcher instead: gate and up kept in fp32 (here rounded to the
-activation dtype by their projections), h and each pick's output rounded as here, summed in
-top-k order.
+(its w2 projection), summed in fp32 per row, expert by expert in ascending id order. `experts`
+is anything whose `expert(e)` gives expert e's (w1, w2, w3) in the compute dtype: the
+checkpoint's bank (`weights.ExpertBank`), or another holder of the same weights that
+`Model.replace_experts` installed.
 """
 
 from __future__ import annotations
@@ -18,20 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .weights import ExpertBank
 
 
 class MoE:
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts: ExpertBank,
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts,
                  hash_routed: bool, topk: int):
         self.gate = w[f"{prefix}gate"]
         self.tid2eid = w.get(f"{prefix}gate.tid2eid") if hash_routed else None
         self.bias = None if hash_routed else w[f"{prefix}gate.bias"]
         self.shared = tuple(w[f"{prefix}shared_experts.{m}"] for m in ("w1", "w2", "w3")) if config.n_shared_experts else None
         self.experts, self.topk = experts, topk
-        # the same experts stacked for the mono expert stage's launcher (mono.experts.ExpertWeights),
-        # which then runs them instead of the loop below; set by Draft.experts_on_kernels
-        self.expert_stage = None
         self.limit, self.route_scale = config.swiglu_limit, config.routed_scaling_factor
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,16 +54,11 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x, tokens)
-        if self.expert_stage is not None:  # the same math on the kernels, summed in top-k order
-            from ..mono.experts import routed_experts
-
-            out = routed_experts(x, ids, weights, self.expert_stage, self.limit, pick_dtype=x.dtype)
-        else:
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for e in ids.unique().tolist():
-                rows, k = (ids == e).nonzero(as_tuple=True)
-                y = self._swiglu(x[rows], *self.experts.expert(e), weights[rows, k])
-                out.index_add_(0, rows, y.float())
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            rows, k = (ids == e).nonzero(as_tuple=True)
+            y = self._swiglu(x[rows], *self.experts.expert(e), weights[rows, k])
+            out.index_add_(0, rows, y.float())
         if self.shared:
             out += self._swiglu(x, *self.shared, None).float()
         return out.to(x.dtype)

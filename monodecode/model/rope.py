@@ -2,7 +2,7 @@
 
 Pairs are channels (2i, 2i+1) of the rope slice, rotated by angle `position * freq_i`. Window-only
 layers use `rope_theta` as is; CSA/HCA layers (their attention, compressor and indexer alike) use
-`compress_rope_theta` with YaRN frequency blending and no mscale (research/dsv4_arch.md 4.2).
+`compress_rope_theta` with YaRN frequency blending and no mscale.
 The rotation is computed in fp32 and cast back to the input dtype.
 """
 

@@ -26,7 +26,6 @@ class Model:
     def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.w, self.checkpoint, self._draft = weights, checkpoint, None
-        self.mono = None  # a monodecode.mono.MonoRunner once `use_mono` attaches one
         self._fp32_output_gemm = has_fp32_output_gemm(self.device, dtype)
         self.blocks = [
             Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", config.n_routed_experts, dtype),
@@ -46,31 +45,14 @@ class Model:
         return DecodeCache(self.config, list(self.config.compress_ratios), num_slots, max_context,
                            max_step_rows, self.device, self.dtype)
 
-    def use_mono(self, mono: str) -> None:
-        """Run decode steps on the mono kernels: "off", "auto" (refusals logged, per-op then) or
-        "on" (refusals raised). Steps the kernels do not take run per-op (MonoRunner.fallbacks).
-        With the kernels in use, the DSpark draft's routed experts run on the expert stage's
-        launcher too (`Draft.experts_on_kernels`)."""
-        from ..mono import build
-
-        self.mono = build(self, mono)
-        if self._draft is not None:
-            self._draft.experts_on_kernels(self.mono is not None)
-
+    @torch.no_grad()
     def step(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
         """fp32 logits [N, vocab]; with `return_hidden`, also the DSpark draft's input features
         [N, len(dspark_target_layer_ids) * hidden]: per target layer, the mean over the hc
-        streams of the residual after that layer. On the mono kernels where they are in use."""
-        if self.mono is not None:
-            return self.mono.step(cache, tokens, positions, slots, return_hidden=return_hidden)
-        return self.step_per_op(cache, tokens, positions, slots, return_hidden=return_hidden)
-
-    @torch.no_grad()
-    def step_per_op(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
-        """`step` on the per-op path."""
+        streams of the residual after that layer."""
         tokens, positions, slots = (torch.as_tensor(t, dtype=torch.long, device=self.device)
                                     for t in (tokens, positions, slots))
-        groups = self._group_rows(cache, tokens, positions, slots)
+        groups = self.group_rows(cache, tokens, positions, slots)
         streams = self.embed(tokens)
         targets = (self.config.dspark_target_layer_ids or ()) if return_hidden else ()
         captured = {}
@@ -96,8 +78,14 @@ class Model:
 
             self.checkpoint.validate(require_draft=True)
             self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype))
-            self._draft.experts_on_kernels(self.mono is not None)
         return self._draft
+
+    def replace_experts(self, layer: int, experts) -> None:
+        """Serve layer's routed experts from `experts` from now on: any object whose `expert(e)`
+        gives expert e's (w1, w2, w3) in the compute dtype, holding the same weights (say, a copy
+        in another layout that other code reads too, so that the weights are held once). The
+        layer's own bank is released."""
+        self.blocks[layer].moe.experts = experts
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         c, w = self.config, self.w
@@ -122,7 +110,11 @@ class Model:
         cache = self.make_cache(num_slots=1, max_context=n, max_step_rows=1)
         return self.step(cache, tokens, torch.arange(n), torch.zeros(n, dtype=torch.long))
 
-    def _group_rows(self, cache: DecodeCache, tokens, positions, slots) -> list[RequestRows]:
+    def group_rows(self, cache: DecodeCache, tokens, positions, slots) -> list[RequestRows]:
+        """Check a step's rows (1-D tokens, positions, slots of one length; ids, slots and
+        positions in range; each request's rows consecutive positions in row order) and group
+        them by request: one RequestRows a live slot, pad rows (slot -1) in none. Raises
+        ValueError naming the first bad row."""
         if not (tokens.dim() == positions.dim() == slots.dim() == 1) or not (
                 tokens.shape == positions.shape == slots.shape) or tokens.numel() == 0:
             raise ValueError("tokens, positions and slots must be 1-D and of the same non-zero length, got "
@@ -146,8 +138,8 @@ class Model:
 def has_fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch.mm can multiply `dtype` operands on `device` into an fp32 result
     (`out_dtype`: CUDA, bf16 / fp16, torch >= 2.8). The lm_head then reads its bf16 weight once
-    (1 GB at v4-flash sizes) instead of converting it to fp32 on every call (measured on the H200:
-    2.6 ms a call that way). Tried once here, never inside a CUDA-graph capture."""
+    (1 GB at v4-flash sizes) instead of converting it to fp32 on every call. Tried once here,
+    never inside a CUDA-graph capture."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     probe = torch.ones(2, 16, dtype=dtype, device=device)
@@ -179,12 +171,9 @@ def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
         raise ValueError(f"row {row}: {what} {int(values[row])} is outside [{low}, {high})")
 
 
-def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off") -> Model:
-    """A checkpoint directory, or a preset name (deterministic random weights built in memory).
-    `mono`: "off", "auto" or "on" (Model.use_mono)."""
+def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0) -> Model:
+    """The per-op model of a checkpoint directory, or of a preset name (deterministic random
+    weights built in memory)."""
     if str(source) in PRESETS:
-        model = Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
-    else:
-        model = Model.from_checkpoint(Checkpoint(source), device, dtype)
-    model.use_mono(mono)
-    return model
+        return Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
+    return Model.from_checkpoint(Checkpoint(source), device, dtype)

@@ -27,25 +27,21 @@ FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base"
 
 @dataclass
 class ExpertBank:
-    """Routed experts of one block, one entry per expert: w1, w3 [inter, d] and w2 [d, inter],
-    each either MXFP4 (packed uint8 codes, E8M0 scales) or one tensor in the compute dtype.
-    Kept as the checkpoint's per-expert tensors, or, once the mono kernels have stacked them
-    (`mono.weights.stack_experts`), views of the stack, whose codes may be in the fragment order
-    (`fragments`: `formats.to_fragment_order`), decoded back here."""
+    """Routed experts of one block as the checkpoint stores them, one entry per expert: w1, w3
+    [inter, d] and w2 [d, inter], each either MXFP4 (packed uint8 codes, E8M0 scales) or one
+    tensor in the compute dtype. `expert(e)` dequantizes expert e for the step that picked it."""
 
     w1: list[tuple[torch.Tensor, ...]]
     w2: list[tuple[torch.Tensor, ...]]
     w3: list[tuple[torch.Tensor, ...]]
     dtype: torch.dtype
-    fragments: bool = False
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._get(self.w1[e]), self._get(self.w2[e]), self._get(self.w3[e])
 
     def _get(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if len(stored) == 2:
-            codes = formats.from_fragment_order(stored[0]) if self.fragments else stored[0]
-            return formats.dequantize_mxfp4(codes, stored[1], self.dtype)
+            return formats.dequantize_mxfp4(*stored, self.dtype)
         return stored[0]
 
 

@@ -29,8 +29,7 @@ Contract
 
 Python side: `gemv_tasks` (the stage's task count), `row_block` (BR), `default_blocks`
 (BN, BK), `check_blocks` (the ValueErrors above: call it at build), `scale_block` (SB from a
-scale tensor's shape), `weight_operand` (W as a pointer, or a tensor descriptor for the TMA
-loads) and `gemv`, the standalone launch (grid (1,) under the interpreter).
+scale tensor's shape) and `gemv`, the standalone launch (grid (1,) under the interpreter).
 
 Decode (constexpr FAST)
 - FAST (NVIDIA): the codes bitcast to float8e4nv and converted to bf16 (exact), x bf16, and a
@@ -39,17 +38,16 @@ Decode (constexpr FAST)
 - Portable (interpreter, AMD): e4m3 decoded from its bits to fp32 (all 256 codes, subnormals
   too; 0x7F / 0xFF are NaN), fp32 `tl.dot` in IEEE precision, and the bf16 output rounded by
   `bf16` (the interpreter's cast truncates). The interpreter computes bf16 dots
-  wrongly and has no fp8: DESIGN.md section 7.
+  wrongly and has no fp8.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .plan import interpreted
 from .rounding import bf16
 
 
@@ -80,13 +78,9 @@ def _e8m0_value(code):
 @triton.jit
 def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
               WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, NS: tl.constexpr = None,
-              TMA: tl.constexpr = False):
+              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
     """y[:R, nb*BN : nb*BN + BN] (masked at N) = x[:R, xoff : xoff + K] @ W[block].T (the
-    contract in the module docstring). K1 / K2 call this. NS: the K loop's software-pipelining
-    depth (`tl.range` num_stages; None: the launch's). TMA: `w_ptr` is a tensor descriptor of W
-    in blocks [BN, BK] (`weight_operand`): the copy engine loads the weight tiles into shared
-    memory, without registers (rows past N read as zeros)."""
+    contract in the module docstring). K1 / K2 call this."""
     n = nb * BN + tl.arange(0, BN)
     n_mask = n < N
     r = tl.arange(0, BR)
@@ -96,15 +90,11 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
     if group_rows > 0:
         xoff = (nb * BN) // group_rows * K
     x_rows = x_ptr + r[:, None] * x_stride + xoff + rk[None, :]
-    if not TMA:
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]  # N * K may pass 2^31
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]  # N * K may pass 2^31
     acc = tl.zeros((BN, BR), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=NS):
+    for k0 in tl.range(0, K, BK):
         x = tl.load(x_rows + k0, mask=r_mask[:, None], other=0.0)
-        if TMA:
-            w = w_ptr.load([nb * BN, k0])
-        else:
-            w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
+        w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
         if WFMT == 0 and BK > SB:
             # Several scale blocks along K: each weight scaled in registers before the dot (a
             # power of two: exact while the product is a normal number, as the per-op path's
@@ -144,10 +134,10 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
 @triton.jit
 def _gemv_stage(x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, n_tasks,
                 WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr):
+                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         gemv_task(t, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST, None, TMA)
+                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST)
 
 
 # --- Python side ----------------------------------------------------------------------------------
@@ -165,10 +155,8 @@ def default_blocks(N: int, K: int, SB: int | None = None, programs: int | None =
     """(BN, BK) for an [N, K] weight (FP8 with SB x SB scale blocks, or bf16 with SB None):
     BN = min(64, SB, next_pow2(N)) but >= 16, halved (not below 16) while the stage has fewer
     tasks than half of `programs` (the persistent grid, if given); BK = the largest power of
-    two <= min(128, SB) that divides K. Why (H200, FP8, 1-48 rows, one launch): a task
-    streams too few bytes at once to cover the memory latency, so a small stage wants most
-    programs busy (1536 x 4096: 19-20 us at BN 16, 22-32 us at BN 64; 4096 x 8192: 37 us at
-    BN 32, 43 at 64, 49 at 16; 7168 x 1024: 8.5 us at BN 64, 9.3 at 32)."""
+    two <= min(128, SB) that divides K. Why: a task streams too few bytes at once to cover the
+    memory latency, so a small stage wants most programs busy."""
     bn = max(16, min(64 if SB is None else min(64, SB), triton.next_power_of_2(N)))
     while programs and bn > 16 and 2 * gemv_tasks(N, bn) < programs:
         bn //= 2
@@ -209,14 +197,13 @@ def scale_block(N: int, K: int, scale_shape) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, block=None,
-         out_dtype=torch.bfloat16, group_rows: int = 0, fast: bool | None = None, tma: bool = False,
+         out_dtype=torch.bfloat16, group_rows: int = 0, fast: bool | None = None,
          poison: bool = False) -> torch.Tensor:
     """y [R, N] = x [R, >= K] (bf16) @ W.T, W [N, K]: FP8 (float8_e4m3fn or its uint8 codes)
     with E8M0 block scales `scale` (float8_e8m0fnu or uint8), or bf16 when `scale` is None.
     With group_rows > 0, output rows g*group_rows .. read x columns g*K .. (grouped wo_a).
-    `block` = (BN, BK), default `default_blocks` for this device's SM count; `tma`: the weight
-    tiles through a tensor descriptor (`weight_operand`); `poison` fills y with NaN first, so
-    that tests see any element no task wrote."""
+    `block` = (BN, BK), default `default_blocks` for this device's SM count; `poison` fills y
+    with NaN first, so that tests see any element no task wrote."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be a 2-D bf16 tensor with unit column stride, found {x.dtype} {tuple(x.shape)}")
     R, (N, K) = x.shape[0], w.shape
@@ -241,18 +228,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
         fast = x.is_cuda and torch.version.cuda is not None
     y = torch.full((R, N), float("nan") if poison else 0.0, dtype=out_dtype, device=x.device)
     n_tasks = gemv_tasks(N, bn)
-    grid = (1,) if os.environ.get("TRITON_INTERPRET") == "1" else (n_tasks,)
-    _gemv_stage[grid](x, x.stride(0), R, weight_operand(w.contiguous(), tma, bn, bk), s, y, y.stride(0), N, K,
-                      group_rows, n_tasks, WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, BR=row_block(R),
-                      OUT_BF16=out_dtype == torch.bfloat16, FAST=fast, TMA=tma)
+    grid = (1,) if interpreted() else (n_tasks,)
+    _gemv_stage[grid](x, x.stride(0), R, w.contiguous(), s, y, y.stride(0), N, K, group_rows, n_tasks,
+                      WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, BR=row_block(R), OUT_BF16=out_dtype == torch.bfloat16,
+                      FAST=fast)
     return y
 
-
-def weight_operand(w: torch.Tensor, tma: bool, block_n: int, block_k: int):
-    """A GEMV's weight [N, K] as `gemv_task` takes it: the tensor, or (tma) a tensor descriptor
-    of it in blocks [block_n, block_k]."""
-    if not tma:
-        return w
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(w, [block_n, block_k])

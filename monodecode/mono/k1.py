@@ -6,8 +6,8 @@ task in order. Program p takes tasks p, p + grid, ... of each stage; a grid barr
 separates consecutive stages, so a task only reads what earlier stages wrote.
 
 Stages (R rows; task counts)                                    reads -> writes
-0 fold      hc.fold_task       ceil(R/RB) * ceil(d/CHUNK)      streams_in, owed y/post/comb (the
-                                                               previous layer's FFN) -> streams_out,
+0 fold      hc.fold_task       ceil(R/RB) * ceil(d/CHUNK)      residual, owed y/post/comb (the
+                                                               previous layer's FFN) -> streams,
                                                                mix partials (hc_attn_fn)
 1 settle    hc.settle_task     R                               partials, streams -> post/comb of the
                                                                attention site, x = attn_norm(collapse)
@@ -18,104 +18,161 @@ Stages (R rows; task counts)                                    reads -> writes
 4 wq_b      gemv_task (FP8)    ceil(H*D/BN_QB)                 qr -> q_raw
 5 heads     q_heads_task       R * H                           q_raw -> q = RoPE(rms_norm(head))
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
-partials and streams_out is streams_in. K2 reads q, the ring and the attention site's post/comb,
+partials and `streams` is `residual`. K2 reads q, the ring and the attention site's post/comb,
 after this launch ends (stream order).
+Waits: a grid barrier after each stage but the last; an expired wait names the stage (STAGES).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes).
 Scratch: `Scratch` of the step's width; the ring is the layer's `LayerCache.window`.
+Arguments: `K1Args` (pointers and runtime scalars) and `K1Meta` (compile-time constants), by name.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
 from . import attention as A
 from . import hc as HC
-from .gemv import gemv_task, row_block, weight_operand
-from .sync import finish_launch, grid_barrier, launch_epoch, stamp
+from .gemv import gemv_task, row_block
+from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
+from .weights import Fp8Matrix
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
 BARRIERS = tl.constexpr(len(STAGES) - 1)
 
 
+class K1Args(NamedTuple):
+    sync: SyncArgs
+    rows: int
+    positions: torch.Tensor
+    slots: torch.Tensor
+    residual: torch.Tensor  # [R, hc, d] the streams the owed output folds into
+    owed_y: torch.Tensor  # the previous layer's FFN output and its site's post / comb mixes
+    owed_post: torch.Tensor
+    owed_comb: torch.Tensor
+    streams: torch.Tensor  # [R, hc, d] the settled residual (written when there is owed output)
+    partials: torch.Tensor
+    hc_fn: torch.Tensor
+    hc_base: torch.Tensor
+    hc_scale: torch.Tensor
+    attn_norm: torch.Tensor
+    post: torch.Tensor  # the attention site's mixes, for K2's fold
+    comb: torch.Tensor
+    x: torch.Tensor
+    wq_a: Fp8Matrix
+    wkv: Fp8Matrix
+    qr_raw: torch.Tensor
+    kv_raw: torch.Tensor
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    qr: torch.Tensor
+    ring_kv: torch.Tensor
+    ring_pos: torch.Tensor
+    ring_size: int
+    freqs: torch.Tensor
+    wq_b: Fp8Matrix
+    q_raw: torch.Tensor
+    q: torch.Tensor
+    d: int
+    q_lora: int
+    heads: int
+    hc_eps: float
+    norm_eps: float
+    sinkhorn_iters: int
+
+
+class K1Meta(NamedTuple):
+    HC: int  # hc_mult
+    MIXP: int  # mix columns padded to a power of two
+    RB: int  # rows of a fold task
+    CHUNK: int  # hidden columns of a fold task
+    CB: int  # fold chunks a settle task sums at once
+    BD: int  # hidden columns a settle task normalises at once
+    HAS_OWED: bool
+    SB: int  # the FP8 scale block
+    BN_QA: int
+    BN_KV: int
+    BN_QB: int
+    BK_D: int  # GEMV K steps over the hidden size and over q_lora
+    BK_Q: int
+    BR: int  # rows padded to the dots' block (gemv.row_block)
+    D: int  # head_dim
+    RD: int  # rope dims of a head
+    BQ: int  # q_lora padded to a power of two
+    FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
+    TIMELINE: bool
+
+
 @triton.jit
-def _k1(sync_ptr, max_polls, timeline_ptr, R, positions_ptr, slots_ptr,
-        res_ptr, owed_ptr, owed_post_ptr, owed_comb_ptr, streams_ptr, part_ptr,
-        fn_ptr, base_ptr, scale_ptr, attn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-        wqa_ptr, wqa_s_ptr, wkv_ptr, wkv_s_ptr, qr_raw_ptr, kv_raw_ptr,
-        q_norm_ptr, kv_norm_ptr, qr_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, freqs_ptr,
-        wqb_ptr, wqb_s_ptr, q_raw_ptr, q_ptr,
-        d, q_lora, heads, hc_eps, norm_eps, sinkhorn_iters,
-        HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-        BD: tl.constexpr, HAS_OWED: tl.constexpr, SB: tl.constexpr, BN_QA: tl.constexpr, BN_KV: tl.constexpr,
-        BN_QB: tl.constexpr, BK_D: tl.constexpr, BK_Q: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
-        RD: tl.constexpr, BQ: tl.constexpr,
-        FAST: tl.constexpr, TIMELINE: tl.constexpr, GNS: tl.constexpr, GTMA: tl.constexpr):
+def _k1(a, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    epoch = launch_epoch(sync_ptr)
-    stamp(timeline_ptr, 0, TIMELINE)
+    epoch = launch_epoch(a.sync.words)
+    stamp(a.sync.timeline, 0, m.TIMELINE)
 
-    for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
-        HC.fold_task(t, R, d, res_ptr, owed_ptr, d, owed_post_ptr, owed_comb_ptr, streams_ptr, fn_ptr, part_ptr,
-                     HC_, MIXP, RB, CHUNK, HAS_OWED)
-    grid_barrier(sync_ptr, epoch, 0, BARRIERS, max_polls, timeline_ptr, TIMELINE)
+    for t in range(pid, tl.cdiv(a.rows, m.RB) * tl.cdiv(a.d, m.CHUNK), grid):
+        HC.fold_task(t, a.rows, a.d, a.residual, a.owed_y, a.d, a.owed_post, a.owed_comb, a.streams, a.hc_fn,
+                     a.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.HAS_OWED)
+    barrier(a.sync, epoch, 0, BARRIERS, m.TIMELINE)
 
-    for t in range(pid, R, grid):
-        HC.settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, attn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-                       hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD)
-    grid_barrier(sync_ptr, epoch, 1, BARRIERS, max_polls, timeline_ptr, TIMELINE)
+    for t in range(pid, a.rows, grid):
+        HC.settle_task(t, a.d, a.streams, a.partials, a.hc_base, a.hc_scale, a.attn_norm, a.post, a.comb, a.x,
+                       a.hc_eps, a.norm_eps, a.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
+    barrier(a.sync, epoch, 1, BARRIERS, m.TIMELINE)
 
-    q_tasks = tl.cdiv(q_lora, BN_QA)
-    for t in range(pid, q_tasks + tl.cdiv(D, BN_KV), grid):
+    q_tasks = tl.cdiv(a.q_lora, m.BN_QA)
+    for t in range(pid, q_tasks + tl.cdiv(m.D, m.BN_KV), grid):
         if t < q_tasks:
-            gemv_task(t, x_ptr, d, R, wqa_ptr, wqa_s_ptr, qr_raw_ptr, q_lora, q_lora, d, 0,
-                      0, SB, BN_QA, BK_D, BR, True, FAST, GNS, GTMA)
+            gemv_task(t, a.x, a.d, a.rows, a.wq_a.codes, a.wq_a.scales, a.qr_raw, a.q_lora, a.q_lora, a.d, 0,
+                      0, m.SB, m.BN_QA, m.BK_D, m.BR, True, m.FAST)
         else:
-            gemv_task(t - q_tasks, x_ptr, d, R, wkv_ptr, wkv_s_ptr, kv_raw_ptr, D, D, d, 0,
-                      0, SB, BN_KV, BK_D, BR, True, FAST, GNS, GTMA)
-    grid_barrier(sync_ptr, epoch, 2, BARRIERS, max_polls, timeline_ptr, TIMELINE)
+            gemv_task(t - q_tasks, a.x, a.d, a.rows, a.wkv.codes, a.wkv.scales, a.kv_raw, m.D, m.D, a.d, 0,
+                      0, m.SB, m.BN_KV, m.BK_D, m.BR, True, m.FAST)
+    barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE)
 
-    for t in range(pid, 2 * R, grid):
-        A.norm_rope_kv_task(t, qr_raw_ptr, q_lora, q_norm_ptr, qr_ptr, kv_raw_ptr, D, kv_norm_ptr,
-                            positions_ptr, slots_ptr, freqs_ptr, ring_kv_ptr, ring_pos_ptr, ring_size,
-                            q_lora, D, RD, norm_eps, BQ, D)
-    grid_barrier(sync_ptr, epoch, 3, BARRIERS, max_polls, timeline_ptr, TIMELINE)
+    for t in range(pid, 2 * a.rows, grid):
+        A.norm_rope_kv_task(t, a.qr_raw, a.q_lora, a.q_norm, a.qr, a.kv_raw, m.D, a.kv_norm, a.positions, a.slots,
+                            a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D, m.RD, a.norm_eps, m.BQ, m.D)
+    barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE)
 
-    for t in range(pid, tl.cdiv(heads * D, BN_QB), grid):
-        gemv_task(t, qr_ptr, q_lora, R, wqb_ptr, wqb_s_ptr, q_raw_ptr, heads * D, heads * D, q_lora, 0,
-                  0, SB, BN_QB, BK_Q, BR, True, FAST, GNS, GTMA)
-    grid_barrier(sync_ptr, epoch, 4, BARRIERS, max_polls, timeline_ptr, TIMELINE)
+    for t in range(pid, tl.cdiv(a.heads * m.D, m.BN_QB), grid):
+        gemv_task(t, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D, a.heads * m.D,
+                  a.q_lora, 0, 0, m.SB, m.BN_QB, m.BK_Q, m.BR, True, m.FAST)
+    barrier(a.sync, epoch, 4, BARRIERS, m.TIMELINE)
 
-    for t in range(pid, R * heads, grid):
-        A.q_heads_task(t, q_raw_ptr, heads * D, q_ptr, positions_ptr, freqs_ptr, heads, D, RD, norm_eps, D)
-    stamp(timeline_ptr, 2 * BARRIERS + 1, TIMELINE)
-    finish_launch(sync_ptr, epoch)
+    for t in range(pid, a.rows * a.heads, grid):
+        A.q_heads_task(t, a.q_raw, a.heads * m.D, a.q, a.positions, a.freqs, a.heads, m.D, m.RD, a.norm_eps, m.D)
+    stamp(a.sync.timeline, 2 * BARRIERS + 1, m.TIMELINE)
+    finish_launch(a.sync.words, epoch)
 
 
 def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     """K1 of one layer on scratch `s`; returns the index of s.streams holding the settled residual."""
     c = runner.config
-    res = s.streams[cur]
-    streams = s.streams[1 - cur] if owed else res
+    residual = s.streams[cur]
     ring = cache.window
-    sb = c.fp8_block[0]
     d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
     bn_qa, bk_d = runner.gemv_blocks(q_lora, d)
     bn_kv, _ = runner.gemv_blocks(hd, d)
     bn_qb, bk_q = runner.gemv_blocks(heads * hd, q_lora)
-    tma = bool(runner.shape.gemv_tma)
-    runner.launch(_k1, "K1",
-        runner.sync["k1"].words, runner.max_polls, runner.timeline_buffer("k1"), s.rows, s.positions, s.slots,
-        res, s.y, s.post_ffn, s.comb_ffn, streams, s.partials,
-        *lw.hc_attn, lw.attn_norm, s.post_attn, s.comb_attn, s.x,
-        weight_operand(lw.wq_a.codes, tma, bn_qa, bk_d), lw.wq_a.scales, weight_operand(lw.wkv.codes, tma, bn_kv, bk_d),
-        lw.wkv.scales, s.qr_raw, s.kv_raw,
-        lw.q_norm, lw.kv_norm, s.qr, ring.data["kv"], ring.pos, ring.size, lw.rope_freqs,
-        weight_operand(lw.wq_b.codes, tma, bn_qb, bk_q), lw.wq_b.scales, s.q_raw, s.q,
-        c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters,
-        HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, c.hidden_size),
-        HAS_OWED=owed, SB=sb, BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q, BR=row_block(s.rows),
-        D=c.head_dim, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(c.q_lora_rank),
-        FAST=runner.fast, TIMELINE=runner.timeline, GNS=runner.shape.gemv_stages, GTMA=tma,
+    args = K1Args(
+        sync=runner.sync_args("k1"), rows=s.rows, positions=s.positions, slots=s.slots,
+        residual=residual, owed_y=s.y, owed_post=s.post_ffn, owed_comb=s.comb_ffn,
+        streams=s.streams[1 - cur] if owed else residual, partials=s.partials,
+        hc_fn=lw.hc_attn[0], hc_base=lw.hc_attn[1], hc_scale=lw.hc_attn[2], attn_norm=lw.attn_norm,
+        post=s.post_attn, comb=s.comb_attn, x=s.x, wq_a=lw.wq_a, wkv=lw.wkv, qr_raw=s.qr_raw, kv_raw=s.kv_raw,
+        q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
+        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw, q=s.q,
+        d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+        sinkhorn_iters=c.hc_sinkhorn_iters,
     )
+    meta = K1Meta(
+        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, d),
+        HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
+        BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
+        FAST=runner.fast, TIMELINE=runner.timeline,
+    )
+    runner.launch(_k1, "K1", args, meta=meta)
     return 1 - cur if owed else cur

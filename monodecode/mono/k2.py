@@ -19,7 +19,7 @@ Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 9 swiglu    experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
 10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
 11 combine  combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
-The `ffn` variant (ATTENTION False, for layers whose attention ran per-op) starts at stage 3 with
+The `ffn` variant (no `K2Attention`, for layers whose attention ran per-op) starts at stage 3 with
 nothing to fold: the streams it reads are already settled. y, post and comb of the FFN site are
 owed to the next layer's K1 (or the runner's final fold). Pad rows (slot < 0) route to no expert
 (ids -1), so their y holds the shared expert's output only; nothing reads a pad row's result.
@@ -28,10 +28,14 @@ reads only what finished stages wrote; an expired wait names the stage it waited
 FFN_STAGES). Rounding points: those of each stage module (bf16 where the per-op path rounds;
 fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
 Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`.
+Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
@@ -39,9 +43,10 @@ from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import router as RT
-from .gemv import gemv_task, row_block, weight_operand
+from .gemv import gemv_task, row_block
 from .plan import MAX_ROWS
-from .sync import finish_launch, grid_barrier, launch_epoch, stamp
+from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
+from .weights import Fp8Matrix
 
 _FFN_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2", "expert up",
               "expert swiglu", "expert down", "combine"]
@@ -51,155 +56,226 @@ SWB = 1024  # intermediate columns of a SwiGLU task
 CBL = 1024  # hidden columns of a combine task
 
 
+class K2Attention(NamedTuple):
+    """What the attention stages (0-2) read and write; they write `FfnArgs.attn_out`."""
+
+    q: torch.Tensor
+    o: torch.Tensor
+    ring_kv: torch.Tensor
+    ring_pos: torch.Tensor
+    ring_size: int
+    sink: torch.Tensor
+    freqs: torch.Tensor
+    window: int
+    scale: float  # head_dim ** -0.5
+    wo_a: Fp8Matrix
+    z: torch.Tensor
+    wo_b: Fp8Matrix
+    heads: int
+    o_groups: int
+    o_lora: int
+
+
+class FfnArgs(NamedTuple):
+    """What the FFN stages (3-11) read and write."""
+
+    sync: SyncArgs
+    rows: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    residual: torch.Tensor  # [R, hc, d] the settled residual before the attention output
+    attn_out: torch.Tensor  # the attention output and its site's post / comb mixes (read with FOLD)
+    attn_post: torch.Tensor
+    attn_comb: torch.Tensor
+    streams: torch.Tensor  # [R, hc, d] the residual after the fold (the residual itself without FOLD)
+    partials: torch.Tensor
+    hc_fn: torch.Tensor
+    hc_base: torch.Tensor
+    hc_scale: torch.Tensor
+    ffn_norm: torch.Tensor
+    post: torch.Tensor  # the FFN site's mixes, owed to the next layer
+    comb: torch.Tensor
+    x: torch.Tensor
+    gate: torch.Tensor  # bf16 [E, d]
+    route_bias: torch.Tensor | None  # fp32 [E] (bias-routed layers)
+    tid2eid: torch.Tensor | None  # int64 [vocab, k] (hash-routed layers)
+    logits: torch.Tensor
+    ids: torch.Tensor
+    route_weights: torch.Tensor
+    order: torch.Tensor
+    experts: torch.Tensor
+    counts: torch.Tensor
+    shared: tuple[Fp8Matrix, Fp8Matrix, Fp8Matrix] | None  # w1, w2, w3 of the shared expert
+    shared_gate: torch.Tensor
+    shared_up: torch.Tensor
+    shared_h: torch.Tensor
+    shared_out: torch.Tensor
+    w1: tuple[torch.Tensor, torch.Tensor]  # the routed experts: (fragment halves int16, scale codes)
+    w2: tuple[torch.Tensor, torch.Tensor]
+    w3: tuple[torch.Tensor, torch.Tensor]
+    gate_up: torch.Tensor
+    h: torch.Tensor
+    per_pick: torch.Tensor
+    y: torch.Tensor
+    d: int
+    n_experts: int
+    inter: int
+    topk: int
+    hc_eps: float
+    norm_eps: float
+    sinkhorn_iters: int
+    route_scale: float
+    limit: float
+
+
+class K2Meta(NamedTuple):
+    ATTENTION: bool  # the attention stages run (K2), or not (the `ffn` launch)
+    D: int  # head_dim
+    RD: int  # rope dims of a head
+    HB: int  # heads of an attend task
+    KW: int  # window keys, padded to a power of two
+    BDA: int  # head dims an attend task takes at once
+    HC: int
+    MIXP: int
+    RB: int
+    CHUNK: int
+    CB: int
+    BD: int
+    SB: int
+    BN_OA: int
+    BN_OB: int
+    BN_G: int
+    BN_SH: int
+    BN_S2: int
+    BK_D: int  # GEMV K steps over the hidden size, the intermediate, o and z
+    BK_I: int
+    BK_O: int
+    BK_Z: int
+    BR: int
+    HASH: bool
+    SHARED: bool
+    BE: int  # experts padded to a power of two
+    BTOPK: int
+    BP: int  # picks of the widest step, padded
+    ROWS_E: int  # rows of an expert task
+    BNE: int  # expert tiles: outputs, K steps over d and over I
+    BKE_D: int
+    BKE_I: int
+    EDIAG: bool  # tasks of one or two rows take the diagonal loop
+    SWB: int
+    CBL: int
+    FAST: bool
+    FAST_EXPERTS: bool  # FAST and the experts' scales fit the fast decode
+    TIMELINE: bool
+
+
 @triton.jit
-def _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB: tl.constexpr, pid, grid, R,
-                tokens_ptr, slots_ptr, res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
-                fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-                gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
-                sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
-                w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
-                d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
-                HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-                BD: tl.constexpr, FOLD: tl.constexpr, SB: tl.constexpr, BN_G: tl.constexpr, BN_SH: tl.constexpr,
-                BN_S2: tl.constexpr, BK_D: tl.constexpr,
-                BK_I: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
-                BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
-                BKE_D: tl.constexpr, BKE_I: tl.constexpr,
-                SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-                TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-                ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr, EDIAG: tl.constexpr):
+def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
     """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
-    for t in range(pid, tl.cdiv(R, RB) * tl.cdiv(d, CHUNK), grid):
-        HC.fold_task(t, R, d, res_ptr, attn_out_ptr, d, attn_post_ptr, attn_comb_ptr, streams_ptr, fn_ptr, part_ptr,
-                     HC_, MIXP, RB, CHUNK, FOLD)
-    grid_barrier(sync_ptr, epoch, b0, NB, max_polls, timeline_ptr, TIMELINE)
+    R = f.rows
+    for t in range(pid, tl.cdiv(R, m.RB) * tl.cdiv(f.d, m.CHUNK), grid):
+        HC.fold_task(t, R, f.d, f.residual, f.attn_out, f.d, f.attn_post, f.attn_comb, f.streams, f.hc_fn,
+                     f.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.ATTENTION)
+    barrier(f.sync, epoch, b0, NB, m.TIMELINE)
 
     for t in range(pid, R, grid):
-        HC.settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-                       hc_eps, norm_eps, sinkhorn_iters, HC_, CHUNK, CB, BD)
-    grid_barrier(sync_ptr, epoch, b0 + 1, NB, max_polls, timeline_ptr, TIMELINE)
+        HC.settle_task(t, f.d, f.streams, f.partials, f.hc_base, f.hc_scale, f.ffn_norm, f.post, f.comb, f.x,
+                       f.hc_eps, f.norm_eps, f.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
+    barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE)
 
-    e_tasks = tl.cdiv(E, BN_G)
-    i_tasks = tl.cdiv(I, BN_SH)
+    e_tasks = tl.cdiv(f.n_experts, m.BN_G)
+    i_tasks = tl.cdiv(f.inter, m.BN_SH)
     n5 = e_tasks
-    if SHARED:
+    if m.SHARED:
         n5 += 2 * i_tasks
     for t in range(pid, n5, grid):
         if t < e_tasks:
-            gemv_task(t, x_ptr, d, R, gate_ptr, gate_ptr, logits_ptr, E, E, d, 0,
-                      1, SB, BN_G, BK_D, BR, False, FAST, GNS, GTMA)
-        elif t < e_tasks + i_tasks:
-            gemv_task(t - e_tasks, x_ptr, d, R, sw1_ptr, sw1_s, sgate_ptr, I, I, d, 0,
-                      0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
+            gemv_task(t, f.x, f.d, R, f.gate, f.gate, f.logits, f.n_experts, f.n_experts, f.d, 0,
+                      1, m.SB, m.BN_G, m.BK_D, m.BR, False, m.FAST)
         else:
-            gemv_task(t - e_tasks - i_tasks, x_ptr, d, R, sw3_ptr, sw3_s, sup_ptr, I, I, d, 0,
-                      0, SB, BN_SH, BK_D, BR, True, FAST, GNS, GTMA)
-    grid_barrier(sync_ptr, epoch, b0 + 2, NB, max_polls, timeline_ptr, TIMELINE)
+            if m.SHARED:
+                if t < e_tasks + i_tasks:
+                    gemv_task(t - e_tasks, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate,
+                              f.inter, f.inter, f.d, 0, 0, m.SB, m.BN_SH, m.BK_D, m.BR, True, m.FAST)
+                else:
+                    gemv_task(t - e_tasks - i_tasks, f.x, f.d, R, f.shared[2].codes, f.shared[2].scales, f.shared_up,
+                              f.inter, f.inter, f.d, 0, 0, m.SB, m.BN_SH, m.BK_D, m.BR, True, m.FAST)
+    barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE)
 
     n6 = R
-    if SHARED:
-        n6 += R * tl.cdiv(I, SWB_)
+    if m.SHARED:
+        n6 += R * tl.cdiv(f.inter, m.SWB)
     for t in range(pid, n6, grid):
         if t < R:
-            RT.route_task(t, logits_ptr, E, slots_ptr, bias_ptr, tokens_ptr, tid2eid_ptr, ids_ptr, rw_ptr,
-                          E, TOPK, route_scale, BE, BTOPK, HASH, FAST)
+            RT.route_task(t, f.logits, f.n_experts, f.slots, f.route_bias, f.tokens, f.tid2eid, f.ids,
+                          f.route_weights, f.n_experts, f.topk, f.route_scale, m.BE, m.BTOPK, m.HASH, m.FAST)
         else:
-            RT.shared_swiglu_task(t - R, sgate_ptr, sup_ptr, I, sh_ptr, I, limit, SWB_, FAST)
-    grid_barrier(sync_ptr, epoch, b0 + 3, NB, max_polls, timeline_ptr, TIMELINE)
+            if m.SHARED:
+                RT.shared_swiglu_task(t - R, f.shared_gate, f.shared_up, f.inter, f.shared_h, f.inter, f.limit,
+                                      m.SWB, m.FAST)
+    barrier(f.sync, epoch, b0 + 3, NB, m.TIMELINE)
 
     n7 = 1
-    if SHARED:
-        n7 += tl.cdiv(d, BN_S2)
+    if m.SHARED:
+        n7 += tl.cdiv(f.d, m.BN_S2)
     for t in range(pid, n7, grid):
         if t == 0:
-            RT.group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, R * TOPK, BP, ROWS_E)
+            RT.group_task(f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
         else:
-            gemv_task(t - 1, sh_ptr, I, R, sw2_ptr, sw2_s, sout_ptr, d, d, I, 0,
-                      0, SB, BN_S2, BK_I, BR, True, FAST, GNS, GTMA)
-    grid_barrier(sync_ptr, epoch, b0 + 4, NB, max_polls, timeline_ptr, TIMELINE)
+            if m.SHARED:
+                gemv_task(t - 1, f.shared_h, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
+                          f.d, f.inter, 0, 0, m.SB, m.BN_S2, m.BK_I, m.BR, True, m.FAST)
+    barrier(f.sync, epoch, b0 + 4, NB, m.TIMELINE)
 
-    P = R * TOPK
-    X.up_stage(pid, grid, P, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w1_codes, w1_scales, w3_codes,
-               w3_scales, d, I, TOPK, BNE, BKE_D, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG, EDIAG)
-    grid_barrier(sync_ptr, epoch, b0 + 5, NB, max_polls, timeline_ptr, TIMELINE)
+    P = R * f.topk
+    X.up_stage(pid, grid, P, f.x, f.gate_up, f.counts, f.order, f.experts, f.w1[0], f.w1[1], f.w3[0], f.w3[1],
+               f.d, f.inter, f.topk, m.BNE, m.BKE_D, m.FAST_EXPERTS, m.EDIAG)
+    barrier(f.sync, epoch, b0 + 5, NB, m.TIMELINE)
 
-    sw_blocks = tl.cdiv(I, SWB_)
-    for t in range(pid, P * sw_blocks, grid):
-        X.swiglu_task(t // sw_blocks, t % sw_blocks, gu_ptr, rw_ptr, h_ptr, I, limit, SWB_, FAST_EXPERTS)
-    grid_barrier(sync_ptr, epoch, b0 + 6, NB, max_polls, timeline_ptr, TIMELINE)
+    X.swiglu_stage(pid, grid, P, f.gate_up, f.route_weights, f.h, f.inter, f.limit, m.SWB, m.FAST_EXPERTS)
+    barrier(f.sync, epoch, b0 + 6, NB, m.TIMELINE)
 
-    X.down_stage(pid, grid, P, h_ptr, per_pick_ptr, counts_ptr, order_ptr, experts_ptr, w2_codes, w2_scales, d, I,
-                 BNE, BKE_I, ROWS_E, FAST_EXPERTS, ENS, ETMA, EFRAG, EDIAG)
-    grid_barrier(sync_ptr, epoch, b0 + 7, NB, max_polls, timeline_ptr, TIMELINE)
+    X.down_stage(pid, grid, P, f.h, f.per_pick, f.counts, f.order, f.experts, f.w2[0], f.w2[1], f.d, f.inter,
+                 m.BNE, m.BKE_I, m.FAST_EXPERTS, m.EDIAG)
+    barrier(f.sync, epoch, b0 + 7, NB, m.TIMELINE)
 
-    c_blocks = tl.cdiv(d, CBL_)
-    for t in range(pid, R * c_blocks, grid):
-        RT.combine_task(t, per_pick_ptr, ids_ptr, sout_ptr, y_ptr, d, TOPK, CBL_, SHARED, FAST)
+    for t in range(pid, R * tl.cdiv(f.d, m.CBL), grid):
+        RT.combine_task(t, f.per_pick, f.ids, f.shared_out, f.y, f.d, f.topk, m.CBL, m.SHARED, m.FAST)
 
 
 @triton.jit
-def _k2(sync_ptr, max_polls, timeline_ptr, R, tokens_ptr, positions_ptr, slots_ptr,
-        q_ptr, o_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr, freqs_ptr, window, attn_scale,
-        woa_ptr, woa_s, z_ptr, wob_ptr, wob_s,
-        res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
-        fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-        gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
-        sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
-        w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
-        d, heads, o_groups, o_lora, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
-        ATTENTION: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, HB: tl.constexpr, KW: tl.constexpr,
-        BDA: tl.constexpr,
-        HC_: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr,
-        BD: tl.constexpr, SB: tl.constexpr, BN_OA: tl.constexpr, BN_OB: tl.constexpr, BN_G: tl.constexpr,
-        BN_SH: tl.constexpr, BN_S2: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr,
-        BK_O: tl.constexpr, BK_Z: tl.constexpr, BR: tl.constexpr, HASH: tl.constexpr, SHARED: tl.constexpr,
-        BE: tl.constexpr, BTOPK: tl.constexpr, BP: tl.constexpr, ROWS_E: tl.constexpr, BNE: tl.constexpr,
-        BKE_D: tl.constexpr, BKE_I: tl.constexpr,
-        SWB_: tl.constexpr, CBL_: tl.constexpr, FAST: tl.constexpr, FAST_EXPERTS: tl.constexpr,
-        TIMELINE: tl.constexpr, GNS: tl.constexpr, ENS: tl.constexpr,
-        ETMA: tl.constexpr, EFRAG: tl.constexpr, GTMA: tl.constexpr, EDIAG: tl.constexpr):
+def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    epoch = launch_epoch(sync_ptr)
-    stamp(timeline_ptr, 0, TIMELINE)
-    NB: tl.constexpr = 11 if ATTENTION else 8
+    epoch = launch_epoch(f.sync.words)
+    stamp(f.sync.timeline, 0, m.TIMELINE)
+    NB: tl.constexpr = 11 if m.ATTENTION else 8
     b0 = 0
-    if ATTENTION:
-        for t in range(pid, R * tl.cdiv(heads, HB), grid):
-            A.attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                          freqs_ptr, heads, D, RD, window, attn_scale, HB, KW, BDA, FAST)
-        grid_barrier(sync_ptr, epoch, 0, NB, max_polls, timeline_ptr, TIMELINE)
-        z_width = o_groups * o_lora
-        for t in range(pid, tl.cdiv(z_width, BN_OA), grid):
-            gemv_task(t, o_ptr, heads * D, R, woa_ptr, woa_s, z_ptr, z_width, z_width, heads * D // o_groups, o_lora,
-                      0, SB, BN_OA, BK_O, BR, True, FAST, GNS, GTMA)
-        grid_barrier(sync_ptr, epoch, 1, NB, max_polls, timeline_ptr, TIMELINE)
-        for t in range(pid, tl.cdiv(d, BN_OB), grid):
-            gemv_task(t, z_ptr, z_width, R, wob_ptr, wob_s, attn_out_ptr, d, d, z_width, 0,
-                      0, SB, BN_OB, BK_Z, BR, True, FAST, GNS, GTMA)
-        grid_barrier(sync_ptr, epoch, 2, NB, max_polls, timeline_ptr, TIMELINE)
+    if m.ATTENTION:
+        for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
+            A.attend_task(t, a.q, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink, a.freqs,
+                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.FAST)
+        barrier(f.sync, epoch, 0, NB, m.TIMELINE)
+        z_width = a.o_groups * a.o_lora
+        for t in range(pid, tl.cdiv(z_width, m.BN_OA), grid):
+            gemv_task(t, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
+                      a.heads * m.D // a.o_groups, a.o_lora, 0, m.SB, m.BN_OA, m.BK_O, m.BR, True, m.FAST)
+        barrier(f.sync, epoch, 1, NB, m.TIMELINE)
+        for t in range(pid, tl.cdiv(f.d, m.BN_OB), grid):
+            gemv_task(t, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width, 0,
+                      0, m.SB, m.BN_OB, m.BK_Z, m.BR, True, m.FAST)
+        barrier(f.sync, epoch, 2, NB, m.TIMELINE)
         b0 = 3
-    _ffn_stages(sync_ptr, epoch, max_polls, timeline_ptr, b0, NB, pid, grid, R,
-                tokens_ptr, slots_ptr, res_ptr, attn_out_ptr, attn_post_ptr, attn_comb_ptr, streams_ptr, part_ptr,
-                fn_ptr, base_ptr, scale_ptr, ffn_norm_ptr, post_ptr, comb_ptr, x_ptr,
-                gate_ptr, bias_ptr, tid2eid_ptr, logits_ptr, ids_ptr, rw_ptr, order_ptr, experts_ptr, counts_ptr,
-                sw1_ptr, sw1_s, sw2_ptr, sw2_s, sw3_ptr, sw3_s, sgate_ptr, sup_ptr, sh_ptr, sout_ptr,
-                w1_codes, w1_scales, w2_codes, w2_scales, w3_codes, w3_scales, gu_ptr, h_ptr, per_pick_ptr, y_ptr,
-                d, E, I, TOPK, hc_eps, norm_eps, sinkhorn_iters, route_scale, limit,
-                HC_, MIXP, RB, CHUNK, CB, BD, ATTENTION, SB, BN_G, BN_SH, BN_S2, BK_D, BK_I, BR, HASH, SHARED,
-                BE, BTOPK, BP, ROWS_E, BNE, BKE_D, BKE_I, SWB_, CBL_, FAST, FAST_EXPERTS, TIMELINE, GNS, ENS, ETMA,
-                EFRAG, GTMA, EDIAG)
-    stamp(timeline_ptr, 2 * NB + 1, TIMELINE)
-    finish_launch(sync_ptr, epoch)
+    _ffn_stages(f, m, epoch, b0, NB, pid, grid)
+    stamp(f.sync.timeline, 2 * NB + 1, m.TIMELINE)
+    finish_launch(f.sync.words, epoch)
 
 
 def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     """K2 (`attention`) or its `ffn` variant of one layer on scratch `s`, the settled residual in
     s.streams[cur]; returns the index of s.streams holding the residual the owed output folds into."""
     c = runner.config
-    res = s.streams[cur]
-    streams = s.streams[1 - cur] if attention else res
-    sb = c.fp8_block[0]
-    shape = runner.shape
+    residual = s.streams[cur]
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
     z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * hd // c.o_groups
     bn_oa, bk_o = runner.gemv_blocks(z_width, o_in, group_rows=c.o_lora_rank)
@@ -207,45 +283,38 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     bn_g, bk_d = runner.gemv_blocks(c.n_routed_experts, d, fp8=False)
     bn_sh, _ = runner.gemv_blocks(inter, d)
     bn_s2, bk_i = runner.gemv_blocks(d, inter)
-    tma = bool(shape.gemv_tma)
-    sw1, sw2, sw3 = lw.shared if lw.shared is not None else (lw.wq_a,) * 3  # unread (SHARED False): any FP8 matrix
-    shared = (weight_operand(sw1.codes, tma, bn_sh, bk_d), sw1.scales, weight_operand(sw2.codes, tma, bn_s2, bk_i),
-              sw2.scales, weight_operand(sw3.codes, tma, bn_sh, bk_d), sw3.scales)
+    shape, ex = runner.shape, lw.experts
+    attn = None
     if attention:
         ring = cache.window
-        attn = (s.q, s.o, ring.data["kv"], ring.pos, ring.size, lw.attn_sink, lw.rope_freqs, c.sliding_window,
-                hd ** -0.5, weight_operand(lw.wo_a.codes, tma, bn_oa, bk_o), lw.wo_a.scales, s.z,
-                weight_operand(lw.wo_b.codes, tma, bn_ob, bk_z), lw.wo_b.scales)
-    else:  # unread: the attention stages are compiled out
-        attn = (s.q, s.o, s.q, s.slots, 1, s.logits, s.logits, 1, 1.0, s.q, s.q, s.z, s.q, s.q)
-    routing = lw.tid2eid if lw.tid2eid is not None else lw.route_bias
-    ex = lw.experts
-    bne, bke_d, bke_i = min(shape.expert_block_n, inter, d), min(shape.expert_block_k, d), min(shape.expert_block_k, inter)
-    w1, w3 = (X.codes_operand(m, ex.fragments, bool(shape.expert_tma), bne, bke_d) for m in (ex.w1, ex.w3))
-    w2 = X.codes_operand(ex.w2, ex.fragments, bool(shape.expert_tma), bne, bke_i)
+        attn = K2Attention(
+            q=s.q, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
+            freqs=lw.rope_freqs, window=c.sliding_window, scale=hd ** -0.5, wo_a=lw.wo_a, z=s.z, wo_b=lw.wo_b,
+            heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank)
     kind = "k2" if attention else "ffn"
-    runner.launch(_k2, "K2" if attention else "K2 (ffn)",
-        runner.sync[kind].words, runner.max_polls, runner.timeline_buffer(kind), s.rows, s.tokens, s.positions, s.slots,
-        *attn,
-        res, s.attn_out, s.post_attn, s.comb_attn, streams, s.partials,
-        *lw.hc_ffn, lw.ffn_norm, s.post_ffn, s.comb_ffn, s.x,
-        weight_operand(lw.gate, tma, bn_g, bk_d), routing, routing, s.logits, s.ids, s.route_weights, s.order,
-        s.experts, s.counts, *shared,
-        s.shared_gate, s.shared_up, s.shared_h, s.shared_out,
-        *w1, *w2, *w3, s.gate_up, s.h, s.per_pick, s.y,
-        d, c.num_attention_heads, c.o_groups, c.o_lora_rank, c.n_routed_experts, inter, c.num_experts_per_tok,
-        c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters, c.routed_scaling_factor, c.swiglu_limit,
-        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
-        BDA=A.BD,
-        HC_=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, d),
-        SB=sb, BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_D=bk_d, BK_I=bk_i, BK_O=bk_o,
-        BK_Z=bk_z,
-        BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
+    ffn = FfnArgs(
+        sync=runner.sync_args(kind), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
+        residual=residual, attn_out=s.attn_out, attn_post=s.post_attn, attn_comb=s.comb_attn,
+        streams=s.streams[1 - cur] if attention else residual, partials=s.partials,
+        hc_fn=lw.hc_ffn[0], hc_base=lw.hc_ffn[1], hc_scale=lw.hc_ffn[2], ffn_norm=lw.ffn_norm,
+        post=s.post_ffn, comb=s.comb_ffn, x=s.x, gate=lw.gate, route_bias=lw.route_bias, tid2eid=lw.tid2eid,
+        logits=s.logits, ids=s.ids, route_weights=s.route_weights, order=s.order, experts=s.experts,
+        counts=s.counts, shared=lw.shared, shared_gate=s.shared_gate, shared_up=s.shared_up, shared_h=s.shared_h,
+        shared_out=s.shared_out, w1=(ex.w1[0].view(torch.int16), ex.w1[1]), w2=(ex.w2[0].view(torch.int16), ex.w2[1]),
+        w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up, h=s.h, per_pick=s.per_pick, y=s.y,
+        d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
+        norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
+        limit=c.swiglu_limit)
+    meta = K2Meta(
+        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
+        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, d),
+        SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_D=bk_d, BK_I=bk_i,
+        BK_O=bk_o, BK_Z=bk_z, BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
-        ROWS_E=X.ROWS, BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        BNE=bne, BKE_D=bke_d, BKE_I=bke_i, SWB_=min(SWB, inter), CBL_=min(CBL, d),
-        FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
-        TIMELINE=runner.timeline, GNS=shape.gemv_stages, ENS=shape.expert_stages,
-        ETMA=bool(shape.expert_tma), EFRAG=ex.fragments, GTMA=tma, EDIAG=runner.expert_diagonal,
-    )
+        BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
+        ROWS_E=X.ROWS, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
+        BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
+        SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast,
+        FAST_EXPERTS=runner.fast and ex.supports_fast_decode(), TIMELINE=runner.timeline)
+    runner.launch(_k2, "K2" if attention else "K2 (ffn)", attn, ffn, meta=meta)
     return 1 - cur if attention else cur

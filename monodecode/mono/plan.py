@@ -1,6 +1,6 @@
 """The layer plan and the refusals: which layers the mono kernels take, and why they would not.
 
-Plan (DESIGN.md section 3): a window-only layer runs `whole` (K1 + K2); a CSA or HCA layer runs
+Plan (docs/ARCHITECTURE.md): a window-only layer runs `whole` (K1 + K2); a CSA or HCA layer runs
 `ffn` (its attention, compressor and indexer on the per-op path, then K2 without its attention
 part). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
 logs each and runs per-op, `mono="on"` raises them.
@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..config import ModelConfig
+from .fragments import FRAGMENT_GROUP
 
 MAX_ROWS = 48  # the widest decode step the kernels take; wider steps run per-op
 WHOLE, FFN = "whole", "ffn"
@@ -62,10 +63,13 @@ def refusals(config: ModelConfig, device: torch.device, dtype: torch.dtype, inte
             reasons.append(f"{name}={value} is not a multiple of the FP8 block {block[0]}")
     if c.head_dim & (c.head_dim - 1):
         reasons.append(f"head_dim must be a power of two, got {c.head_dim}")
-    for name, tile in (("hidden_size", 256), ("moe_intermediate_size", 256)):
-        if not _tiles(getattr(c, name), tile):
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if getattr(c, name) % FRAGMENT_GROUP:
+            reasons.append(f"{name}={getattr(c, name)} is not a multiple of {FRAGMENT_GROUP}, the column group of "
+                           "the routed experts' fragment order")
+        elif not _tiles(getattr(c, name), 256):
             reasons.append(f"{name}={getattr(c, name)} is not a multiple of the expert stage's tile "
-                           f"(min({tile}, itself), a power of two)")
+                           "(min(256, itself), a power of two)")
     if MAX_ROWS * c.num_experts_per_tok > 512:
         reasons.append(f"{c.num_experts_per_tok} experts a token is over the expert grouping's 512 picks")
     return reasons

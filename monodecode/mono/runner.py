@@ -2,9 +2,9 @@
 
 Owns, for one model: the kernel views of the weights (checked at build), the device sync state of
 each kernel family (epochs advanced on the device), one `Scratch` per step width, and one CUDA
-graph per (width, cache) when every layer runs `whole`. `step` has Model.step's signature and
-result; the steps the kernels do not take (more than 48 rows, a request with more rows than the
-cache can rewind, i.e. a prefill chunk) run on the per-op path, counted in `fallbacks`.
+graph per (width, cache). `step` has Model.step's signature and result for the steps it takes;
+`refusal` says why it would not take one (more than 48 rows, a request with more rows than the
+cache can rewind, i.e. a prefill chunk), and the caller (`decode.Decoder`) runs that one per-op.
 
 A step on the mono path:
   embed -> per layer: `whole`: K1 (fold the owed FFN output, attention seam, q/kv projections,
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import Counter
-from dataclasses import dataclass
 
 import torch
+import triton.language as tl
 
 from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
@@ -33,81 +32,11 @@ from . import k1, k2
 from .gemv import kernel_blocks
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
-from .sync import DEFAULT_MAX_POLLS, ERROR, TIMELINE_SLOTS, SyncState
+from .shape import LaunchShape
+from .sync import DEFAULT_MAX_POLLS, ERROR, TIMELINE_SLOTS, SyncArgs, SyncState
 from .weights import check_cache, fp8_names, layer_weights, read_fp8
 
 log = logging.getLogger("monodecode.mono")
-
-
-@dataclass(frozen=True)
-class LaunchShape:
-    """How the persistent kernels are launched and tiled (tuning knobs: results do not depend on
-    them beyond fp32 summation order). `programs_per_sm` co-resident programs on every SM, of
-    `k1_warps` warps in K1 and `k2_warps` in K2 and the `ffn` launch; dense GEMV tasks of
-    `block_n` outputs (0: chosen per GEMV by `gemv.default_blocks`, smaller where a GEMV has
-    few outputs) over K steps of `block_k` (a multiple of the 128 scale block scales each weight
-    in registers); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k`
-    (the experts are stacked in the fragment order wherever their sizes allow,
-    `weights.stack_experts`, and that order needs expert K steps of a multiple of 128 and
-    prefetches one step into registers by itself, `experts._fragment_matvec`); `*_stages`: the
-    software-pipelining depth of the GEMV and (in the checkpoint's order, or with `expert_tma`)
-    expert K loops (None: Triton's default for the launch);
-    `expert_tma` 1: the expert codes tiles come through tensor descriptors (the copy engine,
-    `LaunchConfig.tma`); `gemv_tma` 1: so do the dense GEMVs' weight tiles (`gemv.weight_operand`:
-    bytes in flight without registers, for deeper `gemv_stages`; timed at 1 row only);
-    `expert_diagonal` 1: expert tasks of one or two rows scale their fp32 partial sums
-    (`LaunchConfig.diagonal`; needs the fragment order, no `expert_tma` and expert K steps of
-    256: a window layer at v4-flash sizes 1 / 3 / 12 % faster at 1 / 6 / 48 rows on the H200);
-    0: not; None (the default): wherever the experts' sizes and the shape allow it;
-    `compile_attention` 1: the `ffn` layers' per-op attention sub-block (mHC collapse, norm,
-    `BatchedAttention`, fold) under torch.compile, with the eager path's rounding points
-    (`attention_site_compiled`: ~100-130 fused kernels instead of ~350-500 small ones, `ffn` layers
-    1.2-2.1x faster on the H200, its agreement checked there at v4-flash sizes); 0: eagerly; None
-    (the default): compiled on a GPU, eager under Triton's interpreter (where inductor's CPU build
-    would cost minutes of a test run and the interpreted kernels dominate anyway). `expert_tma` is
-    opt-in: in the expert stage's persistent proxy it lost (docs/PERFORMANCE.md), where the fragment
-    order gained ~5 %. The defaults are the fastest shape measured on the H200 at 6-48 rows
-    (1.3-1.4x the 4-warp, 64 x 256 expert tiles it replaced; 5 % slower at 1 row) and checked there
-    for agreement (`mono.check`); expert K steps of 256 since the fragment order's loop prefetches
-    into registers (with 512 it spills: K2 1.2-1.5x slower); docs/PERFORMANCE.md has the alternatives."""
-
-    programs_per_sm: int = 1
-    k1_warps: int = 4
-    k2_warps: int = 8
-    block_n: int = 64
-    block_k: int = 128
-    gemv_stages: int | None = None
-    gemv_tma: int = 0
-    expert_block_n: int = 128
-    expert_block_k: int = 256
-    expert_stages: int | None = None
-    expert_tma: int = 0
-    expert_diagonal: int | None = None
-    compile_attention: int | None = None
-
-    def spec(self) -> str:
-        """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
-        changed = [f"{name}={'none' if value is None else value}" for name, value in vars(self).items()
-                   if value != self.__dataclass_fields__[name].default]
-        return ",".join(changed) or "default"
-
-    @classmethod
-    def parse(cls, text: str) -> "LaunchShape":
-        """`default`, or comma-separated field=value (an int, or `none`): "k2_warps=8,expert_block_n=128"."""
-        if text.strip() == "default":
-            return cls()
-        fields = {}
-        for item in text.split(","):
-            name, _, value = item.partition("=")
-            name = name.strip()
-            if name not in cls.__dataclass_fields__ or not value:
-                raise ValueError(f"launch shape {text!r}: {item!r} is not field=value with a field of "
-                                 f"{', '.join(cls.__dataclass_fields__)}")
-            value = value.strip().lower()
-            if value != "none" and not value.isdigit():
-                raise ValueError(f"launch shape {text!r}: {name} must be a whole number or none, got {value!r}")
-            fields[name] = None if value == "none" else int(value)
-        return cls(**fields)
 
 
 def attention_site_compiled():
@@ -126,7 +55,11 @@ def attention_site_compiled():
 
 class MonoRunner:
     def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False,
-                 shape: LaunchShape = LaunchShape()):
+                 shape: LaunchShape = LaunchShape(), compile_attention: bool | None = None):
+        """`compile_attention`: the `ffn` layers' per-op attention sub-block under torch.compile
+        (`attention_site_compiled`); None (the default): compiled on a GPU, eager under Triton's
+        interpreter (where inductor's CPU build would cost minutes and the interpreted kernels
+        dominate anyway)."""
         self.model, self.config = model, model.config
         reasons = refusals(self.config, model.device, model.dtype)
         if reasons:
@@ -142,6 +75,8 @@ class MonoRunner:
             lw.experts.supports_fast_decode()  # checked (a host sync) now, before any capture
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.timelines: dict[str, torch.Tensor] = {}
+        compile_attention = not interpreted() if compile_attention is None else compile_attention
+        self.attention_site = attention_site_compiled() if compile_attention else attention_site
         self.configure(shape, check=False)  # checked below, once the runner is complete
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
@@ -150,8 +85,6 @@ class MonoRunner:
         self.attention = {i: BatchedAttention(model.blocks[i].attention, self.device)
                           for i, kind in enumerate(self.plan) if kind != WHOLE}  # of the `ffn` layers
         self.scratch: dict[int, Scratch] = {}
-        self.fallbacks: Counter[str] = Counter()
-        self.last_path = None  # "mono" or "per-op": the path the last step took
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
                  self.memory()["fp8_weights"] / 2**20)
@@ -191,11 +124,6 @@ class MonoRunner:
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = 1 if interpreted() else sms * shape.programs_per_sm
         self.shape = shape
-        compile_attention = not interpreted() if shape.compile_attention is None else shape.compile_attention
-        self.attention_site = attention_site_compiled() if compile_attention else attention_site
-        # K2's expert tasks of one or two rows take the diagonal loop (`expert_diagonal`)
-        self.expert_diagonal = (self._diagonal_refusal(shape) is None if shape.expert_diagonal is None
-                                else bool(shape.expert_diagonal))
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
         self.graphs.clear()
@@ -209,25 +137,11 @@ class MonoRunner:
                 raise
 
     def _check_expert_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve, or whose
-        `expert_diagonal` they cannot take, is a caller's error (ValueError)."""
+        """A shape whose expert tiles the experts' fragment order cannot serve is a caller's error."""
         c = self.config
-        experts = self.layers[0].experts
-        refusal = experts.fragments and X.fragment_tiles_refusal(
-            shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
+        refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
-            raise ValueError(f"launch shape {shape.spec()}: the experts are in the fragment order, which needs "
-                             f"{refusal}")
-        if shape.expert_diagonal:
-            refusal = self._diagonal_refusal(shape)
-            if refusal:
-                raise ValueError(f"launch shape {shape.spec()}: {refusal}")
-
-    def _diagonal_refusal(self, shape: LaunchShape) -> str | None:
-        """Why the experts' tasks cannot take the diagonal loop with this shape, or None."""
-        config = X.LaunchConfig(False, shape.expert_block_n, shape.expert_block_k, tma=bool(shape.expert_tma),
-                                diagonal=True)
-        return X.launch_refusal(config, self.layers[0].experts)
+            raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
 
     def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
         """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
@@ -243,17 +157,24 @@ class MonoRunner:
                 "scratch": sum(s.nbytes() for s in self.scratch.values())}
 
     # --- the step ---------------------------------------------------------------------------------
+    def refusal(self, cache, tokens, positions, slots) -> str | None:
+        """Why the kernels do not take this step (it then runs per-op), or None. Rows that no path
+        can run raise ValueError (`Model.group_rows`)."""
+        host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
+        groups = self.model.group_rows(cache, *host)
+        if host[0].numel() > MAX_ROWS:
+            return f"more than {MAX_ROWS} rows"
+        if any(len(g.index) > cache.max_step_rows for g in groups):
+            return "a request with more rows than the cache rewinds (prefill)"
+        return None
+
     @torch.no_grad()
     def step(self, cache, tokens, positions, slots, return_hidden: bool = False):
-        """Model.step on the mono path where the step allows, per-op otherwise."""
-        host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
-        groups = self.model._group_rows(cache, *host)  # validates the rows (raises ValueError)
-        reason = self._per_op_reason(cache, host[0].numel(), groups)
+        """Model.step on the kernels, for a step they take (`refusal` None)."""
+        reason = self.refusal(cache, tokens, positions, slots)
         if reason:
-            self.fallbacks[reason] += 1
-            self.last_path = "per-op"
-            return self.model.step_per_op(cache, tokens, positions, slots, return_hidden=return_hidden)
-        self.last_path = "mono"
+            raise ValueError(f"the mono kernels do not take this step: {reason}")
+        host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
         if id(cache) not in self.checked_caches:
             check_cache(self.config, cache)
             self.checked_caches.add(id(cache))
@@ -281,6 +202,10 @@ class MonoRunner:
         graph.replay()
         return tuple(t.clone() for t in out) if return_hidden else out.clone()
 
+    def sync_args(self, kind: str) -> SyncArgs:
+        """The synchronisation arguments of a launch of family `kind` ("k1", "k2", "ffn")."""
+        return SyncArgs(words=self.sync[kind].words, max_polls=self.max_polls, timeline=self.timeline_buffer(kind))
+
     def timeline_buffer(self, kind: str) -> torch.Tensor:
         """The stamps buffer of a kernel family ([grid, TIMELINE_SLOTS] int64; the last launch's
         stamps), or, with the timeline off, any device pointer (the kernels do not touch it)."""
@@ -292,18 +217,21 @@ class MonoRunner:
             self.timelines[kind] = torch.zeros(self.grid, TIMELINE_SLOTS, dtype=torch.int64, device=self.device)
         return self.timelines[kind]
 
-    def launch(self, kernel, name: str, *args, **meta) -> None:
-        """One persistent launch of `self.grid` programs. On the GPU it is cooperative: the driver
-        refuses a grid whose programs cannot all be resident at once (registers, shared memory)
-        instead of letting their waits on each other hang; that refusal becomes MonoRefused."""
+    def launch(self, kernel, name: str, *args, meta) -> None:
+        """One persistent launch of `self.grid` programs: `kernel(*args, meta)`, the fields of the
+        `meta` named tuple passed as compile-time constants. On the GPU it is cooperative: the
+        driver refuses a grid whose programs cannot all be resident at once (registers, shared
+        memory) instead of letting their waits on each other hang; that refusal becomes
+        MonoRefused."""
         warps = self.shape.k1_warps if name == "K1" else self.shape.k2_warps
+        constants = type(meta)(*(tl.constexpr(value) for value in meta))
         if interpreted():
-            kernel[(self.grid,)](*args, **meta, num_warps=warps)
+            kernel[(self.grid,)](*args, constants, num_warps=warps)
             return
         try:
-            compiled = kernel[(self.grid,)](*args, **meta, num_warps=warps, launch_cooperative_grid=True)
+            compiled = kernel[(self.grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True)
             if compiled is not None:  # Triton returns the compiled kernel it launched
-                self.compiled[(name, meta["BR"])] = compiled
+                self.compiled[(name, meta.BR)] = compiled
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
@@ -326,13 +254,6 @@ class MonoRunner:
         for state, error in zip(self.sync.values(), errors):
             if error:
                 state.check()
-
-    def _per_op_reason(self, cache, rows: int, groups) -> str | None:
-        if rows > MAX_ROWS:
-            return f"more than {MAX_ROWS} rows"
-        if any(len(g.index) > cache.max_step_rows for g in groups):
-            return "a request with more rows than the cache rewinds (prefill)"
-        return None
 
     def _scratch(self, rows: int) -> Scratch:
         if rows not in self.scratch:

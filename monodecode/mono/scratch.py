@@ -1,7 +1,7 @@
 """The device buffers of one step width: inputs, the residual streams, every stage's output.
 
 One `Scratch` per width R (rows of a step), allocated before the width's first launch and never
-shared with another width (DESIGN.md section 4): a CUDA graph of width R captures these pointers.
+shared with another width: a CUDA graph of width R captures these pointers.
 Buffers are reused layer after layer (a layer's K1 and K2 run in stream order, so a buffer is
 free again once the stage that reads it has run); the residual streams ping-pong between two
 buffers because a fold reads one and writes the other.

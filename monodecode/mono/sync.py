@@ -1,6 +1,6 @@
 """Synchronisation of persistent kernels: monotonic counters, bounded waits, a device epoch.
 
-Invariants (DESIGN.md section 4)
+Invariants (docs/ARCHITECTURE.md, "Kernel rules")
 - One program per SM, all co-resident: a wait on a program that never got scheduled would never
   end, so launches that wait across programs are cooperative (`launch_cooperative_grid=True`):
   the driver refuses a grid that cannot be co-resident instead of letting it hang.
@@ -26,6 +26,8 @@ counter], each on its own 32-word line so that contended atomics do not share a 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,14 @@ _EXIT: tl.constexpr = tl.constexpr(EXIT)
 _BARRIER: tl.constexpr = tl.constexpr(BARRIER)
 TIMELINE_SLOTS = 32  # per program: start, 2 per barrier (up to 15), end
 _TIMELINE_SLOTS: tl.constexpr = tl.constexpr(TIMELINE_SLOTS)
+
+
+class SyncArgs(NamedTuple):
+    """What a persistent launch synchronises through, as its kernel takes it."""
+
+    words: torch.Tensor  # SyncState.words of the launch's family
+    max_polls: int  # polls before a wait gives up
+    timeline: torch.Tensor  # [grid, TIMELINE_SLOTS] int64 stamps, written only with TIMELINE
 
 
 class MonoSyncError(RuntimeError):
@@ -120,6 +130,12 @@ def grid_barrier(sync_ptr, epoch, k, num_barriers, max_polls, timeline_ptr, TIME
     done = wait_at_least(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, k, max_polls)
     stamp(timeline_ptr, 2 * k + 2, TIMELINE)
     return done
+
+
+@triton.jit
+def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr):
+    """`grid_barrier` k of `num_barriers` for a launch's `SyncArgs`."""
+    return grid_barrier(sync.words, epoch, k, num_barriers, sync.max_polls, sync.timeline, TIMELINE)
 
 
 @triton.jit

@@ -6,8 +6,8 @@ its end, in a [grid, TIMELINE_SLOTS] int64 buffer of ns. Stage k of a launch run
 from its previous release (or start) to its arrival at barrier k (or its end); the stage's time
 is from the earliest program starting it to the last one finishing it, and the barrier's wait is
 from that last arrival to the last release. The slowest program sets both, so a stage whose time
-is far above its bytes' worth is the one to rebalance (DESIGN.md section 4: per-task flags where
-the timeline shows waiting).
+is far above its bytes' worth is the one to rebalance (with per-task flags where the timeline
+shows waiting).
 """
 
 from __future__ import annotations

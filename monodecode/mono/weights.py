@@ -10,9 +10,9 @@ What the kernels read, per layer:
   [ceil(N / b), ceil(K / b)]. The per-op path holds these dequantized to the compute dtype, so the
   codes are read again from the checkpoint: an extra copy, FP8-sized, counted by `nbytes`.
 - the routed experts stacked per matrix (`experts.ExpertWeights`): the checkpoint's MXFP4 bytes,
-  the codes permuted into the fragment order where the sizes allow (`stack_experts`); the per-op
-  path's per-expert tensors are rebound to views of the stack (its bank decodes that order), so
-  the experts are held once.
+  the codes permuted into the fragment order (`stack_experts`). The per-op path then reads its
+  experts from the stack too (`StackedExperts`, handed to `Model.replace_experts`), so the
+  experts are held once.
 - fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
   table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors.
 """
@@ -20,13 +20,13 @@ What the kernels read, per layer:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..formats import fragment_order_refusal
+from .. import formats
 from ..model.rope import layer_frequencies
-from ..model.weights import ExpertBank
 from . import experts as X
 
 ALIGN = 16  # bytes: the kernels issue 16-byte vector loads
@@ -36,14 +36,11 @@ class WeightCheckError(ValueError):
     """A weight the mono kernels would read has the wrong shape, dtype or layout."""
 
 
-@dataclass
-class Fp8Matrix:
+class Fp8Matrix(NamedTuple):
+    """A dense FP8 weight as the kernels take it (a pair of pointers)."""
+
     codes: torch.Tensor  # uint8 [N, K], e4m3 bit patterns
     scales: torch.Tensor  # uint8 [ceil(N / b), ceil(K / b)], E8M0 codes
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
 
 
 @dataclass
@@ -71,13 +68,8 @@ class LayerWeights:
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
-        total = 0
-        for f in fields(self):
-            value = getattr(self, f.name)
-            for m in (value if isinstance(value, tuple) else (value,)):
-                if isinstance(m, Fp8Matrix):
-                    total += m.codes.numel() + m.scales.numel()
-        return total
+        matrices = [self.wq_a, self.wkv, self.wq_b, self.wo_a, self.wo_b, *(self.shared or ())]
+        return sum(m.codes.numel() + m.scales.numel() for m in matrices if m is not None)
 
 
 def fp8_names(prefix: str, whole: bool, shared: bool) -> list[str]:
@@ -103,21 +95,27 @@ def read_fp8(checkpoint, names: list[str], device) -> dict[str, Fp8Matrix]:
     return out
 
 
-def stack_experts(bank: ExpertBank) -> X.ExpertWeights:
-    """Stack a layer's MXFP4 experts for the kernels, the codes in the fragment order where the
-    sizes are whole fragment blocks (hidden and intermediate multiples of 128: every DeepSeek-V4
-    size; the decode then needs no shuffle: `formats.to_fragment_order`), and rebind the per-op bank to views of
-    the stack (it decodes that order back), so the bytes are held once. Called again on a bank
-    already stacked, it returns an equal stack."""
-    already = bank.fragments  # stacked before, for an earlier runner
-    fragments = already or not any(fragment_order_refusal(codes.shape) for codes, _ in (bank.w1[0], bank.w2[0]))
-    experts = X.prepare(list(zip(bank.w1, bank.w2, bank.w3)), fragments=fragments and not already)
-    experts.fragments = fragments
-    for matrix, stacked in (("w1", experts.w1), ("w2", experts.w2), ("w3", experts.w3)):
-        codes, scales = stacked
-        getattr(bank, matrix)[:] = [(codes[e], scales[e].view(torch.float8_e8m0fnu)) for e in range(len(codes))]
-    bank.fragments = fragments
-    return experts
+class StackedExperts:
+    """A layer's routed experts for the per-op path (`expert(e)`: w1, w2, w3 dequantized to the
+    compute dtype, as `model.weights.ExpertBank` gives them), read from the kernels' stack."""
+
+    def __init__(self, stack: X.ExpertWeights, dtype: torch.dtype):
+        self.stack, self.dtype = stack, dtype
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(formats.dequantize_mxfp4(*m, dtype=self.dtype) for m in self.stack.checkpoint_tensors(e))
+
+
+def stack_experts(model, layer: int) -> X.ExpertWeights:
+    """Stack layer's MXFP4 experts for the kernels, in the fragment order, and serve the per-op
+    path's experts from the stack from now on (`Model.replace_experts`), so the bytes are held
+    once. A layer stacked before (by an earlier runner of the same model) keeps its stack."""
+    bank = model.blocks[layer].moe.experts
+    if isinstance(bank, StackedExperts):
+        return bank.stack
+    stack = X.stack(list(zip(bank.w1, bank.w2, bank.w3)))
+    model.replace_experts(layer, StackedExperts(stack, bank.dtype))
+    return stack
 
 
 def layer_weights(model, layer: int, whole: bool, fp8: dict[str, Fp8Matrix]) -> LayerWeights:
@@ -132,7 +130,7 @@ def layer_weights(model, layer: int, whole: bool, fp8: dict[str, Fp8Matrix]) -> 
         attn_norm=w[f"{p}attn_norm"], ffn_norm=w[f"{p}ffn_norm"],
         gate=w[f"{p}ffn.gate"].to(torch.bfloat16).contiguous(),
         route_bias=block.moe.bias, tid2eid=block.moe.tid2eid,
-        shared=shared, experts=stack_experts(block.moe.experts),
+        shared=shared, experts=stack_experts(model, layer),
     )
     if whole:
         a = f"{p}attn."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..engine import AsyncEngine, Engine, load_tokenizer
-from ..engine.runner import check_mono
+from ..mono import check_mode as check_mono
 from ..spec.config import SpeculativeConfig
 from .app import build_app
 from .chat import ChatTemplate
@@ -32,11 +32,11 @@ def serve(args) -> int:
     import torch
     import uvicorn
 
-    from ..model import load
+    from ..model import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     check_mono(args.mono)  # before spending time on loading the model
-    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     app = make_app(model, args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config,
                    mono=args.mono, served_model_name=args.served_model_name,

@@ -67,9 +67,10 @@ class SpecCaches:
 
 class SpeculativeDecoder:
     def __init__(self, model: Model, config: SpeculativeConfig, target_step=None):
-        """`target_step` runs the target's verify rows (Model.step's signature); the engine passes
-        its StepRunner, which counts the path each step took. Prefill goes through Model.step,
-        whose mono runner sends prompt-sized steps to the per-op path."""
+        """`model`: a `Model`, or a `decode.Decoder` (its steps on the mono kernels where they take
+        them; prompt-sized steps go per-op). `target_step` runs the target's verify rows
+        (Model.step's signature; default model.step); the engine passes its own, which counts
+        the path each step took."""
         self.model, self.config = model, config
         self.target_step = target_step or model.step
         self.draft = model.draft()

@@ -1,4 +1,4 @@
-"""The mono path checked on a GPU at real dims: `python -m monodecode.mono.check [--layers N]
+"""The mono path checked on a GPU at real dims: `python -m monodecode.bench.mono_check [--layers N]
 [--shape FIELD=VALUE,...] [--skip CHECKS] [--out FILE]`.
 
 A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
@@ -34,11 +34,12 @@ import triton
 
 from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
+from ..decode import Decoder
 from ..model import Model
-from . import k1, k2
-from .runner import LaunchShape
-from .sync import EPOCH, MonoSyncError
-from .timeline import format_times, stage_times
+from ..mono import k1, k2
+from ..mono.shape import LaunchShape
+from ..mono.sync import EPOCH, MonoSyncError
+from ..mono.timeline import format_times, stage_times
 
 RATIOS = (0, 0, 4, 128)
 PROMPTS = [150, 7, 40, 133, 1, 90, 260, 12]  # tokens already in each slot's cache
@@ -46,14 +47,12 @@ WIDTHS = {1: ([(0, 1)], 0), 6: ([(s, 1) for s in range(6)], 0), 16: ([(s, 2) for
           48: ([(s, 5) for s in range(8)], 8)}
 
 
-def build(layers: int, seed: int = 0) -> Model:
+def build(layers: int, seed: int = 0) -> Decoder:
     # no DSpark draft: nothing here runs it, and its three layers of experts would nearly double the build
     config = preset("v4-flash", num_hidden_layers=layers, compress_ratios=RATIOS[:layers],
                     num_hash_layers=min(layers, 3), dspark_target_layer_ids=tuple(range(layers)),
                     num_nextn_predict_layers=0)
-    model = Model.from_checkpoint(SyntheticCheckpoint(config, seed), "cuda", torch.bfloat16)
-    model.use_mono("on")
-    return model
+    return Decoder(Model.from_checkpoint(SyntheticCheckpoint(config, seed), "cuda", torch.bfloat16), "on")
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -67,12 +66,12 @@ def row_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1)
 
 
-def prefilled_cache(model: Model, context: int = 512):
+def prefilled_cache(decoder: Decoder, context: int = 512):
     g = torch.Generator().manual_seed(1)
-    cache = model.make_cache(len(PROMPTS), context, 8)
+    cache = decoder.make_cache(len(PROMPTS), context, 8)
     for slot, n in enumerate(PROMPTS):
-        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g)
-        model.step_per_op(cache, prompt, torch.arange(n), torch.full((n,), slot))
+        prompt = torch.randint(0, decoder.config.vocab_size, (n,), generator=g)
+        decoder.model.step(cache, prompt, torch.arange(n), torch.full((n,), slot))
     return cache
 
 
@@ -86,10 +85,10 @@ def step_rows(width: int, g: torch.Generator, vocab: int):
     return tokens + [0] * pads, positions + [0] * pads, slots + [-1] * pads
 
 
-def per_op_last_routing(model: Model, *step_args) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def per_op_last_routing(decoder: Decoder, *step_args) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """A per-op step that records its last layer's routing: (logits, hidden, (picks [N, k] sorted,
     margins [N], `MoE.margin`))."""
-    moe = model.blocks[-1].moe
+    moe = decoder.model.blocks[-1].moe
     seen = {}
 
     def recording_route(x, tokens):
@@ -100,37 +99,37 @@ def per_op_last_routing(model: Model, *step_args) -> tuple[torch.Tensor, torch.T
 
     moe.route = recording_route
     try:
-        logits, hidden = model.step_per_op(*step_args, return_hidden=True)
+        logits, hidden = decoder.model.step(*step_args, return_hidden=True)
     finally:
         del moe.route
     return logits, hidden, (seen["picks"], seen["margins"])
 
 
-def routing_flips(model: Model, width: int, reference, live: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def routing_flips(decoder: Decoder, width: int, reference, live: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Live rows whose last-layer picks differ between the paths (mono's from the step's last K2
     launch), and the reference's margins at them: a near-tie flips on bf16 noise, and such a row
     then differs by a whole expert, so it is reported and left out of the agreement below."""
     picks, margins = reference
-    mono_picks = model.mono.scratch[width].ids.sort(dim=-1).values
+    mono_picks = decoder.mono.scratch[width].ids.sort(dim=-1).values
     flipped = (mono_picks.long() != picks.long()).any(dim=-1) & live
     return flipped, {"rows": int(flipped.sum()), "margins": [float(m) for m in margins[flipped]],
                      "median_margin": float(margins[live].median())}
 
 
-def check_agreement(model: Model, base_cache, widths=tuple(WIDTHS)) -> dict:
+def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
     g = torch.Generator().manual_seed(2)
     results = {}
     for width in widths:
-        tokens, positions, slots = step_rows(width, g, model.config.vocab_size)
+        tokens, positions, slots = step_rows(width, g, decoder.config.vocab_size)
         ref_cache, mono_cache = copy.deepcopy(base_cache), copy.deepcopy(base_cache)
-        ref_logits, ref_hidden, routing = per_op_last_routing(model, ref_cache, tokens, positions, slots)
-        logits, hidden = model.step(mono_cache, tokens, positions, slots, return_hidden=True)
-        assert model.mono.last_path == "mono"
+        ref_logits, ref_hidden, routing = per_op_last_routing(decoder, ref_cache, tokens, positions, slots)
+        logits, hidden = decoder.step(mono_cache, tokens, positions, slots, return_hidden=True)
+        assert decoder.last_path == "mono"
         live = torch.tensor(slots, device=logits.device) >= 0
-        flipped, flips = routing_flips(model, width, routing, live)
-        d, last = model.config.hidden_size, len(model.blocks) - 1
+        flipped, flips = routing_flips(decoder, width, routing, live)
+        d, last = decoder.config.hidden_size, len(decoder.model.blocks) - 1
         layers, worst_row = [], []
-        for i in range(len(model.blocks)):
+        for i in range(len(decoder.model.blocks)):
             a, b = hidden[:, i * d:(i + 1) * d], ref_hidden[:, i * d:(i + 1) * d]
             rows = live & ~flipped if i == last else live  # a flipped row differs from the last layer on
             layers.append(agreement(a[rows], b[rows]))
@@ -147,8 +146,8 @@ def check_agreement(model: Model, base_cache, widths=tuple(WIDTHS)) -> dict:
     return results
 
 
-def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
-    runner, cache = model.mono, copy.deepcopy(base_cache)
+def check_graph(decoder: Decoder, base_cache, replays: int = 300) -> dict:
+    runner, cache = decoder.mono, copy.deepcopy(base_cache)
     g = torch.Generator().manual_seed(3)
     order = [1, 6, 16, 48, 6, 1]
 
@@ -157,7 +156,7 @@ def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
 
     for width in WIDTHS:  # inputs of each width, fixed for the graph's life
         s = runner._scratch(width)
-        for buffer, values in zip((s.tokens, s.positions, s.slots), step_rows(width, g, model.config.vocab_size)):
+        for buffer, values in zip((s.tokens, s.positions, s.slots), step_rows(width, g, decoder.config.vocab_size)):
             buffer.copy_(torch.tensor(values))
         step(width)  # compile, warm up
     torch.cuda.synchronize()
@@ -184,18 +183,18 @@ def check_graph(model: Model, base_cache, replays: int = 300) -> dict:
             "epochs": {name: state.epoch for name, state in runner.sync.items()}}
 
 
-def check_timeline(model: Model, base_cache) -> dict:
+def check_timeline(decoder: Decoder, base_cache) -> dict:
     """Per-stage times (timeline.py) of the last layer's launches of each kind, one eager step a
     width. Not a benchmark (one step, stamps on); it says where a launch's time goes."""
-    runner, g = model.mono, torch.Generator().manual_seed(5)
+    runner, g = decoder.mono, torch.Generator().manual_seed(5)
     graphs, runner.graphs_enabled, runner.timeline = runner.graphs_enabled, False, True
     names = {"k1": k1.STAGES, "k2": k2.STAGES, "ffn": k2.FFN_STAGES}
     out = {}
     for width in WIDTHS:
         cache = copy.deepcopy(base_cache)
-        tokens, positions, slots = step_rows(width, g, model.config.vocab_size)
-        model.step(cache, tokens, positions, slots)  # warm
-        model.step(cache, tokens, positions, slots)
+        tokens, positions, slots = step_rows(width, g, decoder.config.vocab_size)
+        decoder.step(cache, tokens, positions, slots)  # warm
+        decoder.step(cache, tokens, positions, slots)
         torch.cuda.synchronize()
         out[width] = {kind: stage_times(stamps, names[kind]) for kind, stamps in runner.timelines.items()}
         for kind, times in out[width].items():
@@ -204,22 +203,22 @@ def check_timeline(model: Model, base_cache) -> dict:
     return out
 
 
-def check_error_path(model: Model, base_cache) -> dict:
-    runner, cache = model.mono, copy.deepcopy(base_cache)
-    tokens, positions, slots = step_rows(6, torch.Generator().manual_seed(4), model.config.vocab_size)
+def check_error_path(decoder: Decoder, base_cache) -> dict:
+    runner, cache = decoder.mono, copy.deepcopy(base_cache)
+    tokens, positions, slots = step_rows(6, torch.Generator().manual_seed(4), decoder.config.vocab_size)
     runner.graphs_enabled = False
     saved = runner.max_polls
     runner.max_polls = 20000
     runner.sync["k1"].words[EPOCH] += 5  # barriers now wait for arrivals of launches that never ran
     start = time.perf_counter()
     try:
-        model.step(cache, tokens, positions, slots)
+        decoder.step(cache, tokens, positions, slots)
         raised = None
     except MonoSyncError as e:
         raised = str(e)
     seconds = time.perf_counter() - start
     runner.max_polls = saved
-    logits = model.step(cache, tokens, positions, slots)  # the counters started over: it runs again
+    logits = decoder.step(cache, tokens, positions, slots)  # the counters started over: it runs again
     return {"raised": raised, "seconds": seconds, "recovered_finite": bool(torch.isfinite(logits).all())}
 
 
@@ -228,31 +227,31 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=3, help="first N layers of v4-flash (2..4)")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--shape", default="default", help="the kernels' launch shape: `default` or field=value,... "
-                                                           "of monodecode.mono.runner.LaunchShape")
+                                                           "of monodecode.mono.shape.LaunchShape")
     parser.add_argument("--skip", default="", help="comma-separated checks to skip: agreement, graph, timeline, "
                                                    "error_path")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    model = build(args.layers)
+    decoder = build(args.layers)
     shape = LaunchShape.parse(args.shape)
-    if shape != model.mono.shape:
-        model.mono.configure(shape)  # checks co-residency again
-    base = prefilled_cache(model)
+    if shape != decoder.mono.shape:
+        decoder.mono.configure(shape)  # checks co-residency again
+    base = prefilled_cache(decoder)
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(), "layers": args.layers,
-        "plan": model.mono.plan, "grid": model.mono.grid, "shape": model.mono.shape.spec(),
+        "plan": decoder.mono.plan, "grid": decoder.mono.grid, "shape": decoder.mono.shape.spec(),
         "build_seconds": time.perf_counter() - started,
-        "runner_graphs": model.mono.graphs_enabled,  # agreement runs through the runner's graphs
+        "runner_graphs": decoder.mono.graphs_enabled,  # agreement runs through the runner's graphs
     }
     checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
               ("error_path", check_error_path))
-    print(f"kernels: {json.dumps(model.mono.kernel_resources())}", flush=True)  # the residency check's builds
+    print(f"kernels: {json.dumps(decoder.mono.kernel_resources())}", flush=True)  # the residency check's builds
     for name, check in checks:  # each result is printed and saved as it comes (a run may be cut short)
         if name not in args.skip.split(","):
-            report[name] = check(model, base)
+            report[name] = check(decoder, base)
             report["seconds"] = time.perf_counter() - started
-            report["kernels"] = model.mono.kernel_resources()  # registers and spills of what ran
+            report["kernels"] = decoder.mono.kernel_resources()  # registers and spills of what ran
             print(f"{name}: {json.dumps(report[name])}", flush=True)
             if args.out:
                 with open(args.out, "w") as f:

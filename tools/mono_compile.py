@@ -1,6 +1,6 @@
 """Compile the mono kernels for an H100/H200 (sm_90) on a machine without a GPU.
 
-`python tests/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC]`, in a process where
+`python tools/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC]`, in a process where
 TRITON_INTERPRET is unset (tests/test_mono_compiles.py runs it so).
 
 Triton's CPU interpreter accepts code that compiled Triton refuses (a non-constexpr global in a
@@ -15,7 +15,7 @@ stamps), and prints one line a kernel: shared memory, and registers and spills f
   sizes, so that a shape's registers and spills are known before a GPU times it (registers are
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
   This machine's Triton may allocate a little differently from the GPU's.
-- `--shape`: a `LaunchShape` spec (`runner.LaunchShape.parse`), default the default shape.
+- `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
 - `--dump DIR`: also write each build's TTGIR there (its `ttg.local_alloc`s and their
   `allocation.offset`s show what holds the shared memory) and its cubin (`nvdisasm -c` shows
   the SASS: where the spills are).
@@ -30,15 +30,17 @@ import tempfile
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
 from monodecode.model import Model
 from monodecode.mono import k1, k2, plan
 from monodecode.mono import runner as runner_module
+from monodecode.mono.shape import LaunchShape
+from monodecode.mono.sync import TIMELINE_SLOTS, SyncArgs
 
 POINTER = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64",
            torch.uint8: "*u8", torch.int16: "*i16"}
@@ -54,28 +56,49 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
 
 
-def signature(kernel, args, kwargs):
-    """(types, constexprs, attrs) of a recorded launch; attrs mark what the JIT would specialize
-    on a GPU: pointers aligned to 16 bytes and integers divisible by 16 (which lets it vectorize
-    loads)."""
-    values = list(args) + [kwargs[name] for name in kernel.arg_names[len(args):]]
-    types, constants, attrs = {}, {}, {}
-    for i, (name, value) in enumerate(zip(kernel.arg_names, values)):
-        if kernel.params[i].is_constexpr:
-            types[name], constants[(i,)] = "constexpr", value
-        elif isinstance(value, TensorDescriptor):  # as the JIT spells it: element type and block shape
-            types[name] = f"tensordesc<{POINTER[value.base.dtype][1:]}[{', '.join(map(str, value.block_shape))}]>"
-        elif isinstance(value, torch.Tensor):
-            types[name] = POINTER[value.dtype]
+def signature(kernel, args):
+    """(types, constexprs, attrs) of a recorded launch, as the JIT derives them from its arguments
+    (named tuples of them too: their types a named tuple of the same class, paths of indices into
+    them): `tl.constexpr` values and None are compile-time constants; attrs mark what the JIT would
+    specialize on a GPU, pointers aligned to 16 bytes and integers divisible by 16 (which lets it
+    vectorize loads)."""
+    constants, attrs = {}, {}
+
+    def leaf(path, value):
+        if isinstance(value, tuple):
+            types = [leaf(path + (i,), v) for i, v in enumerate(value)]
+            return type(value)(*types) if hasattr(value, "_fields") else tuple(types)
+        if value is None or isinstance(value, tl.constexpr):
+            constants[path] = getattr(value, "value", value)
+            return "constexpr"
+        if isinstance(value, torch.Tensor):
             if value.data_ptr() % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            types[name] = "i1"
-        else:
-            types[name] = "i32" if isinstance(value, int) else "fp32"
-            if isinstance(value, int) and value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+                attrs[path] = [["tt.divisibility", 16]]
+            return POINTER[value.dtype]
+        if isinstance(value, bool):
+            return "i1"
+        if isinstance(value, int):
+            if value % 16 == 0:
+                attrs[path] = [["tt.divisibility", 16]]
+            return "i32"
+        return "fp32"
+
+    types = {name: leaf((i,), value) for i, (name, value) in enumerate(zip(kernel.arg_names, args))}
     return types, constants, attrs
+
+
+def with_timeline(args):
+    """A recorded launch's arguments with the timeline's stamps compiled in: TIMELINE on in its
+    meta tuple (the last argument), and an int64 stamps buffer in its SyncArgs."""
+    def swap(value):
+        if isinstance(value, SyncArgs):
+            return value._replace(timeline=torch.zeros(1, TIMELINE_SLOTS, dtype=torch.int64))
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(swap(v) for v in value))
+        return value
+
+    *tensors, meta = args
+    return [swap(a) for a in tensors] + [meta._replace(TIMELINE=tl.constexpr(True))]
 
 
 def model_config(dims: str):
@@ -113,7 +136,7 @@ def main(argv=None) -> int:
     k1._k1, k2._k2 = Recorder(k1._k1, launches), Recorder(k2._k2, launches)
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
     model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims), seed=1), "cpu", torch.bfloat16)
-    runner = runner_module.MonoRunner(model, shape=runner_module.LaunchShape.parse(cli.shape))
+    runner = runner_module.MonoRunner(model, shape=LaunchShape.parse(cli.shape))
     runner.fast = True  # the NVIDIA code paths
     runner.check = lambda: None  # nothing ran
     for rows in (1, 48):
@@ -123,13 +146,11 @@ def main(argv=None) -> int:
         runner.step(cache, [1] * rows, positions, slots)  # its outputs are garbage: nothing ran
     built = set()
     # ... and the first K1 and K2 launches again with the timeline's stamps compiled in
-    timed = [(kernel, args, {**kwargs, "TIMELINE": True}) for kernel, args, kwargs in launches[:2]]
+    timed = [(kernel, with_timeline(args), kwargs) for kernel, args, kwargs in launches[:2]]
     for kernel, args, kwargs in launches + timed:
         options = {"num_warps": kwargs.get("num_warps", 4)}
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("launch_cooperative_grid", "num_warps")}
-        types, constants, attrs = signature(kernel, args, kwargs)
-        if kwargs["TIMELINE"]:
-            types["timeline_ptr"] = "*i64"
+        types, constants, attrs = signature(kernel, args)
+        timeline = bool(args[-1].TIMELINE)
         key = (kernel.__name__, tuple(sorted((k, repr(v)) for k, v in constants.items())))
         if key in built:
             continue
@@ -137,12 +158,12 @@ def main(argv=None) -> int:
         compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32),
                                   options=options)
-        timed_note = " (timeline)" if kwargs["TIMELINE"] else ""
+        timed_note = " (timeline)" if timeline else ""
         print(f"{kernel.__name__}{timed_note}: built for sm_90, {compiled.metadata.shared} bytes of shared memory; "
               f"{registers(compiled.asm['ptx'])}", flush=True)
         if cli.dump:
             os.makedirs(cli.dump, exist_ok=True)
-            name = f"{kernel.__name__}{len(built)}{'_timeline' if kwargs['TIMELINE'] else ''}"
+            name = f"{kernel.__name__}{len(built)}{'_timeline' if timeline else ''}"
             with open(os.path.join(cli.dump, name + ".ttgir"), "w") as f:
                 f.write(compiled.asm["ttgir"])
             with open(os.path.join(cli.dump, name + ".cubin"), "wb") as f:

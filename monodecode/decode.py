@@ -1,0 +1,68 @@
+"""`Decoder`: a model's steps on the per-op path or on the mono kernels, chosen step by step.
+
+The per-op model (`model.Model`) is the reference and knows nothing of the kernels; the mono
+runner (`mono.MonoRunner`) runs a decode step of 1..48 rows as two persistent kernels a layer.
+A `Decoder` holds both and sends each step to one of them: to the kernels when they are in use
+and take the step (`MonoRunner.refusal` is None), to the per-op path otherwise (a prefill chunk,
+a step of more than 48 rows), counting those fallbacks by reason. Both paths read and write the
+same caches, so they interleave freely. It offers the model's own interface (`config`, `device`,
+`make_cache`, `draft`, `score`), so the engine and the speculative decoder take it as the model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .model import Model, load_model
+from .mono import build
+
+
+class Decoder:
+    def __init__(self, model: Model, mono: str = "off"):
+        """`mono`: "off", "auto" (refusals logged, per-op then) or "on" (refusals raised). Given a
+        Decoder, it decodes the same model with this `mono`."""
+        self.model = model.model if isinstance(model, Decoder) else model
+        self.mono = build(self.model, mono)  # a MonoRunner, or None
+        self.fallbacks: Counter[str] = Counter()  # steps the kernels did not take, by reason
+        self.last_path: str | None = None  # "mono" or "per-op": the path the last step took
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8):
+        return self.model.make_cache(num_slots, max_context, max_step_rows)
+
+    def draft(self):
+        return self.model.draft()
+
+    def score(self, token_ids) -> torch.Tensor:
+        """fp32 logits [T, vocab] of a full prefill of one sequence (per-op: too many rows)."""
+        return self.model.score(token_ids)
+
+    def step(self, cache, tokens, positions, slots, return_hidden: bool = False):
+        """`Model.step`'s result, on the kernels where they are in use and take the step."""
+        if self.mono is not None:
+            reason = self.mono.refusal(cache, tokens, positions, slots)
+            if reason is None:
+                self.last_path = "mono"
+                return self.mono.step(cache, tokens, positions, slots, return_hidden=return_hidden)
+            self.fallbacks[reason] += 1
+        self.last_path = "per-op"
+        return self.model.step(cache, tokens, positions, slots, return_hidden=return_hidden)
+
+
+def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off") -> Decoder:
+    """The decoder of a checkpoint directory, or of a preset name (deterministic random weights
+    built in memory). `mono`: "off", "auto" or "on" (`Decoder`)."""
+    return Decoder(load_model(source, device=device, dtype=dtype, seed=seed), mono)

@@ -1,0 +1,48 @@
+"""`LaunchShape`: how the persistent kernels are launched and tiled.
+
+Results do not depend on it beyond fp32 summation order (tests check each shape they use against
+the same reference). `programs_per_sm` co-resident programs on every SM, of `k1_warps` warps in K1
+and `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone); dense GEMV tasks of
+`block_n` outputs (0: chosen per GEMV by `gemv.default_blocks`, smaller where a GEMV has few
+outputs) over K steps of `block_k`; expert tasks of `expert_block_n` outputs over K steps of
+`expert_block_k` (a multiple of 128, the fragment order's column group; with 256, tasks of one or
+two rows take the diagonal loop: experts.py). The defaults are the fastest shape measured on the
+H200 (docs/notes/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    programs_per_sm: int = 1
+    k1_warps: int = 4
+    k2_warps: int = 8
+    block_n: int = 64
+    block_k: int = 128
+    expert_block_n: int = 128
+    expert_block_k: int = 256
+
+    def spec(self) -> str:
+        """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
+        changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return ",".join(changed) or "default"
+
+    @classmethod
+    def parse(cls, text: str) -> "LaunchShape":
+        """`default`, or comma-separated field=value (whole numbers): "k2_warps=8,expert_block_n=128"."""
+        if text.strip() == "default":
+            return cls()
+        names = [f.name for f in fields(cls)]
+        values = {}
+        for item in text.split(","):
+            name, _, value = (part.strip() for part in item.partition("="))
+            if name not in names or not value:
+                raise ValueError(f"launch shape {text!r}: {item!r} is not field=value with a field of "
+                                 f"{', '.join(names)}")
+            if not value.isdigit():
+                raise ValueError(f"launch shape {text!r}: {name} must be a whole number, got {value!r}")
+            values[name] = int(value)
+        return cls(**values)
