@@ -9,6 +9,10 @@ Keys:
   (the default; "probabilistic" is an alias), "block", "greedy" or "synthetic".
 - `synthetic_acceptance_length`: only, and always, with "synthetic": the expected tokens committed
   per step, in [1, num_speculative_tokens + 1].
+
+"greedy" verification keeps the drafts that equal the target's argmax and adds the argmax, so it
+decodes greedily whatever the temperature: a request at temperature > 0 is refused with it
+(`check_temperature`) rather than sampled at its first token and greedy after.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: num_speculative_tokens ({self.num_speculative_tokens}) must "
                              f"equal the DSpark draft's block size ({block_size}): the draft proposes a whole "
                              f"block per step")
+
+    def check_temperature(self, temperature: float) -> None:
+        """Refuse sampling (temperature > 0) under greedy verification, which cannot honour it."""
+        if self.rejection_sample_method == "greedy" and temperature > 0:
+            raise ValueError(f"temperature must be 0 with greedy speculative verification (it decodes greedily), "
+                             f"got {temperature}; use rejection_sample_method 'standard' or 'block' to sample")
 
     def _check_synthetic_acceptance_length(self) -> None:
         length = self.synthetic_acceptance_length
