@@ -47,7 +47,10 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text_or_dict: str | dict[str, Any]) -> SpeculativeConfig:
         """Parse the `--speculative-config` JSON (a string, or the already parsed dict)."""
-        raw = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
+        try:
+            raw = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not valid JSON ({e}): {text_or_dict!r}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"speculative config must be a JSON object, got {raw!r}")
         known = [f.name for f in fields(cls)]
