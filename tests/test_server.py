@@ -217,6 +217,7 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
     ({"prompt": "a", "stop": ["\n", 5]}, 400, "stop"),
     ({"prompt": "a", "stop": [""]}, 400, "stop"),
     ({"prompt": "a", "stop_token_ids": ["2"]}, 400, "stop_token_ids[0]"),
+    ({"prompt": "a", "stop_token_ids": [2, 512]}, 400, "stop_token_ids"),
     ({"prompt": "a", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ({"prompt": "a", "stream": 1}, 400, "stream"),
     ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),

@@ -59,6 +59,9 @@ class Engine:
         bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary of {vocab}")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it could never stop the request
+            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary of {vocab}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                              f"has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
