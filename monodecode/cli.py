@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_commands(commands)
 
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad flag (2, its message printed), --help or --version (0)
+        return e.code
     try:
         return args.run(args)
     except (ConfigError, CheckpointError, ValueError, MemoryError, MonoRefused) as e:
