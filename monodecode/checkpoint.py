@@ -1,7 +1,9 @@
 """Checkpoint I/O: read DeepSeek-V4 safetensors checkpoints, write synthetic ones.
 
 Reading: a directory with `config.json` and either `model.safetensors.index.json` (sharded) or
-`*.safetensors` files. Files are memory-mapped and tensors read one at a time. Names are the
+`*.safetensors` files. Files are memory-mapped and tensors read one at a time; a tensor whose
+address is not 16-byte aligned (the file puts tensors back to back) is copied, since the mono
+kernels' vector loads need aligned weights. Names are the
 official ones (see `schema.py`); the spellings transformers' `save_pretrained` writes (a `model.`
 prefix, `embed_tokens`, `lm_head`, `hc_head.hc_fn`, `attn.norm` for the kv norm) are mapped to
 them. `validate()` checks every header (names, shapes, dtypes, scale grids) before any data is
@@ -38,6 +40,7 @@ from .config import ModelConfig
 from .schema import STORAGE_DTYPES, TensorSpec, layer_of, tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
+ALIGNMENT = 16  # bytes; mono/weights.py refuses weights that are not aligned to it
 _ALIASES = {
     "embed_tokens.weight": "embed.weight",
     "lm_head.weight": "head.weight",
@@ -150,7 +153,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
         file, stored = self._where[name]
         with safe_open(file, framework="pt") as f:
-            return f.get_tensor(stored)
+            return _aligned(f.get_tensor(stored))
 
     def tensors(self, names: list[str], desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
         """Stored tensors in file order, with a progress bar if it takes over a second."""
@@ -163,8 +166,13 @@ class Checkpoint:
             for file, file_names in by_file.items():
                 with safe_open(file, framework="pt") as f:
                     for name in file_names:
-                        yield name, f.get_tensor(self._where[name][1])
+                        yield name, _aligned(f.get_tensor(self._where[name][1]))
                         bar.update()
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or an aligned copy of it when its memory-mapped address is not aligned."""
+    return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
 
 
 def _dtype(safetensors_dtype: str) -> torch.dtype:

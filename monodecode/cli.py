@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, load_config
 from .mono.plan import MonoRefused
 from .schema import STORAGE_ITEMSIZE, step_bytes, tensor_specs
+from .spec.config import SpeculativeConfig
 
 GiB, MiB = 2**30, 2**20
 DEFAULT_MODEL = "tiny"
@@ -22,8 +24,57 @@ DEFAULT_MODEL = "tiny"
 MONO_HELP = ("decode steps of <= 48 rows on the mono kernels: auto (default) logs why they cannot run "
              "and runs per-op, on fails with the reasons, off never uses them")
 
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default, unless it has none or its help already says it."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "default" in help:  # `is`: 0 == False
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows the defaults; its subcommands' parsers are Parsers too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+
+
+def device_arg(text: str) -> str:
+    """--device: a device this torch can run on, checked before any model loads."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: monodecode runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch ({torch.__version__}) sees no CUDA GPU (a CPU-only "
+                                         "build, or no GPU visible); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def port_arg(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return port
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="monodecode", description=__doc__)
+    parser = Parser(prog="monodecode", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"monodecode {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser(
@@ -36,26 +87,28 @@ def main(argv: list[str] | None = None) -> int:
     make = commands.add_parser(
         "make-checkpoint", help="write a synthetic checkpoint (official quantized format)"
     )
-    make.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    make.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's sizes")
     make.add_argument("--out", required=True, type=Path, help="a new directory")
     make.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=int, default=0, help="seeds the random weights")
     make.set_defaults(run=run_make_checkpoint)
 
-    gen = commands.add_parser("generate", help="continue a prompt on the per-op path")
+    gen = commands.add_parser(
+        "generate", help="continue a prompt (decode steps on the mono kernels where they can run, else per-op)")
     gen.add_argument("--model", default=DEFAULT_MODEL,
                      help=f"a checkpoint directory or a preset (default: {DEFAULT_MODEL}, random weights)")
     prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    prompt.add_argument("--prompt", help="prompt text: through the checkpoint's tokenizer.json, or the byte-level "
+                                         "fallback as for serve")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated (default: the BOS id)")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (EOS stops sooner)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default="cpu", help="cpu or cuda")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the probability mass kept")
+    gen.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    gen.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the compute dtype")
     gen.add_argument("--mono", default="auto", choices=["auto", "on", "off"], help=MONO_HELP)
-    gen.add_argument("--speculative-config", metavar="JSON",
+    gen.add_argument("--speculative-config", metavar="JSON", type=speculative_config_arg,
                      help='DSpark speculation, e.g. \'{"method": "dspark", "num_speculative_tokens": 5, '
                           '"rejection_sample_method": "block"}\'')
     gen.set_defaults(run=run_generate)
@@ -64,21 +117,25 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"a checkpoint directory or a preset (default: {DEFAULT_MODEL}, random weights)")
     serve.add_argument("--served-model-name", help="the name clients use (default: --model as given)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=port_arg, default=8000, help="checked free before the model loads")
     serve.add_argument("--max-model-len", type=int, help="prompt + output tokens a request may have "
                                                          "(default: 4096, or less if the model is shorter)")
     serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded at once (cache slots)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="prompt tokens prefilled a step")
-    serve.add_argument("--speculative-config", metavar="JSON", help="DSpark speculation, as for generate")
+    serve.add_argument("--speculative-config", metavar="JSON", type=speculative_config_arg,
+                       help="DSpark speculation, as for generate")
     serve.add_argument("--mono", default="auto", choices=["auto", "on", "off"], help=MONO_HELP)
-    serve.add_argument("--device", default="cpu", help="cpu or cuda")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    serve.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the compute dtype")
     serve.set_defaults(run=run_serve)
 
     add_bench_commands(commands)
 
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad flag (2, its message printed), --help or --version (0)
+        return e.code
     try:
         return args.run(args)
     except (ConfigError, CheckpointError, ValueError, MemoryError, MonoRefused) as e:
@@ -96,15 +153,19 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .engine.tokenizer import file_tokenizer
     from .decode import load
+    from .engine.tokenizer import load_tokenizer
     from .generate import generate, generate_speculative
-    from .spec.config import SpeculativeConfig
 
-    tokenizer = file_tokenizer(args.model)  # no byte fallback: without one, ids in and out
+    spec = args.speculative_config
+    if spec is not None:
+        spec.check_temperature(args.temperature)  # before the model loads
+    vocab_size = load_config(args.model).vocab_size
+    tokenizer = load_tokenizer(args.model, vocab_size)  # as serve's: text in and out wherever there is one
     if args.prompt is not None:
         if tokenizer is None:
-            raise ValueError(f"{args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+            raise ValueError(f"{args.model} has no tokenizer.json, and its {vocab_size} ids are too few for the "
+                             "byte-level fallback: pass --prompt-ids instead of --prompt")
         prompt_ids = tokenizer.encode(args.prompt)
     elif args.prompt_ids is not None:
         try:
@@ -113,7 +174,6 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     else:
         prompt_ids = None
-    spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
     if args.model == DEFAULT_MODEL:
         print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
               "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)

@@ -10,12 +10,18 @@ Two spellings of `config.json` exist in the wild and both are accepted:
 A layer's attention kind follows from its compression ratio: 0 is a sliding-window layer, 4 a CSA
 layer (overlapping compressor and lightning indexer), any other ratio an HCA layer (one compressor
 window per `ratio` tokens, all entries attended). `to_dict()` writes the official spelling.
+
+Every field is checked for its type (an integer is not `true` or `4.5`, a number is not a
+string) before it is used, and every error names the field, the expected value and, when the
+config comes from a file, the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,15 +144,23 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """The config.json of a checkpoint directory (or that file); errors name the file."""
         path = Path(path)
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
             raise ConfigError(f"no config.json at {config_file}")
         try:
-            raw = json.loads(config_file.read_text())
+            raw = json.loads(config_file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{config_file} is not UTF-8 text: {e}") from None
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{config_file} is not valid JSON: {e}") from e
-        return cls.from_dict(raw)
+            raise ConfigError(f"{config_file} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{config_file} cannot be read: {e.strerror}") from None
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{config_file}: {e}") from None
 
     def replace(self, **overrides: Any) -> "ModelConfig":
         return with_overrides(self, **overrides)
@@ -211,6 +225,8 @@ _OPTIONAL = (
 
 
 def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json must hold a JSON object of fields, got {_json(raw)}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -221,30 +237,32 @@ def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json lacks required field(s) {missing}")
     out: dict[str, Any] = {k: raw[k] for k in _REQUIRED}
     out.update({k: raw[k] for k in _OPTIONAL if raw.get(k) is not None})
-    if isinstance(out.get("eos_token_id"), list):
-        out["eos_token_id"] = out["eos_token_id"][0]
+    if isinstance(out.get("eos_token_id"), list):  # several EOS ids: the engine stops at the first
+        out["eos_token_id"] = _get(raw, "eos_token_id", list[int])[0] if out["eos_token_id"] else None
+    _check_fields(out)  # before any of them is computed with
     n = raw["num_hidden_layers"]
     out["compress_ratios"] = _parse_ratios(raw, n)
     out["num_hash_layers"] = _parse_hash_layers(raw, n)
     out["qk_rope_head_dim"] = _parse_rope_dim(raw)
     out.update(_parse_rope(raw))
-    if raw.get("dspark_target_layer_ids") is not None:
-        out["dspark_target_layer_ids"] = tuple(raw["dspark_target_layer_ids"])
-    q = raw.get("quantization_config")
-    if q is not None and raw.get("expert_dtype") and "expert_dtype" not in q:
-        out["quantization_config"] = {**q, "expert_dtype": raw["expert_dtype"]}
+    targets = _get(raw, "dspark_target_layer_ids", list[int])
+    if targets is not None:
+        out["dspark_target_layer_ids"] = tuple(targets)
+    q, expert_dtype = out.get("quantization_config"), _get(raw, "expert_dtype", str)
+    if q is not None and expert_dtype and "expert_dtype" not in q:
+        out["quantization_config"] = {**q, "expert_dtype": expert_dtype}
     return out
 
 
 def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
-    if raw.get("compress_ratios") is not None:
-        ratios = list(raw["compress_ratios"])
+    ratios = _get(raw, "compress_ratios", list[int])
+    if ratios is not None:
         if len(ratios) < n:
             raise ConfigError(
                 f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {n}"
             )
-        return tuple(int(r) for r in ratios[:n])  # trailing entries describe the MTP layers
-    layer_types = raw.get("layer_types")
+        return tuple(ratios[:n])  # trailing entries describe the MTP layers
+    layer_types = _get(raw, "layer_types", list[str])
     if layer_types is None:
         raise ConfigError("config.json has neither compress_ratios nor layer_types")
     if len(layer_types) != n:
@@ -252,13 +270,13 @@ def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
     rates = {
         "compressed_sparse_attention": CSA_RATIO,
         "heavily_compressed_attention": DEFAULT_HCA_RATIO,
-        **(raw.get("compress_rates") or {}),
+        **_get(raw, "compress_rates", dict[str, int], {}),
     }
     ratios = []
     for i, t in enumerate(layer_types):
         if t not in KIND_BY_LAYER_TYPE:
             raise ConfigError(f"layer_types[{i}] = {t!r} is not one of {list(KIND_BY_LAYER_TYPE)}")
-        ratios.append(0 if t == "sliding_attention" else int(rates[t]))
+        ratios.append(0 if t == "sliding_attention" else rates[t])
     if rates["compressed_sparse_attention"] != CSA_RATIO:
         raise ConfigError(f"compress_rates.compressed_sparse_attention must be {CSA_RATIO}, "
                           f"got {rates['compressed_sparse_attention']}")
@@ -269,9 +287,9 @@ def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
 
 
 def _parse_hash_layers(raw: dict[str, Any], n: int) -> int:
-    mlp_types = raw.get("mlp_layer_types")
+    mlp_types = _get(raw, "mlp_layer_types", list[str])
     if mlp_types is None:
-        return min(int(raw.get("num_hash_layers", 0)), n)
+        return min(_get(raw, "num_hash_layers", int, 0), n)
     if len(mlp_types) != n:
         raise ConfigError(f"mlp_layer_types has {len(mlp_types)} entries but num_hidden_layers is {n}")
     num_hash = sum(t == "hash_moe" for t in mlp_types)
@@ -285,38 +303,53 @@ def _parse_hash_layers(raw: dict[str, Any], n: int) -> int:
 
 
 def _parse_rope_dim(raw: dict[str, Any]) -> int:
-    if raw.get("qk_rope_head_dim") is not None:
-        return int(raw["qk_rope_head_dim"])
-    factor = raw.get("partial_rotary_factor")
+    dim = _get(raw, "qk_rope_head_dim", int)
+    if dim is not None:
+        return dim
+    factor = _get(raw, "partial_rotary_factor", float)
     if factor is None:
-        params = raw.get("rope_parameters") or {}
-        factor = (params.get("main") or params).get("partial_rotary_factor")
+        main, compress = _rope_parameters(raw)
+        factor = _get(main or compress, "partial_rotary_factor", float,
+                      where="rope_parameters.main." if main else "rope_parameters.")
     if factor is None:
         raise ConfigError("config.json has neither qk_rope_head_dim nor partial_rotary_factor")
     return round(raw["head_dim"] * factor)
 
 
+def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """transformers' rope_parameters as (main, compress): nested, or flat (compress only)."""
+    params = _get(raw, "rope_parameters", dict, {})
+    if isinstance(params.get("main"), dict):
+        return params["main"], _get(params, "compress", dict, {}, where="rope_parameters.")
+    return {}, params
+
+
 def _parse_rope(raw: dict[str, Any]) -> dict[str, Any]:
-    params = raw.get("rope_parameters")
-    if params and isinstance(params.get("main"), dict):
-        main, compress = params["main"], params.get("compress") or {}
-    else:
-        main, compress = {}, params or {}
-    scaling = raw.get("rope_scaling") or compress
+    main, compress = _rope_parameters(raw)
     nested = bool(main)
-    out = {
-        "rope_theta": float(main["rope_theta"] if nested else raw.get("rope_theta", 10000.0)),
-        "compress_rope_theta": float(
-            compress["rope_theta"] if nested else raw.get("compress_rope_theta", 160000.0)
-        ),
-    }
+    scaling, where = _get(raw, "rope_scaling", dict), "rope_scaling."
+    if not scaling:
+        scaling, where = compress, "rope_parameters.compress." if nested else "rope_parameters."
+    if nested:
+        rope_theta = _get(main, "rope_theta", float, where="rope_parameters.main.")
+        compress_rope_theta = _get(compress, "rope_theta", float, where="rope_parameters.compress.")
+        if rope_theta is None or compress_rope_theta is None:
+            raise ConfigError("rope_parameters.main and rope_parameters.compress must both have a rope_theta")
+    else:
+        rope_theta = _get(raw, "rope_theta", float, 10000.0)
+        compress_rope_theta = _get(raw, "compress_rope_theta", float, 160000.0)
+    out = {"rope_theta": float(rope_theta), "compress_rope_theta": float(compress_rope_theta)}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "yarn":
+        factor = _get(scaling, "factor", float, where=where)
+        original = _get(scaling, "original_max_position_embeddings", int, where=where)
+        if factor is None or original is None:
+            raise ConfigError(f"{where}factor and {where}original_max_position_embeddings are required for yarn")
         out["rope_scaling"] = YarnScaling(
-            factor=float(scaling["factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            beta_fast=float(scaling.get("beta_fast", 32)),
-            beta_slow=float(scaling.get("beta_slow", 1)),
+            factor=float(factor),
+            original_max_position_embeddings=original,
+            beta_fast=float(_get(scaling, "beta_fast", float, 32, where=where)),
+            beta_slow=float(_get(scaling, "beta_slow", float, 1, where=where)),
         )
     elif rope_type in ("default", None):
         out["rope_scaling"] = None
@@ -331,13 +364,12 @@ def _validate(c: ModelConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
+    _check_fields({f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
     check(c.model_type in SUPPORTED_MODEL_TYPES, f"model_type {c.model_type!r} is not supported")
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                 "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts",
-                 "num_experts_per_tok", "moe_intermediate_size", "hc_mult", "index_n_heads",
-                 "index_head_dim", "index_topk"):
-        value = getattr(c, name)
-        check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(c, name)
+        check(token is None or 0 <= token < c.vocab_size,
+              f"{name} must be a token id in [0, vocab_size = {c.vocab_size}), got {token}")
     check(c.scoring_func == "sqrtsoftplus",
           f"scoring_func {c.scoring_func!r} is not supported (DeepSeek-V4 uses 'sqrtsoftplus')")
     check(c.num_key_value_heads == 1,
@@ -366,13 +398,97 @@ def _validate(c: ModelConfig) -> None:
         q = c.quantization_config
         check(q.get("quant_method", "fp8") == "fp8",
               f"quantization_config.quant_method {q.get('quant_method')!r} is not supported (fp8)")
+        check(q.get("fmt", "e4m3") == "e4m3",
+              f"quantization_config.fmt {q.get('fmt')!r} is not supported (e4m3: the weights are "
+              "read as float8_e4m3fn)")
         check(q.get("scale_fmt", "ue8m0") == "ue8m0",
               f"quantization_config.scale_fmt {q.get('scale_fmt')!r} is not supported (ue8m0)")
         check(q.get("expert_dtype", "fp4") in ("fp4", "fp8"),
               f"quantization_config.expert_dtype {q.get('expert_dtype')!r} is not supported")
         block = q.get("weight_block_size", [128, 128])
-        check(len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
-              f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+        check(isinstance(block, (list, tuple)) and len(block) == 2 and all(_is_int(b) and b > 0 for b in block),
+              f"quantization_config.weight_block_size must be two positive integers, got {_json(block)}")
+
+
+# --- field types ------------------------------------------------------------------------------
+_POSITIVE = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+    "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "hc_mult", "index_n_heads", "index_head_dim", "index_topk",
+)
+
+
+def _check_fields(values: dict[str, Any]) -> None:
+    """Each ModelConfig field in `values` has its annotated type; the counts are positive."""
+    hints = typing.get_type_hints(ModelConfig)
+    for name, value in values.items():
+        if not _matches(value, hints[name]):
+            raise ConfigError(_wrong_type(name, value, hints[name]))
+        if name in _POSITIVE and value <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {_json(value)}")
+
+
+def _get(raw: dict[str, Any], name: str, hint, default=None, where: str = ""):
+    """raw[name] checked against the type `hint`, or `default` when it is absent or null;
+    `where` is the path of `raw` in config.json (e.g. "rope_scaling.")."""
+    value = raw.get(name)
+    if value is None:
+        return default
+    if not _matches(value, hint):
+        raise ConfigError(_wrong_type(where + name, value, hint))
+    return value
+
+
+def _matches(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_matches(value, arg) for arg in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _is_int(value)
+    if hint is float:  # JSON writes 10000.0 as 10000
+        return _is_int(value) or isinstance(value, float)
+    if origin in (tuple, list):
+        return isinstance(value, origin) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(v, args[1]) for v in value.values())
+    return isinstance(value, hint)
+
+
+def _wrong_type(name: str, value, hint) -> str:
+    return f"{name} must be {_describe(hint)}, got {_json(value)}"
+
+
+def _describe(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin in (tuple, list):
+        return f"a list of {_plural(args[0])}"
+    if origin is dict:
+        return "an object" if args[1] is Any else f"an object of {_plural(args[1])}"
+    words = {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string",
+             dict: "an object", YarnScaling: "a YaRN rope_scaling object"}
+    return words[hint]
+
+
+def _plural(hint) -> str:
+    return _describe(hint).split(" ", 1)[1] + "s"  # "an integer" -> "integers"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
+
+
+def _json(value) -> str:
+    """A value as config.json spells it (true, null, "abc"), cut short."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # --- presets ----------------------------------------------------------------------------------

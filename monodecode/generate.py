@@ -1,4 +1,5 @@
-"""Generation for one request on the per-op path, plain or speculative (CLI and tests)."""
+"""Generation for one request, plain or speculative (CLI and tests): `Model.step`, so decode
+steps run on the mono kernels where the model uses them, the rest per-op."""
 
 from __future__ import annotations
 

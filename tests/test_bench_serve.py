@@ -219,6 +219,16 @@ def test_failed_requests_are_counted_and_named(serve, tmp_path, capsys):
     assert "c=2 failed x1: HTTP 500" in capsys.readouterr().out
 
 
+def test_every_request_failing_exits_1(serve, tmp_path, capsys):
+    server = serve(Behaviour(failures={n: "http500" for n in range(1, 5)}))
+    argv = ["bench", "serve", "--base-url", server.url, "--out", str(tmp_path), "--model", "m", "--concurrency", "1,2",
+            "--num-prompts", "2", "--input-len", "4", "--output-len", "4"]
+    assert main(argv) == 1
+    assert "error: every request failed" in capsys.readouterr().err
+    report = json.loads((tmp_path / "bench_serve.json").read_text())
+    assert [level["failed"] for level in report["levels"]] == [2, 2]  # still reported
+
+
 def test_text_prompts_are_words(serve, tmp_path):
     server = serve()
     bench(server, tmp_path, "--model", "m", "--concurrency", "1", "--num-prompts", "2", "--input-len", "5",

@@ -1,9 +1,18 @@
 import json
+import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
+import monodecode.model
+from monodecode import __version__
 from monodecode.checkpoint import Checkpoint
 from monodecode.cli import main
+from monodecode.config import preset
+
+BLOCK_SPEC = '{"method": "dspark", "num_speculative_tokens": 5, "rejection_sample_method": "%s"}'
 
 
 def test_inspect_v4_flash_reports_the_layer_byte_counts(capsys):
@@ -56,10 +65,23 @@ def test_console_script_entry_point():
 
 def test_generate_default_model_says_it_is_noise(capsys):
     assert main(["generate", "--max-tokens", "5"]) == 0
-    captured = capsys.readouterr()
-    assert "output is noise" in captured.err
-    ids = [int(t) for t in captured.out.strip().split(",")]
-    assert len(ids) == 5 and all(0 <= t < 512 for t in ids)
+    assert "output is noise" in capsys.readouterr().err
+
+
+def test_generate_takes_text_as_serve_does(capsys):
+    """The default model has no tokenizer.json; like serve, generate takes and returns text
+    through the byte-level fallback (byte b is id b + 3): the same as the prompt's ids."""
+    assert main(["generate", "--prompt", "Hi", "--max-tokens", "6"]) == 0
+    text = capsys.readouterr().out
+    assert main(["generate", "--prompt-ids", ",".join(str(b + 3) for b in b"Hi"), "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out == text
+
+
+def test_generate_refuses_text_for_a_vocabulary_too_small_for_bytes(tmp_path, capsys):
+    config = preset("tiny", vocab_size=200, dspark_noise_token_id=199)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hello"]) == 2
+    assert "its 200 ids are too few for the byte-level fallback: pass --prompt-ids" in capsys.readouterr().err
 
 
 def test_generate_with_a_tokenizer(tmp_path, capsys):
@@ -84,9 +106,82 @@ def test_generate_with_a_tokenizer(tmp_path, capsys):
 
 
 def test_generate_errors(capsys):
-    assert main(["generate", "--prompt", "hello"]) == 2
-    assert "has no tokenizer.json" in capsys.readouterr().err
     assert main(["generate", "--prompt-ids", "1,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["generate", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"monodecode {__version__}\n"
+
+
+def test_help_shows_defaults_and_what_generate_runs_on(capsys):
+    assert main(["--help"]) == 0
+    assert "per-op path" not in capsys.readouterr().out  # generate runs decode steps on mono where it can
+    assert main(["serve", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 8)", "(default: 512)", "(default: cpu)",
+                    "(default: float32)"):
+        assert default in out
+    assert main(["generate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 32)" in out and "(default: 0.0)" in out and "(default: 1.0)" in out
+
+
+def refused_at_parse(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: monodecode")  # argparse's refusal, before anything runs
+    return err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_flags_are_named_without_a_traceback(command, capsys):
+    err = refused_at_parse([command, "--device", "tpu"], capsys)
+    assert "argument --device: 'tpu' is not a device: use cpu, cuda or cuda:N" in err
+    if not torch.cuda.is_available():
+        err = refused_at_parse([command, "--device", "cuda"], capsys)
+        assert "argument --device: 'cuda': this torch" in err and "sees no CUDA GPU" in err
+    err = refused_at_parse([command, "--speculative-config", '{"method": dspark}'], capsys)
+    assert "argument --speculative-config: speculative config is not valid JSON" in err
+    err = refused_at_parse([command, "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 5}'], capsys)
+    assert "argument --speculative-config: speculative config: method must be 'dspark'" in err
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails a test that loads a model: the check under test must come first."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(monodecode.model, "load", load)
+
+
+def test_serve_checks_the_port_and_the_length_before_loading(no_model_load, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)" in capsys.readouterr().err
+    assert main(["serve", "--max-model-len", "8192"]) == 2
+    assert "max_model_len (--max-model-len) 8192 is beyond tiny's max_position_embeddings, 4096" in capsys.readouterr().err
+    err = refused_at_parse(["serve", "--port", "70000"], capsys)
+    assert "argument --port: '70000' is not a port number (0-65535)" in err
+
+
+def test_greedy_verification_at_a_temperature_is_refused_before_loading(no_model_load, capsys):
+    assert main(["generate", "--temperature", "0.7", "--speculative-config", BLOCK_SPEC % "greedy"]) == 2
+    assert "temperature must be 0 with greedy speculative verification" in capsys.readouterr().err
+
+
+def test_greedy_verification_refuses_sampling_in_the_api(capsys):
+    """generate_speculative (SpeculativeDecoder.prefill) refuses the pair too, not only the CLI."""
+    from monodecode.generate import generate_speculative
+    from monodecode.spec.config import SpeculativeConfig
+
+    model = monodecode.model.load("tiny")
+    with pytest.raises(ValueError, match="temperature must be 0 with greedy"):
+        generate_speculative(model, [5, 6], 4, SpeculativeConfig.from_json(BLOCK_SPEC % "greedy"), temperature=0.5)

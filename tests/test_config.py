@@ -123,6 +123,21 @@ def test_load_config_reads_a_directory(tmp_path):
         ({"rope_scaling": {"type": "longrope", "factor": 2}}, "rope scaling type 'longrope'"),
         ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
         ({"vocab_size": None}, "lacks required field(s) ['vocab_size']"),
+        ({"compress_ratios": "0,4,16,4"}, 'compress_ratios must be a list of integers, got "0,4,16,4"'),
+        ({"rope_theta": "abc"}, 'rope_theta must be a number, got "abc"'),
+        ({"num_hidden_layers": 4.5}, "num_hidden_layers must be an integer, got 4.5"),
+        ({"hidden_size": True}, "hidden_size must be an integer, got true"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer, got -1"),
+        ({"eos_token_id": "1"}, 'eos_token_id must be an integer or null, got "1"'),
+        ({"eos_token_id": [1, "2"]}, 'eos_token_id must be a list of integers, got [1, "2"]'),
+        ({"eos_token_id": 129280}, "eos_token_id must be a token id in [0, vocab_size = 129280), got 129280"),
+        ({"rope_scaling": {"type": "yarn", "factor": "16", "original_max_position_embeddings": 65536}},
+         'rope_scaling.factor must be a number, got "16"'),
+        ({"quantization_config": {**FLASH_OFFICIAL["quantization_config"], "fmt": "e5m2"}},
+         "quantization_config.fmt 'e5m2' is not supported (e4m3"),
+        ({"quantization_config": {"weight_block_size": 128}},
+         "weight_block_size must be two positive integers, got 128"),
+        ({"norm_topk_prob": "yes"}, 'norm_topk_prob must be true or false, got "yes"'),
     ],
 )
 def test_bad_configs_name_the_field(change, message):
@@ -140,6 +155,11 @@ def test_bad_configs_name_the_field(change, message):
         ({"layer_types": ["dense_attention"] * 43}, "layer_types[0] = 'dense_attention'"),
         ({"mlp_layer_types": ["moe", "hash_moe"] + ["moe"] * 41}, "hash_moe layers must come first"),
         ({"compress_rates": {"compressed_sparse_attention": 8}}, "compressed_sparse_attention must be 4"),
+        ({"compress_rates": {"heavily_compressed_attention": "128"}},
+         'compress_rates must be an object of integers, got {"heavily_compressed_attention": "128"}'),
+        ({"layer_types": "sliding_attention"}, 'layer_types must be a list of strings, got "sliding_attention"'),
+        ({"rope_parameters": {"main": {"rope_theta": "x"}, "compress": {}}},
+         'rope_parameters.main.rope_theta must be a number, got "x"'),
     ],
 )
 def test_bad_transformers_configs_name_the_field(change, message):
@@ -159,3 +179,24 @@ def test_unknown_preset_and_override_are_refused(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    config_file = tmp_path / "config.json"
+    config_file.write_bytes(b'{"model_type": "deepseek_v4", "name": "\xff"}')
+    with pytest.raises(ConfigError, match=f"{config_file} is not UTF-8 text"):
+        load_config(tmp_path)
+    config_file.write_text(json.dumps([FLASH_OFFICIAL]))
+    with pytest.raises(ConfigError, match=f"{config_file}: config.json must hold a JSON object of fields, got \\[{{"):
+        load_config(tmp_path)
+    config_file.write_text(json.dumps({**FLASH_OFFICIAL, "hidden_size": True}))
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert str(e.value) == f"{config_file}: hidden_size must be an integer, got true"
+
+
+def test_overrides_are_type_checked_too():
+    with pytest.raises(ConfigError, match="num_hidden_layers must be an integer, got true"):
+        preset("tiny", num_hidden_layers=True)
+    with pytest.raises(ConfigError, match="rope_theta must be a number"):
+        preset("tiny", rope_theta="abc")

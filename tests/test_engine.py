@@ -98,6 +98,34 @@ def test_abort_frees_the_slot_for_the_next_request(model):
     assert not eng.has_work() and eng.scheduler.free_slots == [0]
 
 
+def test_load_gauges_are_true_between_steps(model):
+    """The running and waiting gauges follow every arrival, admission and abort, not only the
+    steps: aborting the last requests leaves them at 0 with no step to come."""
+    eng = engine(model, max_num_seqs=1)
+    load = lambda: (eng.metrics.running, eng.metrics.waiting)  # noqa: E731
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, temperature=0))
+    eng.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50, temperature=0))
+    assert load() == (0, 2)
+    eng.step()
+    assert load() == (1, 1)
+    eng.abort("a")
+    assert load() == (0, 1)
+    eng.abort("b")
+    assert load() == (0, 0) and eng.metrics.requests["abort"] == 2
+
+
+def test_greedy_verification_refuses_sampling(model):
+    """Greedy verification decodes greedily, so it cannot honour a temperature: refused, not
+    sampled at the first token and greedy after."""
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5,
+                                        "rejection_sample_method": "greedy"})
+    eng = engine(model, speculative=spec)
+    with pytest.raises(ValueError, match="temperature must be 0 with greedy speculative verification"):
+        eng.add_request("hot", PROMPTS[0], SamplingParams(temperature=0.7))
+    assert eng.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) == [
+        generate(model, PROMPTS[0], 6)]
+
+
 def test_logprobs_and_echo_match_a_full_prefill(model):
     eng = engine(model)
     prompt = PROMPTS[4]  # 40 tokens: 6 prefill chunks of at most 7
@@ -123,9 +151,10 @@ def test_requests_that_cannot_fit_are_refused(model):
         eng.add_request("b", [1, 512], SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         eng.add_request("c", [], SamplingParams())
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"max_tokens": 0}, {"seed": 2**64}, {"seed": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # the largest seed a torch.Generator takes
     with pytest.raises(RuntimeError, match="activations and caches in bfloat16; the model is torch.float32"):
         engine(model, mono="on")
     assert not eng.has_work()

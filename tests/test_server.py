@@ -5,17 +5,23 @@ timeout, and the server always shuts down."""
 import asyncio
 import contextlib
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 import uvicorn
 
 import monodecode
+from monodecode.engine.tokenizer import ByteTokenizer
 from monodecode.generate import generate
 from monodecode.serve import make_app
 
@@ -84,6 +90,9 @@ def metric(url, name):
 def test_openai_client_completions_stream_and_chat(server):
     c = client(server)
     assert [m.id for m in c.models.list().data] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-5")
     whole = c.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=8, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
@@ -134,20 +143,48 @@ def test_speculative_server_equals_offline_generation(model):
         assert metric(url, "monodecode_mean_acceptance_length") >= 1.0
 
 
+ABORTED = 'monodecode_requests_total{finish_reason="abort"}'
+
+
+def wait_for(url, name, predicate, what):
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate(metric(url, name)):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def assert_every_slot_is_free(url):
+    """A batch that needs every slot at once completes: none is held by an abandoned request."""
+    r = client(url).completions.create(model=MODEL, prompt=[[9, 10 + i] for i in range(SLOTS)], max_tokens=3)
+    assert len(r.choices) == SLOTS and all(ch.finish_reason in ("stop", "length") for ch in r.choices)
+
+
 def test_disconnect_mid_stream_frees_the_slot(server):
-    c = client(server)
-    stream = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=200, temperature=0, stream=True,
-                                  extra_body={"ignore_eos": True})
+    aborted = metric(server, ABORTED)
+    stream = client(server).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=200, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + TIMEOUT
-    while metric(server, 'monodecode_requests_total{finish_reason="abort"}') < 1:
-        assert time.monotonic() < deadline, "the abandoned request was not aborted"
-        time.sleep(0.05)
-    # a batch that needs every slot at once completes: none is held by the abandoned request
-    r = c.completions.create(model=MODEL, prompt=[[9, 10 + i] for i in range(SLOTS)], max_tokens=3)
-    assert len(r.choices) == SLOTS and all(ch.finish_reason in ("stop", "length") for ch in r.choices)
+    wait_for(server, ABORTED, lambda n: n > aborted, "the abandoned request was not aborted")
+    # the gauge is back to 0 with the abort, without another request to step the engine
     assert metric(server, "monodecode_num_requests_running") == 0
+    assert_every_slot_is_free(server)
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(server):
+    """A client that gives up on a whole (non-streamed) response aborts its request at once,
+    which frees its slot and its gauge; the request does not run on to max_tokens."""
+    aborted, generated = metric(server, ABORTED), metric(server, "monodecode_generation_tokens_total")
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=TIMEOUT) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(server, "monodecode_num_requests_running", lambda n: n == 1, "the request did not start")
+    wait_for(server, ABORTED, lambda n: n > aborted, "the request of the departed client was not aborted")
+    assert metric(server, "monodecode_num_requests_running") == 0
+    assert metric(server, "monodecode_generation_tokens_total") - generated < 240
+    assert_every_slot_is_free(server)
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -162,11 +199,106 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     ({"model": MODEL, "prompt": list(range(3, 250)), "max_tokens": 16}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ({"model": MODEL}, 400, "prompt"),
+    ({"prompt": None}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [[5], []]}, 400, "prompt"),
+    ({"prompt": [5, True]}, 400, "prompt"),
+    ({"prompt": "a", "model": 5}, 400, "model"),
+    ({"prompt": "a", "seed": 2**64}, 400, "seed"),  # was a 500: "Overflow when unpacking long long"
+    ({"prompt": "a", "seed": -1}, 400, "seed"),
+    ({"prompt": "a", "seed": "7"}, 400, "seed"),
+    ({"prompt": "a", "seed": 7.5}, 400, "seed"),
+    ({"prompt": "a", "temperature": "0.5"}, 400, "temperature"),
+    (b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),
+    ({"prompt": "a", "top_p": True}, 400, "top_p"),
+    ({"prompt": "a", "top_k": 1.5}, 400, "top_k"),
+    ({"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "a", "stop": 5}, 400, "stop"),
+    ({"prompt": "a", "stop": ["\n", 5]}, 400, "stop"),
+    ({"prompt": "a", "stop": [""]}, 400, "stop"),
+    ({"prompt": "a", "stop_token_ids": ["2"]}, 400, "stop_token_ids[0]"),
+    ({"prompt": "a", "stop_token_ids": [2, 512]}, 400, "stop_token_ids"),
+    ({"prompt": "a", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ({"prompt": "a", "stream": 1}, 400, "stream"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
+    ({"prompt": "a", "stream": True, "stream_options": {"usage": True}}, 400, "stream_options.usage"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "a", "echo": 1}, 400, "echo"),
+    ({"prompt": "a", "n": 2}, 400, "n"),
+    ({"prompt": "a", "user": 5}, 400, "user"),
+    ({"prompt": "a", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ({"prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"prompt": "a", "suffix": "!"}, 400, "suffix"),
+    ({"prompt": "a", "max_token": 5}, 400, "max_token"),  # a typo is not ignored
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
     got, answer = post(server, "/v1/completions", body)
     assert got == status and answer["error"]["param"] == param and answer["error"]["message"]
+    assert answer["error"]["type"] == ("invalid_request_error" if status == 400 else answer["error"]["type"])
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1})[0] == 200
+
+
+def test_unsupported_fields_are_named_and_their_no_op_values_accepted(server):
+    status, answer = post(server, "/v1/completions", {"prompt": "a", "presence_penalty": 0.5, "tools": [{}]})
+    assert status == 400 and answer["error"]["code"] == "unsupported_parameter"
+    assert answer["error"]["message"].startswith("unsupported field(s) presence_penalty, tools")
+    assert "presence_penalty only as 0" in answer["error"]["message"]
+    no_ops = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None,
+              "user": "someone", "top_p": None, "seed": 2**64 - 1}
+    status, answer = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2, **no_ops})
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "messages": []}, "messages"),
+    ("/detokenize", {"tokens": [1, "2"]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [1, 512]}, "tokens"),
+])
+def test_bad_tokenizer_requests_name_the_field(server, path, body, param):
+    status, answer = post(server, path, body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert post(server, "/detokenize", {"tokens": [b + 3 for b in b"ok"]}) == (200, {"prompt": "ok"})
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "bot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 5}]}, "messages[1].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0]"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"max_completion_tokens": "8"}, "max_completion_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"echo": True}, "echo"),
+])
+def test_bad_chat_requests_name_the_field(server, change, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **change}
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"], answer
+
+
+def test_chat_accepts_text_parts_a_null_assistant_content_and_no_op_fields(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": None}, {"role": "user", "content": "again", "name": "me"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "logprobs": False}
+    status, answer = post(server, "/v1/chat/completions", body)
+    assert status == 200 and answer["choices"][0]["message"]["role"] == "assistant", answer
 
 
 def test_openai_client_sees_typed_errors(server):
@@ -231,37 +363,93 @@ def test_load_200_requests_at_concurrency_32(server):
     assert metric(server, "monodecode_time_to_first_token_seconds_count") >= 200
 
 
-def test_readme_main_job_serves_the_default_model(tmp_path):
-    """The README's first command ends in `monodecode serve`; that server (the real CLI, in a
-    child process) answers the README's example request."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_top_logprobs_keep_tokens_that_decode_alike(server, model):
+    """Byte-level ids 131-258 (bytes >= 0x80) all decode alone to U+FFFD: each keeps its own
+    entry (the later ones keyed token_id:N), the sampled token keeps its text, and the values
+    are the model's 20 most likely."""
+    prompt = [5, 6, 7]
+    status, out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 20,
+                                                   "ignore_eos": True, "return_token_ids": True})
+    assert status == 200
+    choice = out["choices"][0]
+    expected = model.score(prompt + choice["token_ids"][:-1]).log_softmax(-1)[len(prompt) - 1:]
+    logprobs, renamed = choice["logprobs"], 0
+    for i, (token, value, top) in enumerate(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"])):
+        assert len(top) == 20 and top[token] == value  # greedy: the sampled token is one of the 20
+        assert list(top.values()) == pytest.approx(expected[i].topk(20).values.tolist(), abs=1e-4)
+        renamed += sum(k.startswith("token_id:") and ByteTokenizer().decode([int(k[9:])]) != "" for k in top)
+    assert renamed  # tokens did decode alike
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    main_job = readme.split("```bash\n", 1)[1].splitlines()[0]
-    assert main_job.endswith("&& monodecode serve")
-    example = json.loads(re.search(r"-d '(\{.*?\})'", readme).group(1))
+
+def test_text_offsets_count_the_characters_of_the_text(server):
+    """text_offset is where each token's text starts in the choice's text: multi-byte characters
+    count once (their bytes are tokens of the byte-level fallback), and ids with no text add none."""
+    prompt = "naïve €5 ✓"
+    data = prompt.encode()
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0, "echo": True, "ignore_eos": True}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200
+    choice = out["choices"][0]
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets[:len(data)] == [len(data[:i].decode("utf-8", "ignore")) for i in range(len(data))]
+    assert offsets[len(data)] == len(prompt)  # the first generated token starts where the prompt ends
+    assert offsets == sorted(offsets) and offsets[-1] <= len(choice["text"])
+    stream = client(server).completions.create(model=MODEL, stream=True, extra_body={"ignore_eos": True},
+                                               **{k: v for k, v in body.items() if k != "ignore_eos"})
+    assert [o for ch in stream for o in ch.choices[0].logprobs.text_offset] == offsets
+
+
+@contextlib.contextmanager
+def cli_server(log_path):
+    """`monodecode serve` (the real CLI, in a child process) on a free loopback port, once it
+    answers /health: (the process, its URL). The process is killed if still running at the end."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "monodecode.cli", "serve", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while get(url, "/health")[0] != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.1)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "monodecode.cli", "serve", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while get(url, "/health")[0] != 200:
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+            yield proc, url
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_readme_main_job_serves_the_default_model(tmp_path):
+    """The README's first command ends in `monodecode serve`; that server (the real CLI, in a
+    child process) answers the README's example request."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    main_job = readme.split("```bash\n", 1)[1].splitlines()[0]
+    assert main_job.endswith("&& monodecode serve")
+    example = json.loads(re.search(r"-d '(\{.*?\})'", readme).group(1))
+    with cli_server(tmp_path / "serve.log") as (proc, url):
         status, out = post(url, "/v1/completions", example)
         assert status == 200 and out["model"] == MODEL and out["usage"]["completion_tokens"] >= 1
-    finally:
         proc.terminate()
-        try:
-            proc.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        proc.wait(TIMEOUT)
     assert "mono auto: runs per-op: " in (tmp_path / "serve.log").read_text()  # the reasons, logged once
+
+
+def test_sigterm_with_a_request_running_exits_within_10_s(tmp_path):
+    """SIGTERM aborts the running request (it gets a 503) and the server exits at once, instead
+    of waiting for the request's 4,000 tokens."""
+    with cli_server(tmp_path / "serve.log") as (proc, url):
+        replies = []
+        body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True}
+        asking = threading.Thread(target=lambda: replies.append(post(url, "/v1/completions", body)))
+        asking.start()
+        wait_for(url, "monodecode_num_requests_running", lambda n: n == 1, "the request did not start")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)  # TimeoutExpired if the server waits for the request
+        asking.join(TIMEOUT)
+    assert proc.returncode == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+    assert "Finished server process" in (tmp_path / "serve.log").read_text()
+    assert replies == [(503, {"error": {"message": "the server is shutting down", "type": "server_error",
+                                        "param": None, "code": None}})]

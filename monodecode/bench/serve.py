@@ -347,7 +347,8 @@ async def served_model(client: httpx.AsyncClient, api_root: str) -> str:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    """The `monodecode bench serve` command: 0 when done, 130 when stopped by Ctrl-C."""
+    """The `monodecode bench serve` command: 0 when done, 1 when every request failed, 130 when
+    stopped by Ctrl-C."""
     run = BenchRun(config_from_args(args))
     if importlib.util.find_spec("matplotlib") is None:
         print(f"note: matplotlib is not installed, so no {PLOT_NAME} will be written "
@@ -360,7 +361,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"interrupted: reporting the {len(run.levels)} finished level(s)", file=sys.stderr)
     print(format_table(run))
     write_outputs(run)
-    return 130 if run.interrupted else 0
+    if run.interrupted:
+        return 130
+    if not any(level["completed"] for level in run.levels):
+        print("error: every request failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def format_table(run: BenchRun) -> str:

@@ -11,7 +11,9 @@ Each `step()`:
    last chunk of a prompt samples the request's first token;
 4. finished requests leave, their slots cleared and freed.
 It returns one RequestOutput per request that produced something. `abort` ends a request at
-once and frees its slot. The engine is not thread-safe: AsyncEngine drives it from one thread.
+once and frees its slot. The running and waiting gauges are published at every change (admission,
+arrival, release), so they are true between steps too. The engine is not thread-safe:
+AsyncEngine drives it from one thread.
 """
 
 from __future__ import annotations
@@ -60,10 +62,15 @@ class Engine:
         bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary of {vocab}")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it could never stop the request
+            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary of {vocab}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                              f"has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
                              f"({len(prompt_ids) + params.max_tokens} in all)")
+        if self.decoder is not None:
+            self.decoder.config.check_temperature(params.temperature)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.check(prompt_ids, params)
@@ -74,6 +81,7 @@ class Engine:
         request = Request(request_id, list(prompt_ids), params, stop_ids, self.tokenizer, self.model.device)
         self.requests[request_id] = request
         self.scheduler.add(request)
+        self._publish_load()
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -81,13 +89,14 @@ class Engine:
             request.abort()
             self._release(request)
 
-    def fail_all(self, error: str) -> list[RequestOutput]:
-        """End every request with `error` (after a step raised): the engine stays usable."""
+    def fail_all(self, error: str, finish_reason: str = "error") -> list[RequestOutput]:
+        """End every request with `error` (after a step raised: "error"; at shutdown: "abort"), the
+        outputs that tell their callers; the engine stays usable."""
         outputs = []
         for request in list(self.requests.values()):
-            request.finish_reason = "error"
+            request.finish_reason = finish_reason
             self._release(request)
-            outputs.append(RequestOutput(request.id, [], "", finished=True, finish_reason="error", error=error))
+            outputs.append(RequestOutput(request.id, [], "", finished=True, finish_reason=finish_reason, error=error))
         return outputs
 
     def warm_up(self) -> None:
@@ -109,6 +118,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self._publish_load()  # admissions
         if plan.decode:
             self._decode(plan.decode)
         if plan.prefill:
@@ -121,8 +131,7 @@ class Engine:
                 self._count(request, out)
             if request.finished:
                 self._release(request)
-        stats = self.decoder.stats.mean_acceptance_length if self.decoder else 0.0
-        self.metrics.set_load(len(self.scheduler.running), len(self.scheduler.waiting), stats)
+        self._publish_load()  # the acceptance length
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -211,4 +220,9 @@ class Engine:
             self.caches.draft.clear(slot)
         elif slot is not None:
             self.caches.clear(slot)
+        self._publish_load()  # before the count, so that a reader who sees the count sees the slot free
         self.metrics.count_finished(request.finish_reason)
+
+    def _publish_load(self) -> None:
+        acceptance = self.decoder.stats.mean_acceptance_length if self.decoder else 0.0
+        self.metrics.set_load(len(self.scheduler.running), len(self.scheduler.waiting), acceptance)

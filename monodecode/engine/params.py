@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..sampling import check_sampling
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**64 - 1  # torch.Generator seeds are 64-bit (negative ones would alias positive ones)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
 

@@ -7,6 +7,9 @@ next decode step runs, at position `len(prompt_ids) + len(output_ids) - 1`.
 Text: output ids are detokenized incrementally; the text is searched for the stop strings and
 cut before the first one found (finish reason "stop"). While a request runs, the last
 `len(longest stop) - 1` characters are held back, since they may be the start of a stop string.
+Each output token's text offset is where its text starts in the request's text: the length of
+the text before it, so a token inside an unfinished multi-byte character starts where that
+character does, and none counts past a cut.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    text_offsets: list[int] = field(default_factory=list)  # where each of token_ids' text starts in the request's text
 
 
 class Request:
@@ -52,6 +56,7 @@ class Request:
         self.finish_reason: str | None = None
         self.arrival, self.first_token_at, self.last_token_at = time.monotonic(), None, None
         self._delta_ids: list[int] = []
+        self._delta_offsets: list[int] = []
         self._delta_logprobs: list[TokenLogprob] = []
         self._prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.echo else None
 
@@ -78,6 +83,7 @@ class Request:
             return
         self.output_ids.append(token_id)
         self._delta_ids.append(token_id)
+        self._delta_offsets.append(len(self.text))
         if logprob is not None:
             self._delta_logprobs.append(logprob)
         if token_id in self.stop_ids:
@@ -100,10 +106,11 @@ class Request:
             return None
         out = RequestOutput(self.id, self._delta_ids, self.text[self.emitted:visible], self._delta_logprobs,
                             finished=self.finished, finish_reason=self.finish_reason,
-                            prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
+                            prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
+                            text_offsets=[min(o, len(self.text)) for o in self._delta_offsets])
         if self._prompt_logprobs is not None and self.prefilled:
             out.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
-        self.emitted, self._delta_ids, self._delta_logprobs = visible, [], []
+        self.emitted, self._delta_ids, self._delta_offsets, self._delta_logprobs = visible, [], [], []
         return out
 
     def _add_text(self, new: str) -> None:

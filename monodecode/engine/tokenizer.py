@@ -50,6 +50,16 @@ def load_tokenizer(source, vocab_size: int) -> FileTokenizer | ByteTokenizer | N
     return file_tokenizer(source) or (ByteTokenizer() if vocab_size >= BYTE_VOCAB else None)
 
 
+def text_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Where each token's text starts in the text of `ids`, as the request's output offsets are
+    counted: the length of the text the tokens before it complete."""
+    detokenizer, offsets = IncrementalDetokenizer(tokenizer), []
+    for token_id in ids:
+        offsets.append(len(detokenizer.text))
+        detokenizer.add(token_id)
+    return offsets
+
+
 class IncrementalDetokenizer:
     """The text of a growing list of output ids, released in pieces that are safe to show:
     a trailing U+FFFD (an incomplete multi-byte character) waits for the next token."""

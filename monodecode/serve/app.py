@@ -1,20 +1,23 @@
 """The FastAPI application: OpenAI routes, health, metrics, tokenizer routes, and error handlers.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), and the tokenizer routes lm-eval's `local-completions` looks
-for (GET /tokenizer_info, POST /tokenize, POST /detokenize) so that it can count tokens with
-the server's own tokenizer. The engine thread starts and stops with the application. Any error
-becomes an OpenAI-shaped JSON error; nothing a client sends can stop the server.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET /metrics (Prometheus text), and the tokenizer routes lm-eval's
+`local-completions` looks for (GET /tokenizer_info, POST /tokenize, POST /detokenize) so that it
+can count tokens with the server's own tokenizer. The engine thread starts and stops with the
+application (`app.state.engine`). Any error becomes an OpenAI-shaped JSON error; nothing a client
+sends can stop the server. A client that disconnects before its whole (non-streamed) response
+is ready cancels the work (`_unless_disconnected`): Starlette does that for streams only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import AsyncEngine
@@ -33,20 +36,25 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template: Ch
         engine.stop()
 
     app = FastAPI(title="monodecode", lifespan=lifespan)
+    app.state.engine = engine
     serving = OpenAIServing(engine, model_name, tokenizer, chat_template)
     _add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.completions(await _json_body(request))
+        return await _unless_disconnected(request, serving.completions(await _json_body(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving.chat(await _json_body(request))
+        return await _unless_disconnected(request, serving.chat(await _json_body(request)))
 
     @app.get("/v1/models")
     async def models():
         return serving.models()
+
+    @app.get("/v1/models/{model_id:path}")  # served names may be paths (--model as given)
+    async def model(model_id: str):
+        return serving.model_card(model_id)
 
     @app.get("/health")
     async def health():
@@ -65,20 +73,34 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template: Ch
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _json_body(request)
-        if not isinstance(body.get("prompt"), str):
-            raise bad_request("prompt must be a string", "prompt")
-        tokens = serving.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+        return serving.tokenize(await _json_body(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        tokens = (await _json_body(request)).get("tokens")
-        if tokenizer is None or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise bad_request("tokens must be a list of token ids (and the model needs a tokenizer)", "tokens")
-        return {"prompt": tokenizer.decode(tokens)}
+        return serving.detokenize(await _json_body(request))
 
     return app
+
+
+async def _unless_disconnected(request: Request, work):
+    """The result of the coroutine `work`, unless the client disconnects first: then `work` is
+    cancelled, which aborts its engine requests (AsyncEngine.generate), and the answer is a 499
+    that nobody reads. The body has been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((task, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled itself
+        task.cancel()  # a no-op once it is done
+        disconnect.cancel()
+    if task in done:
+        return task.result()
+    return Response(status_code=499)  # nginx's "client closed request"
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _json_body(request: Request) -> dict:

@@ -3,8 +3,12 @@
 Token strings in logprobs are the token's own decoded text, or `token_id:N` where a token has
 none (no tokenizer, or a byte-level id outside the bytes). Completions logprobs follow the
 legacy shape (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`);
-with `echo` the prompt's tokens come first, the very first with null logprobs. Chat logprobs
-follow the chat shape (`content`: [{token, logprob, bytes, top_logprobs}]).
+with `echo` the prompt's tokens come first, the very first with null logprobs. As in OpenAI's,
+`top_logprobs` holds the sampled token too; where two tokens decode alike, the later one is
+keyed `token_id:N`, so none is lost and the sampled token keeps the key `tokens` shows.
+`text_offset` is where each token's text starts in the choice's text (a token inside an
+unfinished multi-byte character starts where that character does). Chat logprobs follow the
+chat shape (`content`: [{token, logprob, bytes, top_logprobs}]).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..engine.logprobs import TokenLogprob
 from ..engine.request import RequestOutput
+from ..engine.tokenizer import text_offsets
 
 
 @dataclass
@@ -24,6 +29,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -33,6 +39,7 @@ class Result:
         self.token_ids += out.token_ids
         self.text += out.text
         self.logprobs += out.logprobs
+        self.text_offsets += out.text_offsets
         self.prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else self.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
@@ -49,18 +56,33 @@ class Formatter:
     def head(self, request_id: str, kind: str) -> dict:
         return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
 
-    def completion_logprobs(self, entries: list[TokenLogprob | None], prompt_ids: list[int],
-                            offset: int = 0) -> dict:
-        """Legacy logprobs; `prompt_ids` name the entries that are None (the first prompt token)."""
-        tokens, values, tops, offsets = [], [], [], []
-        for i, entry in enumerate(entries):
-            token = self.token_text(entry.token_id if entry is not None else prompt_ids[i])
-            tokens.append(token)
-            values.append(entry.logprob if entry is not None else None)
-            tops.append({self.token_text(t): lp for t, lp in entry.top} if entry is not None else None)
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    def completion_logprobs(self, out: RequestOutput | Result, prompt_ids: list[int], prompt_text: str,
+                            echo: bool) -> dict:
+        """Legacy logprobs of a request's output (whole or one chunk of it), offsets counted in
+        the choice's text; with `echo`, the prompt's come first where `out` holds them."""
+        shift = len(prompt_text) if echo else 0
+        ids, entries, offsets = out.token_ids, out.logprobs, [shift + o for o in out.text_offsets]
+        if echo and out.prompt_logprobs is not None:
+            prompt_offsets = text_offsets(self.tokenizer, prompt_ids) if self.tokenizer else [0] * len(prompt_ids)
+            ids, entries, offsets = prompt_ids + ids, out.prompt_logprobs + entries, prompt_offsets + offsets
+        return {"tokens": [self.token_text(t) for t in ids],
+                "token_logprobs": [e.logprob if e is not None else None for e in entries],
+                "top_logprobs": [self.top_logprobs(e) if e is not None else None for e in entries],
+                "text_offset": offsets}
+
+    def top_logprobs(self, entry: TokenLogprob) -> dict[str, float]:
+        """{token: logprob} of the most likely tokens and the sampled one, most likely first. The
+        sampled token is keyed by its text (as in `tokens`); a token whose text is already a key is
+        keyed `token_id:N` instead of overwriting it."""
+        ranked = list(entry.top)
+        if all(t != entry.token_id for t, _ in ranked):
+            ranked = sorted(ranked + [(entry.token_id, entry.logprob)], key=lambda item: -item[1])
+        keys = {entry.token_id: self.token_text(entry.token_id)}
+        for t, _ in ranked:
+            if t not in keys:
+                text = self.token_text(t)
+                keys[t] = text if text not in keys.values() else f"token_id:{t}"
+        return {keys[t]: lp for t, lp in ranked}
 
     def chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
         def item(token_id: int, logprob: float) -> dict:
@@ -75,8 +97,7 @@ class Formatter:
         choice = {"index": index, "text": (prompt_text if echo else "") + result.text, "logprobs": None,
                   "finish_reason": result.finish_reason}
         if logprobs:
-            entries = (result.prompt_logprobs or []) + result.logprobs if echo else result.logprobs
-            choice["logprobs"] = self.completion_logprobs(entries, prompt_ids)
+            choice["logprobs"] = self.completion_logprobs(result, prompt_ids, prompt_text, echo)
         if return_token_ids:
             choice["prompt_token_ids"], choice["token_ids"] = prompt_ids, result.token_ids
         return choice

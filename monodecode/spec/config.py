@@ -9,6 +9,10 @@ Keys:
   (the default; "probabilistic" is an alias), "block", "greedy" or "synthetic".
 - `synthetic_acceptance_length`: only, and always, with "synthetic": the expected tokens committed
   per step, in [1, num_speculative_tokens + 1].
+
+"greedy" verification keeps the drafts that equal the target's argmax and adds the argmax, so it
+decodes greedily whatever the temperature: a request at temperature > 0 is refused with it
+(`check_temperature`) rather than sampled at its first token and greedy after.
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text_or_dict: str | dict[str, Any]) -> SpeculativeConfig:
         """Parse the `--speculative-config` JSON (a string, or the already parsed dict)."""
-        raw = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
+        try:
+            raw = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not valid JSON ({e}): {text_or_dict!r}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"speculative config must be a JSON object, got {raw!r}")
         known = [f.name for f in fields(cls)]
@@ -62,6 +69,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: num_speculative_tokens ({self.num_speculative_tokens}) must "
                              f"equal the DSpark draft's block size ({block_size}): the draft proposes a whole "
                              f"block per step")
+
+    def check_temperature(self, temperature: float) -> None:
+        """Refuse sampling (temperature > 0) under greedy verification, which cannot honour it."""
+        if self.rejection_sample_method == "greedy" and temperature > 0:
+            raise ValueError(f"temperature must be 0 with greedy speculative verification (it decodes greedily), "
+                             f"got {temperature}; use rejection_sample_method 'standard' or 'block' to sample")
 
     def _check_synthetic_acceptance_length(self) -> None:
         length = self.synthetic_acceptance_length

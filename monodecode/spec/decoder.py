@@ -88,6 +88,7 @@ class SpeculativeDecoder:
                 top_p: float = 1.0, generator: torch.Generator | None = None, top_k: int = 0) -> SpecRequest:
         """Run a prompt, commit it, and sample its first token, which becomes the anchor."""
         check_sampling(temperature, top_p, top_k)
+        self.config.check_temperature(temperature)
         logits = self.prefill_chunk(caches, slot, prompt_ids, start=0)
         first = int(sample(logits[-1:], temperature, top_p, generator, top_k))
         return SpecRequest(slot, len(prompt_ids), first, temperature, top_p, generator, top_k)
