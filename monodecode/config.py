@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config_fields import ConfigError, as_json, check_fields, get_field, is_int
+
+POSITIVE = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+    "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "hc_mult", "index_n_heads", "index_head_dim", "index_topk",
+)  # fields that must be positive counts
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 CSA_RATIO = 4
 LAYER_TYPE_BY_KIND = {
@@ -37,12 +43,9 @@ KIND_BY_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_BY_KIND.items()}
 DEFAULT_HCA_RATIO = 128
 
 
-class ConfigError(ValueError):
-    """A config field is missing, inconsistent or unsupported; the message names the field."""
-
-
 @dataclass(frozen=True)
 class YarnScaling:
+    DESCRIPTION: typing.ClassVar[str] = "a YaRN rope_scaling object"  # in type errors (config_fields)
     factor: float = 16.0
     original_max_position_embeddings: int = 65536
     beta_fast: float = 32.0
@@ -226,7 +229,7 @@ _OPTIONAL = (
 
 def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ConfigError(f"config.json must hold a JSON object of fields, got {_json(raw)}")
+        raise ConfigError(f"config.json must hold a JSON object of fields, got {as_json(raw)}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -238,31 +241,31 @@ def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {k: raw[k] for k in _REQUIRED}
     out.update({k: raw[k] for k in _OPTIONAL if raw.get(k) is not None})
     if isinstance(out.get("eos_token_id"), list):  # several EOS ids: the engine stops at the first
-        out["eos_token_id"] = _get(raw, "eos_token_id", list[int])[0] if out["eos_token_id"] else None
-    _check_fields(out)  # before any of them is computed with
+        out["eos_token_id"] = get_field(raw, "eos_token_id", list[int])[0] if out["eos_token_id"] else None
+    check_fields(ModelConfig, out, POSITIVE)  # before any of them is computed with
     n = raw["num_hidden_layers"]
     out["compress_ratios"] = _parse_ratios(raw, n)
     out["num_hash_layers"] = _parse_hash_layers(raw, n)
     out["qk_rope_head_dim"] = _parse_rope_dim(raw)
     out.update(_parse_rope(raw))
-    targets = _get(raw, "dspark_target_layer_ids", list[int])
+    targets = get_field(raw, "dspark_target_layer_ids", list[int])
     if targets is not None:
         out["dspark_target_layer_ids"] = tuple(targets)
-    q, expert_dtype = out.get("quantization_config"), _get(raw, "expert_dtype", str)
+    q, expert_dtype = out.get("quantization_config"), get_field(raw, "expert_dtype", str)
     if q is not None and expert_dtype and "expert_dtype" not in q:
         out["quantization_config"] = {**q, "expert_dtype": expert_dtype}
     return out
 
 
 def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
-    ratios = _get(raw, "compress_ratios", list[int])
+    ratios = get_field(raw, "compress_ratios", list[int])
     if ratios is not None:
         if len(ratios) < n:
             raise ConfigError(
                 f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {n}"
             )
         return tuple(ratios[:n])  # trailing entries describe the MTP layers
-    layer_types = _get(raw, "layer_types", list[str])
+    layer_types = get_field(raw, "layer_types", list[str])
     if layer_types is None:
         raise ConfigError("config.json has neither compress_ratios nor layer_types")
     if len(layer_types) != n:
@@ -270,7 +273,7 @@ def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
     rates = {
         "compressed_sparse_attention": CSA_RATIO,
         "heavily_compressed_attention": DEFAULT_HCA_RATIO,
-        **_get(raw, "compress_rates", dict[str, int], {}),
+        **get_field(raw, "compress_rates", dict[str, int], {}),
     }
     ratios = []
     for i, t in enumerate(layer_types):
@@ -287,9 +290,9 @@ def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
 
 
 def _parse_hash_layers(raw: dict[str, Any], n: int) -> int:
-    mlp_types = _get(raw, "mlp_layer_types", list[str])
+    mlp_types = get_field(raw, "mlp_layer_types", list[str])
     if mlp_types is None:
-        return min(_get(raw, "num_hash_layers", int, 0), n)
+        return min(get_field(raw, "num_hash_layers", int, 0), n)
     if len(mlp_types) != n:
         raise ConfigError(f"mlp_layer_types has {len(mlp_types)} entries but num_hidden_layers is {n}")
     num_hash = sum(t == "hash_moe" for t in mlp_types)
@@ -303,13 +306,13 @@ def _parse_hash_layers(raw: dict[str, Any], n: int) -> int:
 
 
 def _parse_rope_dim(raw: dict[str, Any]) -> int:
-    dim = _get(raw, "qk_rope_head_dim", int)
+    dim = get_field(raw, "qk_rope_head_dim", int)
     if dim is not None:
         return dim
-    factor = _get(raw, "partial_rotary_factor", float)
+    factor = get_field(raw, "partial_rotary_factor", float)
     if factor is None:
         main, compress = _rope_parameters(raw)
-        factor = _get(main or compress, "partial_rotary_factor", float,
+        factor = get_field(main or compress, "partial_rotary_factor", float,
                       where="rope_parameters.main." if main else "rope_parameters.")
     if factor is None:
         raise ConfigError("config.json has neither qk_rope_head_dim nor partial_rotary_factor")
@@ -318,38 +321,38 @@ def _parse_rope_dim(raw: dict[str, Any]) -> int:
 
 def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """transformers' rope_parameters as (main, compress): nested, or flat (compress only)."""
-    params = _get(raw, "rope_parameters", dict, {})
+    params = get_field(raw, "rope_parameters", dict, {})
     if isinstance(params.get("main"), dict):
-        return params["main"], _get(params, "compress", dict, {}, where="rope_parameters.")
+        return params["main"], get_field(params, "compress", dict, {}, where="rope_parameters.")
     return {}, params
 
 
 def _parse_rope(raw: dict[str, Any]) -> dict[str, Any]:
     main, compress = _rope_parameters(raw)
     nested = bool(main)
-    scaling, where = _get(raw, "rope_scaling", dict), "rope_scaling."
+    scaling, where = get_field(raw, "rope_scaling", dict), "rope_scaling."
     if not scaling:
         scaling, where = compress, "rope_parameters.compress." if nested else "rope_parameters."
     if nested:
-        rope_theta = _get(main, "rope_theta", float, where="rope_parameters.main.")
-        compress_rope_theta = _get(compress, "rope_theta", float, where="rope_parameters.compress.")
+        rope_theta = get_field(main, "rope_theta", float, where="rope_parameters.main.")
+        compress_rope_theta = get_field(compress, "rope_theta", float, where="rope_parameters.compress.")
         if rope_theta is None or compress_rope_theta is None:
             raise ConfigError("rope_parameters.main and rope_parameters.compress must both have a rope_theta")
     else:
-        rope_theta = _get(raw, "rope_theta", float, 10000.0)
-        compress_rope_theta = _get(raw, "compress_rope_theta", float, 160000.0)
+        rope_theta = get_field(raw, "rope_theta", float, 10000.0)
+        compress_rope_theta = get_field(raw, "compress_rope_theta", float, 160000.0)
     out = {"rope_theta": float(rope_theta), "compress_rope_theta": float(compress_rope_theta)}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "yarn":
-        factor = _get(scaling, "factor", float, where=where)
-        original = _get(scaling, "original_max_position_embeddings", int, where=where)
+        factor = get_field(scaling, "factor", float, where=where)
+        original = get_field(scaling, "original_max_position_embeddings", int, where=where)
         if factor is None or original is None:
             raise ConfigError(f"{where}factor and {where}original_max_position_embeddings are required for yarn")
         out["rope_scaling"] = YarnScaling(
             factor=float(factor),
             original_max_position_embeddings=original,
-            beta_fast=float(_get(scaling, "beta_fast", float, 32, where=where)),
-            beta_slow=float(_get(scaling, "beta_slow", float, 1, where=where)),
+            beta_fast=float(get_field(scaling, "beta_fast", float, 32, where=where)),
+            beta_slow=float(get_field(scaling, "beta_slow", float, 1, where=where)),
         )
     elif rope_type in ("default", None):
         out["rope_scaling"] = None
@@ -364,7 +367,7 @@ def _validate(c: ModelConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    _check_fields({f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
+    check_fields(ModelConfig, {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, POSITIVE)
     check(c.model_type in SUPPORTED_MODEL_TYPES, f"model_type {c.model_type!r} is not supported")
     for name in ("bos_token_id", "eos_token_id"):
         token = getattr(c, name)
@@ -406,89 +409,8 @@ def _validate(c: ModelConfig) -> None:
         check(q.get("expert_dtype", "fp4") in ("fp4", "fp8"),
               f"quantization_config.expert_dtype {q.get('expert_dtype')!r} is not supported")
         block = q.get("weight_block_size", [128, 128])
-        check(isinstance(block, (list, tuple)) and len(block) == 2 and all(_is_int(b) and b > 0 for b in block),
-              f"quantization_config.weight_block_size must be two positive integers, got {_json(block)}")
-
-
-# --- field types ------------------------------------------------------------------------------
-_POSITIVE = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-    "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "hc_mult", "index_n_heads", "index_head_dim", "index_topk",
-)
-
-
-def _check_fields(values: dict[str, Any]) -> None:
-    """Each ModelConfig field in `values` has its annotated type; the counts are positive."""
-    hints = typing.get_type_hints(ModelConfig)
-    for name, value in values.items():
-        if not _matches(value, hints[name]):
-            raise ConfigError(_wrong_type(name, value, hints[name]))
-        if name in _POSITIVE and value <= 0:
-            raise ConfigError(f"{name} must be a positive integer, got {_json(value)}")
-
-
-def _get(raw: dict[str, Any], name: str, hint, default=None, where: str = ""):
-    """raw[name] checked against the type `hint`, or `default` when it is absent or null;
-    `where` is the path of `raw` in config.json (e.g. "rope_scaling.")."""
-    value = raw.get(name)
-    if value is None:
-        return default
-    if not _matches(value, hint):
-        raise ConfigError(_wrong_type(where + name, value, hint))
-    return value
-
-
-def _matches(value, hint) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        return any(_matches(value, arg) for arg in args)
-    if hint is Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return _is_int(value)
-    if hint is float:  # JSON writes 10000.0 as 10000
-        return _is_int(value) or isinstance(value, float)
-    if origin in (tuple, list):
-        return isinstance(value, origin) and all(_matches(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_matches(v, args[1]) for v in value.values())
-    return isinstance(value, hint)
-
-
-def _wrong_type(name: str, value, hint) -> str:
-    return f"{name} must be {_describe(hint)}, got {_json(value)}"
-
-
-def _describe(hint) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(_describe(arg) for arg in args)
-    if origin in (tuple, list):
-        return f"a list of {_plural(args[0])}"
-    if origin is dict:
-        return "an object" if args[1] is Any else f"an object of {_plural(args[1])}"
-    words = {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string",
-             dict: "an object", YarnScaling: "a YaRN rope_scaling object"}
-    return words[hint]
-
-
-def _plural(hint) -> str:
-    return _describe(hint).split(" ", 1)[1] + "s"  # "an integer" -> "integers"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
-
-
-def _json(value) -> str:
-    """A value as config.json spells it (true, null, "abc"), cut short."""
-    text = json.dumps(value, default=repr)
-    return text if len(text) <= 60 else text[:57] + "..."
+        check(isinstance(block, (list, tuple)) and len(block) == 2 and all(is_int(b) and b > 0 for b in block),
+              f"quantization_config.weight_block_size must be two positive integers, got {as_json(block)}")
 
 
 # --- presets ----------------------------------------------------------------------------------

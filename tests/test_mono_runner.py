@@ -6,7 +6,6 @@ layers, one of each kind: window-only (`whole`: K1 + K2, hash-routed), CSA (`ffn
 and HCA (`ffn`, bias-routed); bf16, as the kernels run.
 """
 
-import copy
 import logging
 
 import pytest
