@@ -239,6 +239,5 @@ def test_every_tensor_read_is_16_byte_aligned_for_the_kernels(tiny_dir):
     names = list(ckpt._where)
     assert all(tensor.data_ptr() % 16 == 0 for _, tensor in ckpt.tensors(names))
     assert all(ckpt.tensor(name).data_ptr() % 16 == 0 for name in names)
-    with pytest.warns(UserWarning, match="interpreter"):  # no GPU here: the kernels' CPU mode
-        model = monodecode.load(tiny_dir, dtype=torch.bfloat16, mono="on")
+    model = monodecode.load(tiny_dir, dtype=torch.bfloat16, mono="on")  # on the CPU: Triton's interpreter
     assert model.mono is not None

@@ -156,7 +156,7 @@ def no_model_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(monodecode.model, "load", load)
+    monkeypatch.setattr(monodecode.model.Model, "from_checkpoint", load)  # every load goes through it
 
 
 def test_serve_checks_the_port_and_the_length_before_loading(no_model_load, capsys):
@@ -182,6 +182,6 @@ def test_greedy_verification_refuses_sampling_in_the_api(capsys):
     from monodecode.generate import generate_speculative
     from monodecode.spec.config import SpeculativeConfig
 
-    model = monodecode.model.load("tiny")
+    model = monodecode.model.load_model("tiny")
     with pytest.raises(ValueError, match="temperature must be 0 with greedy"):
         generate_speculative(model, [5, 6], 4, SpeculativeConfig.from_json(BLOCK_SPEC % "greedy"), temperature=0.5)
