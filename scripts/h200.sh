@@ -5,6 +5,10 @@
 #   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation, engine
 #                 (one call held both until the tests outgrew the 10 minutes of a call); for either,
 #                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm'), FILES the test files
+#   tests-all     both lists above at once, as SHARDS (default 8) parallel pytest processes
+#                 (tools/sharded_pytest.py: the tests' time is mostly compiling, and this machine has
+#                 16 cores); $OUT/shard_i.txt each; IDS names a file of test ids (one a line) to
+#                 run instead
 #   check         python -m monodecode.bench.mono_check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
@@ -19,7 +23,7 @@
 # (TIMELINE= , empty, leaves its per-stage timeline out).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|check|check-shape|bench-layer|compiled|bench-decode|experts}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|compiled|bench-decode|experts}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -37,6 +41,13 @@ case $part in
       -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} \
       ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
       tests/test_model.py tests/test_speculative.py tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
+  tests-all)
+    selection=(-- tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py
+      tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py
+      tests/test_model.py tests/test_speculative.py tests/test_engine.py)
+    [ -n "${IDS:-}" ] && selection=(--ids "$IDS")
+    MONODECODE_TEST_DEVICE=cuda python3 tools/sharded_pytest.py --shards ${SHARDS:-8} --logs "$out" \
+      --timeout ${TIMEOUT:-560} "${selection[@]}" >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
