@@ -56,7 +56,8 @@ class Decoder:
             reason = self.mono.refusal(cache, tokens, positions, slots)
             if reason is None:
                 self.last_path = "mono"
-                return self.mono.step(cache, tokens, positions, slots, return_hidden=return_hidden)
+                return self.mono.step(cache, tokens, positions, slots, return_hidden=return_hidden,
+                                      refusal_checked=True)
             self.fallbacks[reason] += 1
         self.last_path = "per-op"
         return self.model.step(cache, tokens, positions, slots, return_hidden=return_hidden)

@@ -286,6 +286,8 @@ def test_steps_the_kernels_do_not_take_run_per_op_and_are_counted(decoder):
     decoder.step(cache, list(range(20)), list(range(20)), [0] * 20)  # a prefill: 20 rows of one request
     assert decoder.last_path == "per-op"
     assert sum(decoder.fallbacks.values()) == before + 1
+    with pytest.raises(ValueError, match="do not take this step: a request with more rows"):
+        decoder.mono.step(cache, list(range(20)), list(range(20)), [0] * 20)  # asked directly, it refuses
 
 
 def test_memory_beyond_the_per_op_path_is_reported(decoder):

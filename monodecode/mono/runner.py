@@ -169,9 +169,10 @@ class MonoRunner:
         return None
 
     @torch.no_grad()
-    def step(self, cache, tokens, positions, slots, return_hidden: bool = False):
-        """Model.step on the kernels, for a step they take (`refusal` None)."""
-        reason = self.refusal(cache, tokens, positions, slots)
+    def step(self, cache, tokens, positions, slots, return_hidden: bool = False, refusal_checked: bool = False):
+        """Model.step on the kernels, for a step they take (`refusal` None; `refusal_checked`: the
+        caller has just asked, so the rows are not grouped twice)."""
+        reason = None if refusal_checked else self.refusal(cache, tokens, positions, slots)
         if reason:
             raise ValueError(f"the mono kernels do not take this step: {reason}")
         host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
