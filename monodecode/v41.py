@@ -35,6 +35,26 @@ FIELDS = LIST_FIELDS + SCALAR_FIELDS  # V4.1 only: a deepseek_v4 config has none
 VISION_ONLY_FIELDS = ("vision_config", "image_token_id", "image_start_token_id", "image_end_token_id")
 
 
+class NotBuilt(ConfigError):
+    """Something that runs a model (the per-op model, the DSpark draft, the mono kernels) was given
+    a DeepSeek-V4.1 config; they implement V4 only, and would silently compute V4's semantics."""
+
+    def __init__(self, what: str):
+        super().__init__(f"DeepSeek-V4.1 ({TEXT_MODEL_TYPE}): {what} is not built yet. " + RUNS_V4_ONLY)
+
+
+RUNS_V4_ONLY = (
+    "monodecode reads V4.1 configs and checkpoints (inspect, make-checkpoint) but runs V4 only; run on V4.1, "
+    "the V4 code would compute V4's layer (a compressor and indexer on every compressed layer, the mHC "
+    "pre-mix of the current sub-block, hc_head, no Engram) and give wrong output without an error")
+
+
+def refuse_to_run(config, what: str) -> None:
+    """Raise NotBuilt if `config` is V4.1: `what` (e.g. "the per-op model") cannot run it."""
+    if config.is_v41:
+        raise NotBuilt(what)
+
+
 class VisionNotSupported(ConfigError, AttributeError):
     """A field only DeepSeek-V4.1's vision part needs was asked for (AttributeError too, so that
     `hasattr` and `getattr(config, name, default)` keep working)."""
