@@ -275,7 +275,8 @@ def _describe_v41_compression(c: ModelConfig) -> list[str]:
     if c.candidate_source_layer_id is not None:
         users = [i for i in range(c.num_hidden_layers) if c.uses_candidates(i)]
         lines.append(f"  candidates: layer {c.candidate_source_layer_id} publishes {c.candidate_topk_blocks} blocks "
-                     f"of {c.candidate_block_size} positions; the indexers of layers {users or 'none'} score inside them")
+                     f"of {c.candidate_block_size} positions; the indexers of layers {users or 'none'} "
+                     "score inside them")
     if c.engram_layer_ids:
         lines.append(
             f"  Engram on layers {list(c.engram_layer_ids)}: tables of {list(c.engram_num_embeddings)} rows x "

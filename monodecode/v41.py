@@ -174,7 +174,8 @@ def check_absent(c) -> None:
 def validate(c) -> None:
     """Every V4.1-specific rule; each error names the field and the offending value."""
     if c.num_hash_layers:
-        raise ConfigError(f"num_hash_layers must be 0: DeepSeek-V4.1 has no hash-routed layers, got {c.num_hash_layers}")
+        raise ConfigError(f"num_hash_layers must be 0: DeepSeek-V4.1 has no hash-routed layers, "
+                          f"got {c.num_hash_layers}")
     for i, r in enumerate(c.compress_ratios):
         if r not in RATIOS:
             raise ConfigError(f"compress_ratios[{i}] = {r}: DeepSeek-V4.1 layers have ratio 0 (window), 1 or 2")
@@ -219,7 +220,8 @@ def _check_candidates(c) -> None:
         return
     if len(given) != len(CANDIDATE_FIELDS):
         missing = [name for name in CANDIDATE_FIELDS if name not in given]
-        raise ConfigError(f"{', '.join(given)} given without {', '.join(missing)}: the candidate filter needs all three")
+        raise ConfigError(f"{', '.join(given)} given without {', '.join(missing)}: the candidate filter "
+                          "needs all three")
     layer = c.candidate_source_layer_id
     if layer not in c.index_source_layer_ids:
         raise ConfigError(f"candidate_source_layer_id {layer} is not in index_source_layer_ids "
@@ -248,7 +250,8 @@ def _check_engram(c) -> None:
         if getattr(c, name) <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {getattr(c, name)}")
     if c.engram_max_ngram_size < 2:
-        raise ConfigError(f"engram_max_ngram_size must be >= 2 (n-grams of 2 and more tokens), got {c.engram_max_ngram_size}")
+        raise ConfigError("engram_max_ngram_size must be >= 2 (n-grams of 2 and more tokens), "
+                          f"got {c.engram_max_ngram_size}")
     if not 0 <= c.engram_pad_token_id < c.vocab_size:
         raise ConfigError(f"engram_pad_token_id must be a token id in [0, vocab_size = {c.vocab_size}), "
                           f"got {c.engram_pad_token_id}")
