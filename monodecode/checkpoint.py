@@ -213,6 +213,7 @@ def write_synthetic_checkpoint(
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
     if config.quantization_config is None:
         raise CheckpointError("synthetic checkpoints are quantized: the config needs a quantization_config")
+    _check_largest_tensor_fits(config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -244,6 +245,19 @@ def write_synthetic_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_largest_tensor_fits(config: ModelConfig) -> None:
+    """Refuse, before writing anything, a tensor too large to draw in memory (it is drawn in fp32,
+    then quantized): V4.1's Engram tables are ~384 M rows (98 GB quantized) each."""
+    from .model.weights import free_memory  # here: the model package imports this module
+
+    largest = max(tensor_specs(config), key=lambda s: math.prod(s.shape))
+    need, free = 2 * 4 * math.prod(largest.shape), free_memory("cpu")
+    if need > free:
+        raise CheckpointError(
+            f"tensor {largest.name} {list(largest.shape)} needs about {need / 2**30:.0f} GiB of memory to "
+            f"generate, {free / 2**30:.0f} GiB is free: write fewer layers (--layers N keeps layers 0..N-1)")
 
 
 def synthetic_tensors(config: ModelConfig, spec: TensorSpec, seed: int) -> dict[str, torch.Tensor]:

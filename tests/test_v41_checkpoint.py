@@ -296,3 +296,14 @@ def test_mono_kernels_refuse_v41_naming_the_block_case():
     assert len(reasons) == 1
     assert "DeepSeek-V4.1 is not built in the kernels" in reasons[0] and "32x32" in reasons[0]
     assert refusals(preset("tiny"), torch.device("cpu"), torch.bfloat16, interpreter=True) == []  # 32x32 V4 runs
+
+
+def test_writer_refuses_a_table_too_large_to_draw(tmp_path, monkeypatch, capsys):
+    import monodecode.model.weights
+
+    monkeypatch.setattr(monodecode.model.weights, "free_memory", lambda device: 64 * 2**30)
+    out = tmp_path / "big"
+    assert main(["make-checkpoint", "--preset", "v4.1-flash", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "tensor layers.14.engram.embed [384016682, 256] needs about 732 GiB" in err and "64 GiB is free" in err
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written
