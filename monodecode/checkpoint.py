@@ -138,12 +138,13 @@ class Checkpoint:
                     f"tensor {name} in {file} has dtype {str(found_dtype).removeprefix('torch.')}, "
                     f"expected {allowed}"
                 )
-        ignored_mtp = not self.config.has_dspark  # an MTP-1 draft: not supported, not an error
+        ignored = _ignored_prefixes(self.config)
+        family = "DeepSeek-V4.1" if self.config.is_v41 else "DeepSeek-V4"
         for name in self._where:
-            if name not in expected and not (name.startswith("mtp.") and ignored_mtp):
+            if name not in expected and not name.startswith(ignored):
                 raise CheckpointError(
                     f"unexpected tensor {name} in {self._where[name][0].name} (not in the "
-                    f"DeepSeek-V4 layout that config.json describes)"
+                    f"{family} layout that config.json describes)"
                 )
 
     # --- data --------------------------------------------------------------------------------
@@ -168,6 +169,14 @@ class Checkpoint:
                     for name in file_names:
                         yield name, _aligned(f.get_tensor(self._where[name][1]))
                         bar.update()
+
+
+def _ignored_prefixes(config: ModelConfig) -> tuple[str, ...]:
+    """Tensors a checkpoint may hold that this config does not describe, and that are left unread:
+    an MTP-1 draft (not supported, not an error), and V4.1's vision tower and its aligner (the
+    text model only)."""
+    prefixes = () if config.has_dspark else ("mtp.",)
+    return prefixes + (("vision.", "aligner.") if config.is_v41 else ())
 
 
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
@@ -204,6 +213,7 @@ def write_synthetic_checkpoint(
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
     if config.quantization_config is None:
         raise CheckpointError("synthetic checkpoints are quantized: the config needs a quantization_config")
+    _check_largest_tensor_fits(config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -237,6 +247,19 @@ def write_synthetic_checkpoint(
     return out_dir
 
 
+def _check_largest_tensor_fits(config: ModelConfig) -> None:
+    """Refuse, before writing anything, a tensor too large to draw in memory (it is drawn in fp32,
+    then quantized): V4.1's Engram tables are ~384 M rows (98 GB quantized) each."""
+    from .model.weights import free_memory  # here: the model package imports this module
+
+    largest = max(tensor_specs(config), key=lambda s: math.prod(s.shape))
+    need, free = 2 * 4 * math.prod(largest.shape), free_memory("cpu")
+    if need > free:
+        raise CheckpointError(
+            f"tensor {largest.name} {list(largest.shape)} needs about {need / 2**30:.0f} GiB of memory to "
+            f"generate, {free / 2**30:.0f} GiB is free: write fewer layers (--layers N keeps layers 0..N-1)")
+
+
 def synthetic_tensors(config: ModelConfig, spec: TensorSpec, seed: int) -> dict[str, torch.Tensor]:
     """The stored tensors of one spec, random but scaled so activations stay in a sane range:
     linear maps keep the RMS of their input (std 1/sqrt(fan_in), halved on the projections that
@@ -260,7 +283,7 @@ def synthetic_tensors(config: ModelConfig, spec: TensorSpec, seed: int) -> dict[
 
 def _init_std(spec: TensorSpec) -> float:
     name = spec.name
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "engram.q_weight", "engram.k_weight")):  # norm-like scales near 1
         return 0.1
     if name == "embed.weight" or "markov_w1" in name:
         return 1.0
@@ -270,7 +293,7 @@ def _init_std(spec: TensorSpec) -> float:
         return 0.2
     if name.endswith(("attn_sink", ".ape")):
         return 0.5
-    if name.endswith("gate.bias"):
+    if name.endswith(("gate.bias", "gate.bias_vl")):
         return 0.1
     fan_in = spec.shape[-1]
     residual_writer = re.search(r"(wo_b|w2)(\.weight)?$", name) is not None
@@ -278,7 +301,8 @@ def _init_std(spec: TensorSpec) -> float:
 
 
 def _init_mean(spec: TensorSpec) -> float:
-    if spec.name.endswith("norm.weight") or re.search(r"hc_(attn|ffn|head)_scale$", spec.name):
+    if spec.name.endswith(("norm.weight", "engram.q_weight", "engram.k_weight")) or re.search(
+            r"hc_(attn|ffn|head)_scale$", spec.name):
         return 1.0
     return 0.0
 

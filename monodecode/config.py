@@ -11,6 +11,15 @@ A layer's attention kind follows from its compression ratio: 0 is a sliding-wind
 layer (overlapping compressor and lightning indexer), any other ratio an HCA layer (one compressor
 window per `ratio` tokens, all entries attended). `to_dict()` writes the official spelling.
 
+DeepSeek-V4.1 (`model_type: deepseek_v41`, the multimodal config with the text model nested under
+`text_config`, or `deepseek_v41_text`, the text config itself) is read as its text model only:
+`ModelConfig.model_type` is then `deepseek_v41_text`, and the vision part (`vision_config`, image
+tokens) is not supported. V4.1 compresses at ratios 2 and 1, and its compressed layers share work:
+only the `kv_source_layer_ids` compute compressed KV and only the `index_source_layer_ids` run an
+indexer; every other compressed layer reads the latest source at or below it (`kv_source_of`,
+`index_source_of`). All its compressed layers are sparse (indexed), so their kind is "csa".
+`v41.py` holds the V4.1-only rules (the source maps, the Engram table sizes, the checks).
+
 Every field is checked for its type (an integer is not `true` or `4.5`, a number is not a
 string) before it is used, and every error names the field, the expected value and, when the
 config comes from a file, the file.
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import v41
 from .config_fields import ConfigError, as_json, check_fields, get_field, is_int
 
 POSITIVE = (
@@ -32,7 +42,8 @@ POSITIVE = (
     "o_groups", "o_lora_rank", "sliding_window", "n_routed_experts", "num_experts_per_tok",
     "moe_intermediate_size", "hc_mult", "index_n_heads", "index_head_dim", "index_topk",
 )  # fields that must be positive counts
-SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", v41.TEXT_MODEL_TYPE)  # what ModelConfig.model_type may be
+READ_MODEL_TYPES = ("deepseek_v4", v41.MODEL_TYPE, v41.TEXT_MODEL_TYPE)  # what config.json may say
 CSA_RATIO = 4
 LAYER_TYPE_BY_KIND = {
     "window": "sliding_attention",
@@ -97,16 +108,88 @@ class ModelConfig:
     dspark_target_layer_ids: tuple[int, ...] | None = None
     dspark_n_routed_experts: int | None = None
     dspark_num_experts_per_tok: int | None = None
+    # DeepSeek-V4.1 only (None on V4): cross-layer sharing, candidate filtering, Engram (v41.py).
+    kv_source_layer_ids: tuple[int, ...] | None = None  # the compressed layers that compute compressed KV
+    index_source_layer_ids: tuple[int, ...] | None = None  # the compressed layers that run an indexer
+    candidate_source_layer_id: int | None = None  # publishes candidate blocks for the indexers above it
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None  # positions a candidate block
+    engram_layer_ids: tuple[int, ...] | None = None
+    engram_num_embeddings: tuple[int, ...] | None = None  # table rows, one entry per Engram layer
+    engram_max_ngram_size: int | None = None  # n-grams of 2..this many tokens are hashed
+    engram_vocab_size: int | None = None  # each hash head's bucket count is the next unused prime above it
+    engram_n_heads: int | None = None  # hash heads per n-gram order
+    engram_head_dim: int | None = None  # width of one table row
+    engram_pad_token_id: int | None = None  # stands in for tokens before the sequence start
+    engram_compressed_vocab_size: int | None = None  # classes of the token map (tokens that normalise alike)
     quantization_config: dict[str, Any] | None = None
     model_type: str = "deepseek_v4"
 
     def __post_init__(self) -> None:
         _validate(self)
 
+    def __getattr__(self, name: str):
+        # Only reached for names that are not fields: say why the vision part's are absent.
+        if name in v41.VISION_ONLY_FIELDS:
+            raise v41.VisionNotSupported(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # --- derived ---------------------------------------------------------------------------
     @property
+    def is_v41(self) -> bool:
+        return self.model_type == v41.TEXT_MODEL_TYPE
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
+        if self.is_v41:  # every compressed V4.1 layer is sparse: an indexer picks its entries
+            return tuple("window" if r == 0 else "csa" for r in self.compress_ratios)
         return tuple(layer_kind(r) for r in self.compress_ratios)
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """The layer whose compressor computes the compressed KV `layer` attends (None: a window
+        layer). On V4 every compressed layer is its own source."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        return v41.latest_at_or_below(self.kv_source_layer_ids, layer) if self.is_v41 else layer
+
+    def index_source_of(self, layer: int) -> int | None:
+        """The layer whose indexer picks `layer`'s compressed entries (None: none are picked, a
+        window or V4 HCA layer). On V4 every CSA layer is its own source."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        if self.is_v41:
+            return v41.latest_at_or_below(self.index_source_layer_ids, layer)
+        return layer if self.compress_ratios[layer] == CSA_RATIO else None
+
+    def uses_candidates(self, layer: int) -> bool:
+        """Whether `layer`'s own indexer scores only inside the candidate blocks the candidate
+        layer published (the index sources above it; V4.1 only)."""
+        c = self.candidate_source_layer_id
+        return c is not None and layer > c and layer in (self.index_source_layer_ids or ())
+
+    def is_engram_layer(self, layer: int) -> bool:
+        return layer in (self.engram_layer_ids or ())
+
+    @property
+    def delayed_hc_pre(self) -> bool:
+        """V4.1's mHC collapses each sub-block's input with the previous sub-block's pre-mix."""
+        return self.is_v41
+
+    @property
+    def has_hc_head(self) -> bool:
+        """V4 merges the final hc streams with a learned hc_head; V4.1 has none (it collapses
+        with the last FFN pre-mix)."""
+        return not self.is_v41
+
+    @property
+    def dspark_captures_layer_input(self) -> bool:
+        """DSpark reads the stream entering its target layers on V4.1, leaving them on V4."""
+        return self.is_v41
+
+    @property
+    def engram_hash_columns(self) -> int:
+        """Table rows an Engram layer gathers a token: (n-gram orders) x (heads an order)."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads if self.engram_layer_ids else 0
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
@@ -175,9 +258,10 @@ class ModelConfig:
         d["rope_scaling"] = (
             {"type": "yarn", **dataclasses.asdict(self.rope_scaling)} if self.rope_scaling else None
         )
-        if self.dspark_target_layer_ids is not None:
-            d["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
-        d["architectures"] = ["DeepseekV4ForCausalLM"]
+        for name, value in d.items():
+            if isinstance(value, tuple):  # the per-layer id lists, as JSON lists
+                d[name] = list(value)
+        d["architectures"] = [v41.TEXT_ARCHITECTURE if self.is_v41 else "DeepseekV4ForCausalLM"]
         return {k: v for k, v in d.items() if v is not None}
 
 
@@ -195,6 +279,8 @@ def with_overrides(config: ModelConfig, **overrides: Any) -> ModelConfig:
     if unknown:
         raise ConfigError(f"unknown config field(s) {sorted(unknown)}")
     n = overrides.get("num_hidden_layers", config.num_hidden_layers)
+    if config.is_v41 and is_int(n) and n != config.num_hidden_layers:
+        overrides = {**v41.resized(config, n), **overrides}
     if n != config.num_hidden_layers and "compress_ratios" not in overrides:
         ratios = list(config.compress_ratios[:n])
         hca = next((r for r in config.compress_ratios if r not in (0, CSA_RATIO)), DEFAULT_HCA_RATIO)
@@ -224,17 +310,19 @@ _OPTIONAL = (
     "tie_word_embeddings", "bos_token_id", "eos_token_id", "num_nextn_predict_layers",
     "dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_n_routed_experts",
     "dspark_num_experts_per_tok", "quantization_config", "model_type",
-)
+) + v41.SCALAR_FIELDS
 
 
 def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"config.json must hold a JSON object of fields, got {as_json(raw)}")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in READ_MODEL_TYPES:
         raise ConfigError(
-            f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"model_type {model_type!r} is not supported (supported: {', '.join(READ_MODEL_TYPES)})"
         )
+    if model_type in (v41.MODEL_TYPE, v41.TEXT_MODEL_TYPE):
+        raw = v41.text_config(raw)
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise ConfigError(f"config.json lacks required field(s) {missing}")
@@ -248,9 +336,10 @@ def _parse_hf(raw: dict[str, Any]) -> dict[str, Any]:
     out["num_hash_layers"] = _parse_hash_layers(raw, n)
     out["qk_rope_head_dim"] = _parse_rope_dim(raw)
     out.update(_parse_rope(raw))
-    targets = get_field(raw, "dspark_target_layer_ids", list[int])
-    if targets is not None:
-        out["dspark_target_layer_ids"] = tuple(targets)
+    for name in ("dspark_target_layer_ids",) + v41.LIST_FIELDS:
+        values = get_field(raw, name, list[int])
+        if values is not None:
+            out[name] = tuple(values)
     q, expert_dtype = out.get("quantization_config"), get_field(raw, "expert_dtype", str)
     if q is not None and expert_dtype and "expert_dtype" not in q:
         out["quantization_config"] = {**q, "expert_dtype": expert_dtype}
@@ -268,6 +357,8 @@ def _parse_ratios(raw: dict[str, Any], n: int) -> tuple[int, ...]:
     layer_types = get_field(raw, "layer_types", list[str])
     if layer_types is None:
         raise ConfigError("config.json has neither compress_ratios nor layer_types")
+    if raw.get("model_type") == v41.TEXT_MODEL_TYPE:  # layer_types cannot spell ratios 2 and 1
+        raise ConfigError("a deepseek_v41 config must give compress_ratios (layer_types only names V4's kinds)")
     if len(layer_types) != n:
         raise ConfigError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is {n}")
     rates = {
@@ -368,7 +459,12 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(message)
 
     check_fields(ModelConfig, {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, POSITIVE)
+    check(c.model_type != v41.MODEL_TYPE,
+          f"model_type {v41.MODEL_TYPE!r} is the multimodal wrapper; a ModelConfig describes its text "
+          f"model: use {v41.TEXT_MODEL_TYPE!r}")
     check(c.model_type in SUPPORTED_MODEL_TYPES, f"model_type {c.model_type!r} is not supported")
+    for name in ("rms_norm_eps", "hc_eps"):
+        check(getattr(c, name) > 0, f"{name} must be positive, got {as_json(getattr(c, name))}")
     for name in ("bos_token_id", "eos_token_id"):
         token = getattr(c, name)
         check(token is None or 0 <= token < c.vocab_size,
@@ -381,6 +477,10 @@ def _validate(c: ModelConfig) -> None:
           f"compress_ratios has {len(c.compress_ratios)} entries, num_hidden_layers is {c.num_hidden_layers}")
     for i, r in enumerate(c.compress_ratios):
         check(isinstance(r, int) and r >= 0, f"compress_ratios[{i}] must be >= 0, got {r!r}")
+    if c.is_v41:
+        v41.validate(c)
+    else:
+        v41.check_absent(c)
     check(0 < c.qk_rope_head_dim < c.head_dim and c.qk_rope_head_dim % 2 == 0,
           f"qk_rope_head_dim must be even and inside head_dim={c.head_dim}, got {c.qk_rope_head_dim}")
     check(c.num_attention_heads % c.o_groups == 0,
@@ -461,7 +561,56 @@ def _quant(block: tuple[int, int]) -> dict[str, Any]:
             "weight_block_size": list(block), "expert_dtype": "fp4"}
 
 
-PRESETS = {"v4-flash": _v4_flash, "v4-pro": _v4_pro, "tiny": _tiny}
+def _v41_flash() -> ModelConfig:
+    # DeepSeek-V4.1-Flash's text model as published, with its built-in DSpark draft. The vocabulary
+    # and the DSpark noise token are V4's (not listed separately for V4.1).
+    return ModelConfig(
+        vocab_size=129280, hidden_size=5120, num_hidden_layers=40, num_attention_heads=64,
+        head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8, o_lora_rank=1024,
+        sliding_window=128, compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20,
+        index_n_heads=32, index_head_dim=128, index_topk=512, n_routed_experts=384,
+        num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2304, num_hash_layers=0,
+        routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-20, num_nextn_predict_layers=3,
+        dspark_block_size=5, dspark_markov_rank=256, dspark_noise_token_id=128799,
+        dspark_target_layer_ids=(37, 38, 39), dspark_n_routed_experts=128, dspark_num_experts_per_tok=3,
+        kv_source_layer_ids=(2, 8, 14, 20), index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
+        candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8,
+        engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682), engram_max_ngram_size=4,
+        engram_vocab_size=16_000_000, engram_n_heads=8, engram_head_dim=256, engram_pad_token_id=2,
+        engram_compressed_vocab_size=99092, quantization_config=_quant((32, 32)),
+        model_type=v41.TEXT_MODEL_TYPE,
+    )
+
+
+def _tiny_v41() -> ModelConfig:
+    # Every V4.1 feature at CPU-test size (the tiny preset's widths):
+    #   layer 0 window, Engram;   1 ratio 2, KV + index source;   2 ratio 2, reuses both of 1;
+    #   3 ratio 2, KV of 1, its own indexer, Engram;   4 ratio 1, KV + index source, candidate layer;
+    #   5 ratio 1, reuses both of 4;   6 ratio 1, KV of 4, its own indexer inside 4's candidates.
+    # 4 candidate blocks of 4 positions: 16 of a 64-token sequence's 64 ratio-1 entries, more than
+    # the indexer's top-8, so both levels really select. The Engram tables' sizes follow from their
+    # bucket primes (v41.engram_table_rows); a smaller DSpark MoE than the target's, as in V4.1.
+    return ModelConfig(
+        vocab_size=512, hidden_size=128, num_hidden_layers=7, num_attention_heads=4, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, sliding_window=16,
+        compress_ratios=(0, 2, 2, 2, 1, 1, 1), index_n_heads=8, index_head_dim=32, index_topk=8,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+        num_hash_layers=0, routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-20,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=32),
+        max_position_embeddings=4096, num_nextn_predict_layers=3, dspark_block_size=5,
+        dspark_markov_rank=16, dspark_noise_token_id=511, dspark_target_layer_ids=(4, 5, 6),
+        dspark_n_routed_experts=4, dspark_num_experts_per_tok=1,
+        kv_source_layer_ids=(1, 4), index_source_layer_ids=(1, 3, 4, 6), candidate_source_layer_id=4,
+        candidate_topk_blocks=4, candidate_block_size=4, engram_layer_ids=(0, 3),
+        engram_num_embeddings=v41.engram_table_rows(2, 3, 2, 61), engram_max_ngram_size=3,
+        engram_vocab_size=61, engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=2,
+        engram_compressed_vocab_size=300, quantization_config=_quant((32, 32)),
+        model_type=v41.TEXT_MODEL_TYPE,
+    )
+
+
+PRESETS = {"v4-flash": _v4_flash, "v4-pro": _v4_pro, "tiny": _tiny, "v4.1-flash": _v41_flash,
+           "tiny-v4.1": _tiny_v41}
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

@@ -16,8 +16,9 @@ FP8 E4M3 (``torch.float8_e4m3fn``)
 
 FP8 block format (``quantize_fp8_block``)
     A 2-D weight ``[R, C]`` is cut into blocks of ``b0`` rows x ``b1`` columns
-    (default 128 x 128), starting at the top-left; the last block row/column
-    may be partial. Tensors: ``q`` float8_e4m3fn ``[R, C]`` and ``scale``
+    (default 128 x 128, DeepSeek-V4's; DeepSeek-V4.1's dense weights use
+    32 x 32, and its Engram tables 1 x 32: one scale per 32 values of a row),
+    starting at the top-left; the last block row/column may be partial. Tensors: ``q`` float8_e4m3fn ``[R, C]`` and ``scale``
     float8_e8m0fnu ``[ceil(R/b0), ceil(C/b1)]``. Value:
     ``w[i, j] = q[i, j] * scale[i // b0, j // b1]``.
     Encoding (the DeepSeek reference's UE8M0 rule):

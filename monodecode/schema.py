@@ -12,6 +12,18 @@ Formats:
 An unquantized checkpoint (no `quantization_config`) stores fp8/mxfp4 tensors as plain floats.
 
 The same table drives the reader's checks, the synthetic writer and the byte counts of `inspect`.
+
+DeepSeek-V4.1 (`config.is_v41`) differs in these tensors (names as its checkpoints spell them; the
+ones no source confirmed are marked so where they are added):
+- only the KV-source layers hold `attn.compressor.*` (wkv, norm; and wgate at ratio 2), plus the
+  index keys' `attn.indexer.wk` / `attn.indexer.k_norm`, applied to the compressed KV;
+- only the index-source layers hold `attn.indexer.wq_b` / `attn.indexer.weights_proj`;
+- `layers.{i}.engram.*` on the Engram layers: the table `embed` (FP8 rows with one UE8M0 scale per
+  32 values), `wkv`, `q_weight`, `k_weight`;
+- `ffn.gate.bias_vl`, the routing bias of image tokens (role "vision": stored, never read here);
+- no `hc_head_*`, neither at the top level nor on the last draft stage, and the Markov head is
+  `markov_head.embed` / `markov_head.head`.
+The vision tower's tensors (`vision.*`, `aligner.*`) are not described: the text model only.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import v41
 from .config import ModelConfig
 
 QUANTIZED_FORMATS = ("fp8", "mxfp4")
@@ -34,7 +47,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     fmt: str  # fp8 | mxfp4 | bf16 | fp32 | int
     group: str  # "model" or "draft" (the DSpark tensors, optional in a checkpoint)
-    role: str = "dense"  # dense | expert | embed (one row read a token) | table (one row a token)
+    # dense | expert | embed (one row read a token) | table (one row a token) | hashed (one row
+    # a token per Engram hash column) | vision (read for image tokens only: never, here)
+    role: str = "dense"
     fp8_block: tuple[int, int] = (128, 128)
 
     @property
@@ -80,9 +95,10 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     b.add("embed.weight", (v, d), "bf16", role="embed")
     for i, ratio in enumerate(config.compress_ratios):
         b.block(f"layers.{i}.", ratio, hash_routed=config.is_hash_layer(i),
-                n_experts=config.n_routed_experts, group="model")
+                n_experts=config.n_routed_experts, group="model", layer=i)
     b.add("norm.weight", (d,), "bf16")
-    b.hc_head("")
+    if config.has_hc_head:
+        b.hc_head("")
     b.add("head.weight", (v, d), "bf16")
     if config.has_dspark:
         b.draft()
@@ -96,24 +112,27 @@ class _Builder:
         self.group = "model"
         self.block_size = config.fp8_block or (128, 128)
 
-    def add(self, name: str, shape: tuple[int, ...], fmt: str, role: str = "dense") -> None:
+    def add(self, name: str, shape: tuple[int, ...], fmt: str, role: str = "dense",
+            fp8_block: tuple[int, int] | None = None) -> None:
         if fmt in QUANTIZED_FORMATS and self.c.quantization_config is None:
             fmt = "bf16"
         if fmt == "mxfp4" and not self.c.experts_fp4:
             fmt = "fp8"
-        self.specs.append(TensorSpec(name, shape, fmt, self.group, role, self.block_size))
+        self.specs.append(TensorSpec(name, shape, fmt, self.group, role, fp8_block or self.block_size))
 
     def linear(self, name: str, out_features: int, in_features: int, fmt: str = "fp8",
-               role: str = "dense") -> None:
+               role: str = "dense", fp8_block: tuple[int, int] | None = None) -> None:
         if fmt in QUANTIZED_FORMATS and self.c.quantization_config is not None:
-            self.add(name, (out_features, in_features), fmt, role)
+            self.add(name, (out_features, in_features), fmt, role, fp8_block)
         else:
             self.add(f"{name}.weight", (out_features, in_features), fmt, role)
 
     def norm(self, name: str, width: int) -> None:
         self.add(f"{name}.weight", (width,), "bf16")
 
-    def block(self, p: str, ratio: int, *, hash_routed: bool, n_experts: int, group: str) -> None:
+    def block(self, p: str, ratio: int, *, hash_routed: bool, n_experts: int, group: str,
+              layer: int | None = None) -> None:
+        """One decoder block; `layer` is its index in the target model (None: a draft stage)."""
         self.group = group
         c = self.c
         d, mix = c.hidden_size, (2 + c.hc_mult) * c.hc_mult
@@ -121,12 +140,19 @@ class _Builder:
             self.add(f"{p}hc_{site}_fn", (mix, c.hc_mult * d), "fp32")
             self.add(f"{p}hc_{site}_base", (mix,), "fp32")
             self.add(f"{p}hc_{site}_scale", (3,), "fp32")
+        if layer is not None and c.is_engram_layer(layer):
+            self.engram(f"{p}engram.", layer)
         self.norm(f"{p}attn_norm", d)
-        self.attention(f"{p}attn.", ratio)
+        if c.is_v41:
+            self.attention_v41(f"{p}attn.", layer)
+        else:
+            self.attention(f"{p}attn.", ratio)
         self.norm(f"{p}ffn_norm", d)
-        self.moe(f"{p}ffn.", hash_routed, n_experts)
+        self.moe(f"{p}ffn.", hash_routed, n_experts, image_bias=c.is_v41 and layer is not None)
 
-    def attention(self, p: str, ratio: int) -> None:
+    def attention_core(self, p: str) -> None:
+        """What every layer's attention holds, V4 and V4.1 alike: q/kv projections, the window
+        KV's norm, the grouped output and the sink."""
         c = self.c
         d, heads, hd = c.hidden_size, c.num_attention_heads, c.head_dim
         self.linear(f"{p}wq_a", c.q_lora_rank, d)
@@ -137,6 +163,46 @@ class _Builder:
         self.linear(f"{p}wo_a", c.o_groups * c.o_lora_rank, heads * hd // c.o_groups)
         self.linear(f"{p}wo_b", d, c.o_groups * c.o_lora_rank)
         self.add(f"{p}attn_sink", (heads,), "fp32")
+
+    def attention_v41(self, p: str, layer: int | None) -> None:
+        """V4.1: the compressor (and the index keys made from its output) only on KV sources, the
+        indexer's queries and weights only on index sources; other layers read theirs."""
+        c = self.c
+        d, hd = c.hidden_size, c.head_dim
+        self.attention_core(p)
+        if layer is None or c.compress_ratios[layer] == 0:
+            return
+        if c.kv_source_of(layer) == layer:
+            # One compressed entry per `ratio` positions, pooled by a softmax gate at ratio 2; at
+            # ratio 1 a plain projection (no wgate). No `ape` and no overlap: unconfirmed, the
+            # sources read show neither.
+            self.linear(f"{p}compressor.wkv", hd, d, fmt="bf16")
+            if c.compress_ratios[layer] > 1:
+                self.linear(f"{p}compressor.wgate", hd, d, fmt="bf16")
+            self.norm(f"{p}compressor.norm", hd)
+            self.linear(f"{p}indexer.wk", c.index_head_dim, hd, fmt="bf16")
+            self.norm(f"{p}indexer.k_norm", c.index_head_dim)
+        if c.index_source_of(layer) == layer:
+            self.linear(f"{p}indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            self.linear(f"{p}indexer.weights_proj", c.index_n_heads, d, fmt="bf16")
+
+    def engram(self, p: str, layer: int) -> None:
+        """V4.1's Engram: the hashed table (FP8 rows, one scale per 32 values), the projection of
+        the gathered rows to one key per hc stream and a shared value, and the gate's weights.
+        Names as DeepSeek's V4.1 checkpoints spell them, as far as the sources show (the
+        `layers.{i}.engram.` prefix is inferred, not confirmed)."""
+        c = self.c
+        d, width = c.hidden_size, c.engram_head_dim
+        rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
+        self.linear(f"{p}embed", rows, width, role="hashed", fp8_block=(1, v41.ENGRAM_SCALE_GROUP))
+        self.linear(f"{p}wkv", d * (c.hc_mult + 1), c.engram_hash_columns * width)
+        self.add(f"{p}q_weight", (c.hc_mult, d), "bf16")
+        self.add(f"{p}k_weight", (c.hc_mult, d), "bf16")
+
+    def attention(self, p: str, ratio: int) -> None:
+        c = self.c
+        d, hd = c.hidden_size, c.head_dim
+        self.attention_core(p)
         if ratio == 0:
             return
         overlap = 2 if ratio == 4 else 1
@@ -153,7 +219,7 @@ class _Builder:
         self.add(f"{p}ape", (ratio, overlap * width), "fp32")
         self.norm(f"{p}norm", width)
 
-    def moe(self, p: str, hash_routed: bool, n_experts: int) -> None:
+    def moe(self, p: str, hash_routed: bool, n_experts: int, image_bias: bool = False) -> None:
         c = self.c
         d, inter = c.hidden_size, c.moe_intermediate_size
         self.add(f"{p}gate.weight", (n_experts, d), "bf16")
@@ -162,6 +228,8 @@ class _Builder:
             self.add(f"{p}gate.tid2eid", (c.vocab_size, topk), "int", role="table")
         else:
             self.add(f"{p}gate.bias", (n_experts,), "fp32")
+        if image_bias:  # V4.1 routes image tokens with their own bias; whether draft stages have one: unconfirmed
+            self.add(f"{p}gate.bias_vl", (n_experts,), "fp32", role="vision")
         for e in range(n_experts):
             self.linear(f"{p}experts.{e}.w1", inter, d, "mxfp4", role="expert")
             self.linear(f"{p}experts.{e}.w2", d, inter, "mxfp4", role="expert")
@@ -188,10 +256,12 @@ class _Builder:
             self.block(f"mtp.{k}.", 0, hash_routed=False, n_experts=c.draft_n_routed_experts,
                        group="draft")
         self.norm(f"{last}norm", d)
-        self.hc_head(last)
+        if c.has_hc_head:
+            self.hc_head(last)
         rank = c.dspark_markov_rank
-        self.add(f"{last}markov_head.markov_w1.weight", (c.vocab_size, rank), "bf16", role="embed")
-        self.add(f"{last}markov_head.markov_w2.weight", (c.vocab_size, rank), "bf16")
+        w1, w2 = ("embed", "head") if c.is_v41 else ("markov_w1", "markov_w2")  # V4.1 renamed them
+        self.add(f"{last}markov_head.{w1}.weight", (c.vocab_size, rank), "bf16", role="embed")
+        self.add(f"{last}markov_head.{w2}.weight", (c.vocab_size, rank), "bf16")
         self.add(f"{last}confidence_head.proj.weight", (1, d + rank), "fp32")
 
 
@@ -215,6 +285,10 @@ def step_bytes(config: ModelConfig, specs: list[TensorSpec], prefix: str, rows: 
             per_expert[expert] = per_expert.get(expert, 0) + s.nbytes()
         elif s.role in ("embed", "table"):
             dense += rows * s.nbytes() // s.shape[0]
+        elif s.role == "hashed":  # an Engram table: one row a hash column, per token
+            dense += rows * config.engram_hash_columns * s.nbytes() // s.shape[0]
+        elif s.role == "vision":
+            continue
         else:
             dense += s.nbytes()
     if not per_expert:

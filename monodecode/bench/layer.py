@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .. import v41
 from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
 from ..decode import Decoder
@@ -53,6 +54,8 @@ MAX_REQUESTS = 8
 
 
 def build(name: str, device: str) -> Decoder:
+    # V4's three layer kinds at the preset's sizes: a V4.1 preset has none of them to time
+    v41.refuse_to_run(preset(name), "the per-op model (bench layer times V4's window, CSA and HCA layers)")
     ratios = tuple(KINDS)
     # no DSpark draft: nothing here runs it, and its three layers of experts would double the build
     config = preset(name, num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=0,

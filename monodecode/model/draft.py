@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import v41
 from ..sampling import probabilities, sample_from
 from .attention import Attention, RequestRows
 from .cache import PositionRing
@@ -74,6 +75,7 @@ class DraftCache:
 class Draft:
     def __init__(self, model, weights: dict):
         c = model.config
+        v41.refuse_to_run(c, "the DSpark draft (V4.1: captures the input of its target layers, no hc_head)")
         self.model, self.c, self.w = model, c, weights
         self.block_size = c.dspark_block_size
         self.stages = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import v41
 from ..checkpoint import Checkpoint, SyntheticCheckpoint
 from ..config import PRESETS, ModelConfig, preset
 from .attention import RequestRows
@@ -24,6 +25,7 @@ from .weights import expert_bank, free_memory, read_weights, resident_bytes
 
 class Model:
     def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None):
+        v41.refuse_to_run(config, "the per-op model")
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.w, self.checkpoint, self._draft = weights, checkpoint, None
         self._fp32_output_gemm = has_fp32_output_gemm(self.device, dtype)
@@ -35,6 +37,7 @@ class Model:
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32) -> "Model":
+        v41.refuse_to_run(ckpt.config, "the per-op model")  # before any weight is read
         ckpt.validate()
         _check_fits(ckpt, device, dtype)
         return cls(ckpt.config, read_weights(ckpt, "model", device, dtype), device, dtype, ckpt)

@@ -40,6 +40,13 @@ def refusals(config: ModelConfig, device: torch.device, dtype: torch.dtype, inte
     """Every reason the kernels cannot run this configuration on this device (empty: they can);
     `interpreter`: as if Triton's interpreter were on."""
     c, reasons = config, []
+    if c.is_v41:
+        reasons.append(
+            "DeepSeek-V4.1 is not built in the kernels: they implement V4's layer (the current sub-block's "
+            "mHC pre-mix, hc_head, a compressor and indexer on every compressed layer), not V4.1's delayed "
+            "pre-mix, cross-layer KV and index sources, ratio-1/2 compressors, candidate filter or Engram. "
+            "(Its FP8 weights' 32x32 scale blocks are not what stops them: the kernels read square "
+            "power-of-two blocks >= 16, and the tiny preset's are 32x32.)")
     if device.type == "cuda":
         if torch.version.cuda is None:
             reasons.append("the kernels' fast paths use NVIDIA PTX; this GPU is not NVIDIA")
