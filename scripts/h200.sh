@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of the mono path, one part per device call (each fits the 10-minute
 # limit of a call): `bash scripts/h200.sh PART` with $OUT set (the device tool sets it).
-#   tests         the mono kernels' tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda)
+#   tests         the mono kernels' tests on the GPU, the runner's first (pytest, MONODECODE_TEST_DEVICE=cuda;
+#                 -m "": the `slow` tests too, which the default CPU run leaves to their cheaper twins)
 #   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation, engine
 #                 (one call held both until the tests outgrew the 10 minutes of a call); for either,
 #                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm'), FILES the test files
@@ -32,12 +33,12 @@ export PYTHONPATH=$PWD
 } > "$out/$part.txt" 2>&1
 case $part in
   tests)
-    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider \
+    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "" \
       -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} \
       ${FILES:-tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py} \
       >> "$out/$part.txt" 2>&1 ;;
   tests-model)
-    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider \
+    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "" \
       -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} \
       ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
       tests/test_model.py tests/test_speculative.py tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;

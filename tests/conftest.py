@@ -3,7 +3,9 @@
 MONODECODE_TEST_DEVICE=cuda runs the tests on a GPU, the kernels compiled; the default is the CPU,
 where the kernels run under Triton's interpreter (grid (1,)), which must be switched on before
 any kernel module is imported, so here, before the tests are collected. Tests marked `gpu` need
-a GPU and are skipped on the CPU.
+a GPU and are skipped on the CPU. Tests marked `slow` are the thorough versions of interpreter-heavy
+tests (more steps, widths, layers) whose cheaper twins run by default; pyproject.toml deselects
+them (`-m "not slow"`), `python -m pytest -m slow` runs them alone, `-m ""` runs everything.
 """
 
 import os
@@ -17,6 +19,8 @@ if DEVICE == "cpu":
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (MONODECODE_TEST_DEVICE=cuda)")
+    config.addinivalue_line("markers", "slow: the thorough version of a test with a cheaper default twin "
+                                       "(deselected by default; run with -m slow or -m \"\")")
 
 
 def pytest_collection_modifyitems(config, items):

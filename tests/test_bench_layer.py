@@ -9,8 +9,11 @@ from monodecode.cli import main
 from monodecode.model import Model
 
 
-def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
-    assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "1,3",
+@pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["window", "HCA"]],
+                         ids=["every_kind", "window_and_HCA"])
+def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds):
+    """Every kind is `slow`; by default a `whole` (window) and an `ffn` (HCA) layer."""
+    assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "1,3", "--kinds", ",".join(kinds),
                  "--context", "20", "--reps", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_layer.json").read_text())
     rows = report["layers"]
@@ -18,8 +21,7 @@ def test_bench_layer_reports_every_kind_and_width(device, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "window layer, 3 rows, default: per-op graph" in printed  # each row shown as it comes
     assert [(r["kind"], r["plan"], r["width"]) for r in rows] == [
-        ("window", "whole", 1), ("window", "whole", 3), ("CSA", "ffn", 1), ("CSA", "ffn", 3),
-        ("HCA", "ffn", 1), ("HCA", "ffn", 3)]
+        (kind, "whole" if kind == "window" else "ffn", width) for kind in kinds for width in (1, 3)]
     for r in rows:
         assert 1 <= r["distinct_experts"] <= 2 * r["width"]  # tiny: top-2 of 8
         assert r["floor_bytes"] > 0 and r["per_op_eager_s"] > 0 and r["mono_s"] > 0 and r["mono_kernels_s"] > 0
@@ -114,24 +116,32 @@ def test_batched_layer_matches_the_per_op_block(device, ratio):
                 assert all(torch.equal(ours.data[k], theirs.data[k]) for k in theirs.data), rows
 
 
-def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path):
+@pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["CSA"]],
+                         ids=["every_kind", "CSA"])
+def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path, kinds):
+    """Every kind is `slow` (a compile each); by default CSA, whose indexer is the most code."""
     assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--context", "8",
-                 "--reps", "1", "--compile", "default", "--out", str(tmp_path)]) == 0
+                 "--reps", "1", "--compile", "default", "--kinds", ",".join(kinds), "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
-    assert [r["kind"] for r in rows] == ["window", "CSA", "HCA"]
+    assert [r["kind"] for r in rows] == kinds
     assert all(r["per_op_compiled_s"] > 0 for r in rows)
     for launches in (r["kernels_launched"] for r in rows):  # inductor fuses: fewer than the per-op graph
         compiled = launches["per_op_compiled"]
         assert compiled is None if device == "cpu" else 0 < compiled < launches["per_op_graph"]
 
 
-def test_bench_decode_times_both_paths_at_each_request_count(device, tmp_path):
-    assert main(["bench", "decode", "--preset", "tiny", "--layers", "2", "--requests", "1,2", "--steps", "2",
-                 "--context", "12", "--reps", "1", "--device", device, "--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("requests,steps", [pytest.param((1, 2), 2, marks=pytest.mark.slow), ((1,), 1)],
+                         ids=["1_and_2_requests", "1_request"])
+def test_bench_decode_times_both_paths_at_each_request_count(device, tmp_path, requests, steps):
+    """Two request counts of two timed steps are `slow`; by default one request, one timed step
+    (after the two warm-up steps)."""
+    assert main(["bench", "decode", "--preset", "tiny", "--layers", "2", "--requests", ",".join(map(str, requests)),
+                 "--steps", str(steps), "--context", "12", "--reps", "1", "--device", device,
+                 "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert report["layers"] == 2 and report["block"] >= 1
+    assert report["layers"] == 2 and report["block"] >= 1 and report["steps"] == steps
     assert [(r["path"], r["requests"]) for r in report["rows"]] == [
-        ("per-op graph", 1), ("mono", 1), ("per-op graph", 2), ("mono", 2)]
+        (path, count) for count in requests for path in ("per-op graph", "mono")]
     for r in report["rows"]:
         assert r["rows"] == r["requests"] * (report["block"] + 1)
         assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > r["head_s"] > 0

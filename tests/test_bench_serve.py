@@ -259,7 +259,14 @@ def test_ctrl_c_stops_and_reports_the_finished_levels(serve, tmp_path):
     command = [sys.executable, "-m", "monodecode.cli", "bench", "serve", "--base-url", server.url,
                "--model", "m", "--concurrency", "1,2", "--num-prompts", "1000", "--input-len", "2",
                "--output-len", "4", "--out", str(tmp_path)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A child inherits an ignored SIGINT (pytest started in the background by a shell without job
+    # control ignores it), and Python then never turns it into KeyboardInterrupt: start the child
+    # with the default handling, whatever the test run's.
+    ours = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, ours)
     deadline = time.monotonic() + 15
     while len(server.payloads) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -239,17 +239,19 @@ def greedy(decoder, step, cache, prompts, steps, forced=None):
     return tokens, logits, taken
 
 
-def test_greedy_decoding_matches_for_32_steps(decoder):
+@pytest.mark.parametrize("steps", [pytest.param(32, marks=pytest.mark.slow), 8], ids=lambda n: f"{n}_steps")
+def test_greedy_decoding_matches(decoder, steps):
     """Both paths are fed the per-op path's greedy tokens, so that one flip cannot derail the rest;
     their greedy picks agree at every step whose top-2 margin the logit differences cannot bridge.
     (Free-running, the seed below agrees for 26 steps, then a margin of 3e-4 flips: bf16 noise,
     since the per-op path in bf16 and in fp32 differ by as much as mono and per-op do, ~0.6 %
     relative L2. On the H200, step 27's CSA indexer keeps another entry for row 1 on each path, a
-    gap of 0.4-0.6 % of its score range: a near-tie flip, set aside by `flips`.)"""
+    gap of 0.4-0.6 % of its score range: a near-tie flip, set aside by `flips`.) 32 steps are
+    `slow` (about 7 s a mono step under the interpreter); the first 8 of them run by default."""
     g = torch.Generator().manual_seed(32)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 11)]
-    ref = greedy(decoder, decoder.model.step, decoder.make_cache(2, CONTEXT, STEP_ROWS), prompts, 32)
-    out = greedy(decoder, decoder.step, decoder.make_cache(2, CONTEXT, STEP_ROWS), prompts, 32, forced=ref[0])
+    ref = greedy(decoder, decoder.model.step, decoder.make_cache(2, CONTEXT, STEP_ROWS), prompts, steps)
+    out = greedy(decoder, decoder.step, decoder.make_cache(2, CONTEXT, STEP_ROWS), prompts, steps, forced=ref[0])
     assert_follows(out, ref)
 
 
@@ -270,12 +272,15 @@ def assert_follows(out, ref):
         assert_rows_agree(out[step], ref[step], ~flipped[step], f"step {step}")
 
 
-def test_paths_interleave_step_by_step_on_the_same_cache(decoder):
+@pytest.mark.parametrize("steps", [pytest.param(12, marks=pytest.mark.slow), 4], ids=lambda n: f"{n}_steps")
+def test_paths_interleave_step_by_step_on_the_same_cache(decoder, steps):
+    """Mono and per-op steps alternate on one cache (each reads what the other wrote): the greedy
+    run follows the per-op one. 12 steps are `slow`; the first 4 run by default."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (4, 9, 6)]
-    ref = greedy(decoder, decoder.model.step, decoder.make_cache(3, CONTEXT, STEP_ROWS), prompts, 12)
-    paths = iter([decoder.step, decoder.model.step] * 6)
-    out = greedy(decoder, lambda *a: next(paths)(*a), decoder.make_cache(3, CONTEXT, STEP_ROWS), prompts, 12,
+    ref = greedy(decoder, decoder.model.step, decoder.make_cache(3, CONTEXT, STEP_ROWS), prompts, steps)
+    paths = iter([decoder.step, decoder.model.step] * (steps // 2))
+    out = greedy(decoder, lambda *a: next(paths)(*a), decoder.make_cache(3, CONTEXT, STEP_ROWS), prompts, steps,
                  forced=ref[0])
     assert_follows(out, ref)
 
@@ -404,12 +409,15 @@ def test_the_attention_is_compiled_by_default_on_a_gpu_only(decoder, device):
     assert (decoder.mono.attention_site is attention_site) == (device == "cpu")
 
 
-def test_compiled_ffn_attention_gives_the_same_steps(decoder, device):
+@pytest.mark.parametrize("widths", [pytest.param((6, 1, 5), marks=pytest.mark.slow), (6, 5)],
+                         ids=["1_and_2+_rows", "2+_rows"])
+def test_compiled_ffn_attention_gives_the_same_steps(decoder, device, widths):
     """`compile_attention`: the `ffn` layers' per-op attention under torch.compile (inductor with
     the eager rounding points) gives the eager steps up to summation order: bit-equal on the CPU
     from 2 rows; one compiled graph a layer kind serves every width of 2+ rows, one more each for
     1 row; building the runner (its residency check) compiles nothing, steps of pad rows (the
-    engine's warm-up) compile what the real steps then use."""
+    engine's warm-up) compile what the real steps then use. With 1 row too it is `slow` (two more
+    compiles); by default, two widths of 2+ rows."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -417,7 +425,7 @@ def test_compiled_ffn_attention_gives_the_same_steps(decoder, device):
 
     g = torch.Generator().manual_seed(23)
     caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=23)
-    steps = [step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[w]) for w in (6, 1, 5)]
+    steps = [step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[w]) for w in widths]
     eager_runner = MonoRunner(decoder.model, compile_attention=False)
     eager = [eager_runner.step(caches[0], *step) for step in steps]
     torch._dynamo.reset()
@@ -425,12 +433,14 @@ def test_compiled_ffn_attention_gives_the_same_steps(decoder, device):
     runner = MonoRunner(decoder.model, compile_attention=True)
     assert counters["stats"]["unique_graphs"] == graphs
     empty = decoder.make_cache(SLOTS, CONTEXT, STEP_ROWS)  # as the server's before its first request
-    for width in (6, 1):  # as Engine.warm_up does it: pad rows only
+    warm_up = {w > 1: w for w in reversed(widths)}.values()  # the first width of 1 row and of 2+ rows
+    for width in warm_up:  # as Engine.warm_up does it: pad rows only
         runner.step(empty, [0] * width, [0] * width, [-1] * width)
-    assert counters["stats"]["unique_graphs"] - graphs == 4  # (CSA, HCA) x (1 row, 2+ rows)
-    compiled = [runner.step(caches[1], *step) for step in steps]  # widths 6, 1, 5: nothing new
-    assert counters["stats"]["unique_graphs"] - graphs == 4
-    for width, a, b in zip((6, 1, 5), compiled, eager):
+    expected = 2 * len(warm_up)  # (CSA, HCA) x (1 row, 2+ rows)
+    assert counters["stats"]["unique_graphs"] - graphs == expected
+    compiled = [runner.step(caches[1], *step) for step in steps]  # the other widths: nothing new
+    assert counters["stats"]["unique_graphs"] - graphs == expected
+    for width, a, b in zip(widths, compiled, eager):
         if device == "cpu" and width > 1:
             assert torch.equal(a, b)
         else:  # seen on the CPU at 1 row: 0.999985 / 5.5e-3 (inductor reduces the 1-row matmuls itself)
