@@ -6,7 +6,7 @@
 #   tests-model   the rest of the GPU tests: attention, mHC, router, bench, model, speculation, engine
 #                 (one call held both until the tests outgrew the 10 minutes of a call); for either,
 #                 SELECT picks tests by pytest -k (e.g. SELECT='fragment or warm'), FILES the test files
-#   tests-all     both lists above at once, as SHARDS (default 8) parallel pytest processes
+#   tests-all     both lists above at once (the `slow` tests too), as SHARDS (default 8) parallel pytest processes
 #                 (tools/sharded_pytest.py: the tests' time is mostly compiling, and this machine has
 #                 16 cores); $OUT/shard_i.txt each; IDS names a file of test ids (one a line) to
 #                 run instead
@@ -43,10 +43,10 @@ case $part in
       ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
       tests/test_model.py tests/test_speculative.py tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
   tests-all)
-    selection=(-- tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py
+    selection=(-- -m "" tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py
       tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py
       tests/test_model.py tests/test_speculative.py tests/test_engine.py)
-    [ -n "${IDS:-}" ] && selection=(--ids "$IDS")
+    [ -n "${IDS:-}" ] && selection=(--ids "$IDS" -- -m "")
     MONODECODE_TEST_DEVICE=cuda python3 tools/sharded_pytest.py --shards ${SHARDS:-8} --logs "$out" \
       --timeout ${TIMEOUT:-560} "${selection[@]}" >> "$out/$part.txt" 2>&1 ;;
   check)

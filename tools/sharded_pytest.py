@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--ids", type=Path, help="a file of test ids, one a line, to run instead of collecting")
     parser.add_argument("pytest_args", nargs="*", help="test files (or ids) and options, after --")
     opts = parser.parse_args()
-    files = [a for a in opts.pytest_args if Path(a.split("::")[0]).exists()]  # files or test ids
+    files = [a for a in opts.pytest_args if a and Path(a.split("::")[0]).exists()]  # files or test ids
     flags = [a for a in opts.pytest_args if a not in files]  # options and their values
     ids = opts.ids.read_text().splitlines() if opts.ids else collect(opts.pytest_args)
     shards = [ids[i::opts.shards] for i in range(opts.shards) if ids[i::opts.shards]]
