@@ -4,12 +4,9 @@
 import json
 import math
 import re
-import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import monodecode
 from monodecode import formats, v41
@@ -20,28 +17,13 @@ from monodecode.model import Model
 from monodecode.mono.plan import refusals
 from monodecode.schema import tensor_specs
 
+from test_checkpoint import copy_of, rewrite_shard  # tests/ is on the path (rootdir conftest)
+
 
 @pytest.fixture(scope="module")
 def tiny41_dir(tmp_path_factory):
     return write_synthetic_checkpoint(preset("tiny-v4.1"), tmp_path_factory.mktemp("ckpt41") / "tiny41",
                                       seed=11, progress=False)
-
-
-def copy_of(src, tmp_path):
-    dst = tmp_path / "copy"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def rewrite_shard(directory, name, change):
-    """Rewrite the shard holding `name` with change(tensors) applied; the shard's file name."""
-    index = json.loads((directory / INDEX_FILE).read_text())
-    file = directory / index["weight_map"][name]
-    with safe_open(file, "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    change(tensors)
-    save_file(tensors, file)
-    return file.name
 
 
 def stored_names(config):
