@@ -152,6 +152,21 @@ def test_every_e4m3_code_decodes_exactly(device):
     assert torch.equal(got, expected)  # (torch.equal takes -0 == 0: the 0x80 code reads as zero)
 
 
+def test_every_e4m3_code_decodes_exactly_in_one_row(device):
+    """The one-row task's decode: a 256 x 128 weight whose column 0 holds every non-NaN code (the
+    rest zero), scale 1 for output rows 0-127 and 2^5 for 128-255; x one row, 1 in column 0."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0
+    w = torch.zeros(256, 128, dtype=torch.uint8)
+    w[:, 0] = codes
+    scale = torch.tensor([[127], [132]], dtype=torch.uint8)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    x[0, 0] = 1.0
+    y = G.gemv(x.to(device), w.to(device), scale.to(device), out_dtype=torch.float32, poison=True).cpu()
+    expected = codes.view(torch.float8_e4m3fn).float() * torch.tensor([1.0, 32.0]).repeat_interleave(128)
+    assert torch.equal(y[0], expected)
+
+
 def test_nan_codes_give_nan(device):
     """0x7F and 0xFF are NaN in e4m3fn: an output column whose weights hold one is NaN."""
     g = torch.Generator().manual_seed(9)
@@ -171,10 +186,17 @@ def test_blocks_and_tasks():
     assert G.default_blocks(4096, 8192, 128, programs=132) == (32, 128)  # 128 tasks
     assert G.default_blocks(7168, 1024, 128, programs=132) == (64, 128)  # 112 tasks
     assert G.gemv_tasks(8, 16) == 1 and G.gemv_tasks(100, 32) == 4
-    assert G.kernel_blocks(0, 512, 4096, 8192, 128, programs=132) == (32, 512)  # per-GEMV BN
-    assert G.kernel_blocks(64, 128, 1024, 4096, 128, programs=132) == (64, 128)
-    assert G.kernel_blocks(64, 512, 32, 64, 32, programs=1) == (32, 64)  # BN <= SB, BK <= K
-    assert G.row_block(1) == 16 and G.row_block(17) == 32 and G.row_block(48) == 64
+    assert G.kernel_blocks(0, 512, 4096, 8192, 128, programs=132, rows=6) == (32, 512)  # per-GEMV BN
+    assert G.kernel_blocks(64, 128, 1024, 4096, 128, programs=132, rows=2) == (64, 128)
+    assert G.kernel_blocks(64, 512, 32, 64, 32, programs=1, rows=48) == (32, 64)  # BN <= SB, BK <= K
+    # one row: 16 K weights a step, whatever the launch shape says
+    assert G.kernel_blocks(64, 128, 4096, 8192, 128, programs=132, rows=1) == (32, 512)  # 128 tasks
+    assert G.single_row_blocks(1536, 4096, 128, programs=132) == (16, 1024)  # 48 tasks at BN 32: too few
+    assert G.single_row_blocks(256, 4096, None, programs=132) == (16, 1024)  # bf16
+    assert G.single_row_blocks(32768, 1024, 128, programs=132) == (32, 512)
+    assert G.single_row_blocks(64, 64, 32, programs=1) == (32, 64)  # BN <= SB, BK <= K
+    assert G.single_row_blocks(8, 64) == (16, 64)
+    assert G.row_block(1) == 1 and G.row_block(2) == 16 and G.row_block(17) == 32 and G.row_block(48) == 64
     assert G.scale_block(256, 4096, (2, 32)) == 128
     assert G.scale_block(1, 256, (1, 2)) == 128
 

@@ -23,12 +23,17 @@ Contract
   fp32 accumulation order.
 - WFMT 1: bf16 W [N, K] (the router gate, whose output is fp32); s_ptr is not read.
 - K % BK == 0; N is arbitrary (the tail block is masked). Rows: R runtime, BR = R padded up to a
-  power of two >= 16 (the dot's minimum), rows >= R masked.
+  power of two >= 16 (the dot's minimum), rows >= R masked; a one-row step has BR = 1 (below).
+- One row (BR == 1): no dot. Each step loads a BN x BK weight tile (16 KB at the tiles
+  `single_row_blocks` picks, so that enough bytes are in flight to cover the memory latency),
+  multiplies it by x's BK values, each already scaled by its column's E8M0 scale (the same
+  power of two as scaling the weight: exact while normal), and sums along K on the CUDA cores
+  in fp32. BK may then be any power of two dividing K.
 - Rounding: fp32 accumulation; y is stored as bf16 rounded to nearest even (OUT_BF16, what the
   reference's bf16 F.linear returns) or as fp32.
 
 Python side: `gemv_tasks` (the stage's task count), `row_block` (BR), `default_blocks`
-(BN, BK), `check_blocks` (the ValueErrors above: call it at build), `scale_block` (SB from a
+(BN, BK) of a dot task, `single_row_blocks` (BN, BK) of a one-row task, `check_blocks` (the ValueErrors above: call it at build), `scale_block` (SB from a
 scale tensor's shape) and `gemv`, the standalone launch (grid (1,) under the interpreter).
 
 Decode (constexpr FAST)
@@ -81,6 +86,49 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
               BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
     """y[:R, nb*BN : nb*BN + BN] (masked at N) = x[:R, xoff : xoff + K] @ W[block].T (the
     contract in the module docstring). K1 / K2 call this."""
+    if BR == 1:
+        _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK, OUT_BF16, FAST)
+    else:
+        _dot_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
+                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST)
+
+
+@triton.jit
+def _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.constexpr, SB: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+    """gemv_task for one row (BR == 1): fp32 products summed on the CUDA cores."""
+    n = nb * BN + tl.arange(0, BN)
+    n_mask = n < N
+    rk = tl.arange(0, BK)
+    xoff = 0
+    if group_rows > 0:
+        xoff = (nb * BN) // group_rows * K
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]
+    scale_row = s_ptr + (nb * BN // SB) * tl.cdiv(K, SB)  # BN divides SB: one block row
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
+        x = tl.load(x_ptr + xoff + k0 + rk).to(tl.float32)
+        if WFMT == 0:
+            x = x * _e8m0_value(tl.load(scale_row + (k0 + rk) // SB).to(tl.int32))
+            if FAST:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                w = _e4m3_value(w.to(tl.int32))
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if OUT_BF16:
+        if not FAST:
+            acc = bf16(acc)
+        tl.store(y_ptr + n, acc.to(tl.bfloat16), mask=n_mask)
+    else:
+        tl.store(y_ptr + n, acc, mask=n_mask)
+
+
+@triton.jit
+def _dot_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
+              WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+    """gemv_task for BR >= 16 rows: tensor-core dots of the weight tile and x's tile."""
     n = nb * BN + tl.arange(0, BN)
     n_mask = n < N
     r = tl.arange(0, BR)
@@ -147,8 +195,9 @@ def gemv_tasks(N: int, BN: int) -> int:
 
 
 def row_block(R: int) -> int:
-    """BR for R rows: R padded up to a power of two, at least 16 (the dot's minimum)."""
-    return max(16, triton.next_power_of_2(R))
+    """BR for R rows: 1 for one row (the CUDA-core task), else R padded up to a power of two,
+    at least 16 (the dot's minimum)."""
+    return 1 if R == 1 else max(16, triton.next_power_of_2(R))
 
 
 def default_blocks(N: int, K: int, SB: int | None = None, programs: int | None = None) -> tuple[int, int]:
@@ -164,10 +213,25 @@ def default_blocks(N: int, K: int, SB: int | None = None, programs: int | None =
     return bn, bk
 
 
-def kernel_blocks(block_n: int, block_k: int, N: int, K: int, SB: int | None, programs: int) -> tuple[int, int]:
-    """(BN, BK) of a GEMV stage inside the persistent kernels (`LaunchShape.block_n / block_k`):
-    BN = block_n capped at SB, or with block_n 0 `default_blocks`' choice for `programs`; BK =
+def single_row_blocks(N: int, K: int, SB: int | None = None, programs: int | None = None) -> tuple[int, int]:
+    """(BN, BK) of a one-row task: BN = 32 (16 while the stage would have fewer tasks than half
+    of `programs`; at most SB and next_pow2(N)), BK = 16384 weight elements / BN, capped at the
+    largest power of two dividing K. Why: one row is a stream of weights with almost no
+    arithmetic, so a step's load is as large as the registers allow without spilling."""
+    bn = min(32, SB or 32, max(16, triton.next_power_of_2(N)))
+    if programs and bn > 16 and 2 * gemv_tasks(N, bn) < programs:
+        bn = 16
+    return bn, min(16384 // bn, K & -K)
+
+
+def kernel_blocks(block_n: int, block_k: int, N: int, K: int, SB: int | None, programs: int,
+                  rows: int) -> tuple[int, int]:
+    """(BN, BK) of a GEMV stage inside the persistent kernels for a step of `rows` rows: one row,
+    `single_row_blocks`; more, the launch shape's (`LaunchShape.block_n / block_k`): BN =
+    block_n capped at SB, or with block_n 0 `default_blocks`' choice for `programs`; BK =
     block_k capped at the largest power of two dividing K."""
+    if rows == 1:
+        return single_row_blocks(N, K, SB, programs)
     bn = default_blocks(N, K, SB, programs)[0] if block_n == 0 else min(block_n, SB or block_n)
     return bn, min(block_k, K & -K)
 
@@ -217,7 +281,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
         wfmt, sb, s = WFMT_FP8, scale_block(N, K, scale.shape), scale.view(torch.uint8).contiguous()
         w = w.view(torch.uint8)
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
-    bn, bk = block if block is not None else default_blocks(N, K, sb, programs)
+    bn, bk = block if block is not None else (single_row_blocks if R == 1 else default_blocks)(N, K, sb, programs)
     check_blocks(N, K, sb, bn, bk, group_rows)
     width = (N // group_rows) * K if group_rows else K
     if R < 1 or x.shape[1] < width:

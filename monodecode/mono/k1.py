@@ -154,9 +154,9 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     residual = s.streams[cur]
     ring = cache.window
     d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
-    bn_qa, bk_d = runner.gemv_blocks(q_lora, d)
-    bn_kv, _ = runner.gemv_blocks(hd, d)
-    bn_qb, bk_q = runner.gemv_blocks(heads * hd, q_lora)
+    (bn_qa, bk_qa), (bn_kv, bk_kv) = runner.gemv_blocks(q_lora, d, s.rows), runner.gemv_blocks(hd, d, s.rows)
+    bk_d = min(bk_qa, bk_kv)  # one K step for the stage's two matrices (they share x)
+    bn_qb, bk_q = runner.gemv_blocks(heads * hd, q_lora, s.rows)
     args = K1Args(
         sync=runner.sync_args("k1"), rows=s.rows, positions=s.positions, slots=s.slots,
         residual=residual, owed_y=s.y, owed_post=s.post_ffn, owed_comb=s.comb_ffn,

@@ -278,11 +278,12 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     residual = s.streams[cur]
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
     z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * hd // c.o_groups
-    bn_oa, bk_o = runner.gemv_blocks(z_width, o_in, group_rows=c.o_lora_rank)
-    bn_ob, bk_z = runner.gemv_blocks(d, z_width)
-    bn_g, bk_d = runner.gemv_blocks(c.n_routed_experts, d, fp8=False)
-    bn_sh, _ = runner.gemv_blocks(inter, d)
-    bn_s2, bk_i = runner.gemv_blocks(d, inter)
+    rows = s.rows
+    bn_oa, bk_o = runner.gemv_blocks(z_width, o_in, rows, group_rows=c.o_lora_rank)
+    bn_ob, bk_z = runner.gemv_blocks(d, z_width, rows)
+    (bn_g, bk_g), (bn_sh, bk_sh) = runner.gemv_blocks(c.n_routed_experts, d, rows, fp8=False), runner.gemv_blocks(inter, d, rows)
+    bk_d = min(bk_g, bk_sh)  # one K step for the gate and the shared expert's w1 / w3 (they share x)
+    bn_s2, bk_i = runner.gemv_blocks(d, inter, rows)
     shape, ex = runner.shape, lw.experts
     attn = None
     if attention:

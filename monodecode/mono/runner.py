@@ -143,11 +143,12 @@ class MonoRunner:
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
 
-    def gemv_blocks(self, N: int, K: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
-        """(BN, BK) of a dense [N, K] GEMV stage in the kernels, by the launch shape (`block_n` 0:
-        `gemv.default_blocks`' choice for this grid); BN at most `group_rows` for a grouped one."""
+    def gemv_blocks(self, N: int, K: int, rows: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
+        """(BN, BK) of a dense [N, K] GEMV stage in the kernels for a step of `rows` rows
+        (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape); BN at most
+        `group_rows` for a grouped one."""
         bn, bk = kernel_blocks(self.shape.block_n, self.shape.block_k, N, K,
-                               self.config.fp8_block[0] if fp8 else None, self.grid)
+                               self.config.fp8_block[0] if fp8 else None, self.grid, rows)
         return (min(bn, group_rows) if group_rows else bn), bk
 
     def memory(self) -> dict[str, int]:

@@ -2,9 +2,10 @@
 
 Results do not depend on it beyond fp32 summation order (tests check each shape they use against
 the same reference). `programs_per_sm` co-resident programs on every SM, of `k1_warps` warps in K1
-and `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone); dense GEMV tasks of
-`block_n` outputs (0: chosen per GEMV by `gemv.default_blocks`, smaller where a GEMV has few
-outputs) over K steps of `block_k`; expert tasks of `expert_block_n` outputs over K steps of
+and `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone); dense GEMV tasks of a step
+of two rows or more of `block_n` outputs (0: chosen per GEMV by `gemv.default_blocks`, smaller
+where a GEMV has few outputs) over K steps of `block_k` (a one-row step's tiles follow
+`gemv.single_row_blocks` instead); expert tasks of `expert_block_n` outputs over K steps of
 `expert_block_k` (a multiple of 128, the fragment order's column group; with 256, tasks of one or
 two rows take the diagonal loop: experts.py). The defaults are the fastest shape measured on the
 H200 (docs/notes/).
