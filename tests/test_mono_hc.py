@@ -155,3 +155,13 @@ def test_task_counts():
     assert H.fold_tasks(5, 192, 128, 16) == 2
     assert H.settle_tasks(5) == 5
     assert H.mix_pad(4) == 32
+
+
+def test_seam_blocks():
+    """One row: smaller fold chunks by the warps (never below MIN_CHUNK, which sizes the partials
+    buffers), wide settle tiles; more rows: the module defaults."""
+    assert H.seam_blocks(4, 4096, 1) == (32, 64, 2048)
+    assert H.seam_blocks(8, 4096, 1) == (16, 64, 4096)
+    assert H.seam_blocks(16, 4096, 1)[0] == H.MIN_CHUNK
+    assert H.seam_blocks(8, 256, 1)[2] == 256
+    assert H.seam_blocks(8, 4096, 6) == (H.CHUNK, H.CB, H.BD)

@@ -6,7 +6,7 @@ empty persistent launch. Checks every variant against torch on fresh random data
 import itertools, json, os, sys, time
 import torch, triton, triton.language as tl
 
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.getcwd())  # run from the repository root
 from monodecode.formats import quantize_fp8_block, dequantize_fp8_block  # noqa: E402
 from monodecode.mono.gemv import gemv_task, default_blocks, row_block, _e8m0_value  # noqa: E402
 

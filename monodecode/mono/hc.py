@@ -48,9 +48,21 @@ from .rounding import bf16
 
 
 CHUNK = 64  # columns a fold task covers (a power of two >= 16: the K side of its dot)
+MIN_CHUNK = 16  # the smallest CHUNK: partials buffers sized for it serve every chunk
 RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot)
 BD = 1024  # columns of a settle tile
 CB = 16  # chunks of partials a settle task reduces at a time
+
+
+def seam_blocks(warps: int, d: int, rows: int) -> tuple[int, int, int]:
+    """(CHUNK, CB, BD) of the kernels' fold and settle for programs of `warps` warps and a step
+    of `rows` rows. One row: smaller fold tasks, more of them (CHUNK 32 at 4 warps, 16 at 8: the
+    fastest measured, docs/notes/2026-12-02-single-row-gemv.md), a settle that sums the partials
+    64 chunks at a time and collapses the row in tiles of 64 stream values a thread (hc = 4), since
+    its one task is the whole stage. More rows: the module's defaults."""
+    if rows > 1:
+        return CHUNK, CB, min(BD, triton.next_power_of_2(d))
+    return max(MIN_CHUNK, 128 // warps), 64, min(512 * warps, triton.next_power_of_2(d))
 
 
 def fold_tasks(R: int, d: int, CHUNK: int = CHUNK, RB: int = RB) -> int:

@@ -306,9 +306,10 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
+    chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows)
     meta = K2Meta(
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
-        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=HC.CHUNK, CB=HC.CB, BD=min(HC.BD, d),
+        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_D=bk_d, BK_I=bk_i,
         BK_O=bk_o, BK_Z=bk_z, BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),

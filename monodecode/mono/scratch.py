@@ -39,7 +39,7 @@ class Scratch:
         self.slots = torch.full((r,), -1, dtype=torch.long, device=device)
         self.streams = (bf16(r, hc, d), bf16(r, hc, d))
         # mHC seams: fold partials, the attention site's mixes, the FFN site's (owed) mixes
-        self.partials = f32(r, -(-d // HC.CHUNK), mix + 1)
+        self.partials = f32(r, -(-d // HC.MIN_CHUNK), mix + 1)  # every fold chunk's partials fit
         self.post_attn, self.comb_attn = f32(r, hc), f32(r, hc, hc)
         self.post_ffn, self.comb_ffn = f32(r, hc), f32(r, hc, hc)
         self.x = bf16(r, d)  # the collapsed, normalised sub-block input
