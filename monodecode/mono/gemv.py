@@ -33,13 +33,15 @@ Contract
   reference's bf16 F.linear returns) or as fp32.
 
 Python side: `gemv_tasks` (the stage's task count), `row_block` (BR), `default_blocks`
-(BN, BK) of a dot task, `single_row_blocks` (BN, BK) of a one-row task, `check_blocks` (the ValueErrors above: call it at build), `scale_block` (SB from a
-scale tensor's shape) and `gemv`, the standalone launch (grid (1,) under the interpreter).
+(BN, BK) of a dot task, `single_row_blocks` (BN, BK) of a one-row task, `kernel_blocks` (the
+kernels' choice between them), `check_blocks` (the ValueErrors above: call it at build),
+`scale_block` (SB from a scale tensor's shape) and `gemv`, the standalone launch (grid (1,)
+under the interpreter).
 
 Decode (constexpr FAST)
 - FAST (NVIDIA): the codes bitcast to float8e4nv and converted to bf16 (exact), x bf16, and a
   bf16 `tl.dot` with the weight tile as the first operand (swap AB: [BN, BK] x [BK, BR]), since
-  R is small; fp32 accumulation.
+  R is small; fp32 accumulation. One row: the codes converted to fp32 the same way, no dot.
 - Portable (interpreter, AMD): e4m3 decoded from its bits to fp32 (all 256 codes, subnormals
   too; 0x7F / 0xFF are NaN), fp32 `tl.dot` in IEEE precision, and the bf16 output rounded by
   `bf16` (the interpreter's cast truncates). The interpreter computes bf16 dots
