@@ -88,6 +88,10 @@ def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
               BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
     """y[:R, nb*BN : nb*BN + BN] (masked at N) = x[:R, xoff : xoff + K] @ W[block].T (the
     contract in the module docstring). K1 / K2 call this."""
+    # K rounded down to a multiple of BK (no change: BK divides K, `check_blocks`) tells the
+    # compiler that W's rows are 16-byte aligned. Given a K computed in the kernel (wo_a's
+    # heads * D / groups) it cannot know that, and loads the tile a byte at a time, unpipelined.
+    K = K // BK * BK
     if BR == 1:
         _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK, OUT_BF16, FAST)
     else:
