@@ -1,13 +1,14 @@
 """Compile the mono kernels for an H100/H200 (sm_90) on a machine without a GPU.
 
-`python tools/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC]`, in a process where
-TRITON_INTERPRET is unset (tests/test_mono_compiles.py runs it so).
+`python tools/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC] [--widths 1,48]`, in a process
+where TRITON_INTERPRET is unset (tests/test_mono_compiles.py runs it so).
 
 Triton's CPU interpreter accepts code that compiled Triton refuses (a non-constexpr global in a
 kernel, for one), so the CPU tests alone can pass kernels that do not build. This runs one mono
-step at widths 1 and 48 with the launches recorded instead of run, then compiles each distinct
-recorded launch with `triton.compile` for sm_90 (and the first K1 and K2 with the timeline's
-stamps), and prints one line a kernel: shared memory, and registers and spills from ptxas -v.
+step at each width (default 1 and 48) with the launches recorded instead of run, then compiles
+each distinct recorded launch with `triton.compile` for sm_90 (and the first K1 and K2 with the
+timeline's stamps), and prints one line a kernel: shared memory, and registers and spills from
+ptxas -v.
 - `--dims tiny` (default): a three-layer tiny model (a `whole`, a hash-routed `ffn` and a
   bias-routed `ffn` layer), seconds.
 - `--dims v4-flash`: two layers at v4-flash sizes (a hash-routed `whole`, a bias-routed `ffn`;
@@ -16,6 +17,8 @@ stamps), and prints one line a kernel: shared memory, and registers and spills f
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
   This machine's Triton may allocate a little differently from the GPU's.
 - `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
+- `--widths`: rows a step, comma-separated: one request of up to 5 rows (a draft block), the rest
+  pad rows. Each build takes seconds (a K2 at 48 rows about 10 s on a 2-core machine).
 - `--dump DIR`: also write each build's TTGIR there (its `ttg.local_alloc`s and their
   `allocation.offset`s show what holds the shared memory) and its cubin (`nvdisasm -c` shows
   the SASS: where the spills are).
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dims", choices=("tiny", "v4-flash"), default="tiny")
     parser.add_argument("--shape", default="default", help="a LaunchShape spec")
     parser.add_argument("--dump", help="a folder for each build's TTGIR")
+    parser.add_argument("--widths", default="1,48", help="rows a step, comma-separated")
     cli = parser.parse_args(argv)
     launches = []
     k1._k1, k2._k2 = Recorder(k1._k1, launches), Recorder(k2._k2, launches)
@@ -139,10 +143,10 @@ def main(argv=None) -> int:
     runner = runner_module.MonoRunner(model, shape=LaunchShape.parse(cli.shape))
     runner.fast = True  # the NVIDIA code paths
     runner.check = lambda: None  # nothing ran
-    for rows in (1, 48):
+    for rows in (int(w) for w in cli.widths.split(",")):
         cache = model.make_cache(8, 64, 8)
-        positions = [0] if rows == 1 else [0, 1, 2, 3, 4] + [0] * (rows - 5)
-        slots = [0] if rows == 1 else [0] * 5 + [-1] * (rows - 5)
+        live = min(rows, 5)
+        positions, slots = list(range(live)) + [0] * (rows - live), [0] * live + [-1] * (rows - live)
         runner.step(cache, [1] * rows, positions, slots)  # its outputs are garbage: nothing ran
     built = set()
     # ... and the first K1 and K2 launches again with the timeline's stamps compiled in
