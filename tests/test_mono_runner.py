@@ -409,20 +409,28 @@ def test_the_attention_is_compiled_by_default_on_a_gpu_only(decoder, device):
     assert (decoder.mono.attention_site is attention_site) == (device == "cpu")
 
 
-@pytest.mark.parametrize("widths", [pytest.param((6, 1, 5), marks=pytest.mark.slow), (6, 5)],
-                         ids=["1_and_2+_rows", "2+_rows"])
-def test_compiled_ffn_attention_gives_the_same_steps(decoder, device, widths):
+@pytest.mark.parametrize("ratios, widths", [pytest.param((0, 4, 16), (6, 1, 5), marks=pytest.mark.slow),
+                                             ((4,), (6, 5))],
+                         ids=["every_kind_1_and_2+_rows", "CSA_2+_rows"])
+def test_compiled_ffn_attention_gives_the_same_steps(device, ratios, widths):
     """`compile_attention`: the `ffn` layers' per-op attention under torch.compile (inductor with
     the eager rounding points) gives the eager steps up to summation order: bit-equal on the CPU
     from 2 rows; one compiled graph a layer kind serves every width of 2+ rows, one more each for
     1 row; building the runner (its residency check) compiles nothing, steps of pad rows (the
-    engine's warm-up) compile what the real steps then use. With 1 row too it is `slow` (two more
-    compiles); by default, two widths of 2+ rows."""
+    engine's warm-up) compile what the real steps then use. Each compile is the most of the time
+    (inductor builds C++ on the CPU): both `ffn` kinds (CSA, HCA) in the three-layer model are
+    `slow`, with 1 row too two compiles more; by default one CSA layer (the indexer: the most code)
+    at two widths of 2+ rows."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from monodecode.mono.runner import MonoRunner
 
+    layers = len(ratios)
+    model = Model.from_checkpoint(SyntheticCheckpoint(tiny(num_hidden_layers=layers, compress_ratios=ratios,
+                                                           dspark_target_layer_ids=tuple(range(layers))), seed=5),
+                                  device, torch.bfloat16)
+    decoder = Decoder(model)  # the per-op prefills; the runners under test are built below
     g = torch.Generator().manual_seed(23)
     caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=23)
     steps = [step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[w]) for w in widths]
@@ -436,7 +444,7 @@ def test_compiled_ffn_attention_gives_the_same_steps(decoder, device, widths):
     warm_up = {w > 1: w for w in reversed(widths)}.values()  # the first width of 1 row and of 2+ rows
     for width in warm_up:  # as Engine.warm_up does it: pad rows only
         runner.step(empty, [0] * width, [0] * width, [-1] * width)
-    expected = 2 * len(warm_up)  # (CSA, HCA) x (1 row, 2+ rows)
+    expected = len(set(ratios) - {0}) * len(warm_up)  # the ffn kinds (CSA, HCA) x (1 row, 2+ rows)
     assert counters["stats"]["unique_graphs"] - graphs == expected
     compiled = [runner.step(caches[1], *step) for step in steps]  # the other widths: nothing new
     assert counters["stats"]["unique_graphs"] - graphs == expected
