@@ -116,10 +116,11 @@ def test_batched_layer_matches_the_per_op_block(device, ratio):
                 assert all(torch.equal(ours.data[k], theirs.data[k]) for k in theirs.data), rows
 
 
-@pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["CSA"]],
-                         ids=["every_kind", "CSA"])
+@pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["window"]],
+                         ids=["every_kind", "window"])
 def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path, kinds):
-    """Every kind is `slow` (a compile each); by default CSA, whose indexer is the most code."""
+    """Every kind is `slow` (a compile each); by default the window layer, the least code to compile
+    (the CSA indexer under inductor runs by default in test_mono_runner's compiled `ffn` attention)."""
     assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--context", "8",
                  "--reps", "1", "--compile", "default", "--kinds", ",".join(kinds), "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
