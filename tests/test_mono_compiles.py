@@ -65,27 +65,32 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from monodecode.mono.gemv import _gemv_stage
 
-rows, bn, bk = (int(a) for a in sys.argv[1:4])
+rows, bn, bk, split = (int(a) for a in sys.argv[1:5])
 sig = {"x_ptr": "*bf16", "x_stride": "i32", "R": "i32", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
-       "y_stride": "i32", "N": "i32", "K": "i32", "group_rows": "i32", "n_tasks": "i32"}
-aligned = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in sig if name not in ("K", "R", "n_tasks")}
-sig.update(dict.fromkeys(["WFMT", "SB", "BN", "BK", "BR", "OUT_BF16", "FAST"], "constexpr"))
-constants = {"WFMT": 0, "SB": 128, "BN": bn, "BK": bk, "BR": 1 if rows == 1 else 16, "OUT_BF16": True, "FAST": True}
+       "y_stride": "i32", "N": "i32", "K": "i32", "group_rows": "i32", "sums_ptr": "*fp32", "tickets_ptr": "*i32"}
+aligned = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in sig if name not in ("K", "R")}
+sig.update(dict.fromkeys(["WFMT", "SB", "BN", "BK", "SPLIT", "BR", "OUT_BF16", "FAST"], "constexpr"))
+constants = {"WFMT": 0, "SB": 128, "BN": bn, "BK": bk, "SPLIT": split, "BR": 1 if rows == 1 else 16,
+             "OUT_BF16": True, "FAST": True}
 built = triton.compile(ASTSource(fn=_gemv_stage, signature=sig, constexprs=constants, attrs=aligned),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 ir = built.asm["ttgir"]
 layouts = dict(re.findall(r"^(#blocked\\d*) = #ttg.blocked<{sizePerThread = \\[\\d+, (\\d+)\\]", ir, re.M))
-loads = re.findall(rf"(?:tt.load|async_copy_global_to_local) .*: tensor<{bn}x{bk}x!tt.ptr<i8>, (#blocked\\d*)>", ir)
-print(min(int(layouts[layout]) for layout in loads))
+loads = re.findall(rf"(tt.load|async_copy_global_to_local) .*: tensor<{bn}x{bk}x!tt.ptr<i8>, (#blocked\\d*)>", ir)
+print(min(int(layouts[layout]) for _, layout in loads), all(op == "async_copy_global_to_local" for op, _ in loads))
 """
 
 
 @needs_nvidia
-@pytest.mark.parametrize("rows, bn, bk", [(1, 32, 512), (6, 64, 128)])
-def test_gemv_loads_weight_rows_in_vectors_whatever_k(compiled_env, rows, bn, bk):
+@pytest.mark.parametrize("rows, bn, bk, split", [(1, 32, 512, 1), (6, 64, 128, 1), (6, 128, 128, 4)])
+def test_gemv_loads_weight_rows_in_vectors_whatever_k(compiled_env, rows, bn, bk, split):
     """The dense GEMV's weight tile is loaded 8+ bytes a thread at a time even where the compiler
-    cannot prove K a multiple of 16 (it loaded wo_a a byte at a time, unpipelined, inside K2)."""
-    done = subprocess.run([sys.executable, "-c", GEMV_WEIGHT_LOAD_WIDTH, str(rows), str(bn), str(bk)],
+    cannot prove K a multiple of 16 (it loaded wo_a a byte at a time, unpipelined, inside K2), and
+    a dot stage's tiles through Triton's pipeline (async copies), split along K too (a CTA barrier
+    in the K loop, where a split task once took its ticket, silently turned the pipeline off)."""
+    done = subprocess.run([sys.executable, "-c", GEMV_WEIGHT_LOAD_WIDTH, str(rows), str(bn), str(bk), str(split)],
                           env=compiled_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) >= 8, done.stdout
+    width, pipelined = done.stdout.split()[-2:]
+    assert int(width) >= 8, done.stdout
+    assert pipelined == str(rows > 1), done.stdout

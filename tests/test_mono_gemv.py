@@ -93,6 +93,33 @@ def test_fp8_fp32_output_is_exact_up_to_accumulation_order(device, rows):
     assert rel_l2(y.cpu(), x.double() @ w.double().T) <= 1e-6
 
 
+@pytest.mark.parametrize("rows", [2, 5, 48])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_k_split_into_slices_matches_per_op(device, rows, split):
+    """Each output block's K in `split` slices (1 to 4 K steps each; 3 does not divide the
+    block count evenly over slices), summed in slice order by the last to arrive; N = 100: a
+    masked tail block and a partial scale block. Same result however the slices are timed."""
+    g = torch.Generator().manual_seed(400 + rows + split)
+    q, s, w = fp8_weight(g, 100, 768, 32)
+    x = activations(g, rows, 768)
+    y = G.gemv(x.to(device), q.to(device), s.to(device), block=(32, 32), split=split, poison=True)
+    assert_matches_bf16(y, F.linear(x.to(device), w.to(device)), x.double() @ w.double().T,
+                        x.double().abs() @ w.double().abs().T)
+    again = G.gemv(x.to(device), q.to(device), s.to(device), block=(32, 32), split=split)
+    assert torch.equal(y, again)
+
+
+@pytest.mark.parametrize("rows", [2, 48])
+def test_k_split_fp32_output_and_bf16_weights(device, rows):
+    """The router gate's form split along K: bf16 weights, fp32 logits (rel L2 ~3e-8 expected)."""
+    g = torch.Generator().manual_seed(500 + rows)
+    gate = (torch.randn(40, 256, generator=g) / 16).to(torch.bfloat16)
+    x = activations(g, rows, 256)
+    y = G.gemv(x.to(device), gate.to(device), block=(16, 32), split=4, out_dtype=torch.float32, poison=True)
+    assert not torch.isnan(y).any()
+    assert rel_l2(y.cpu(), F.linear(x.float(), gate.float())) <= 1e-6
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_grouped_wo_a_matches_attention_output(device, rows):
     """Two groups of 32 output rows, each reading its own 128 columns of x [R, 256]; the
@@ -107,6 +134,9 @@ def test_grouped_wo_a_matches_attention_output(device, rows):
     exact, magnitude = (torch.einsum("ngi,gri->ngr", a.reshape(rows, groups, -1), b.view(groups, rank, -1)).flatten(1)
                         for a, b in ((x.double(), w.double()), (x.double().abs(), w.double().abs())))
     assert_matches_bf16(y, ref, exact, magnitude)
+    if rows > 1:  # each group's 128 columns in 2 slices
+        y = G.gemv(x.to(device), q.to(device), s.to(device), block=(32, 32), split=2, group_rows=rank, poison=True)
+        assert_matches_bf16(y, ref, exact, magnitude)
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -185,12 +215,21 @@ def test_blocks_and_tasks():
     assert G.default_blocks(1536, 4096, 128, programs=132) == (16, 128)  # 96 tasks
     assert G.default_blocks(4096, 8192, 128, programs=132) == (32, 128)  # 128 tasks
     assert G.default_blocks(7168, 1024, 128, programs=132) == (64, 128)  # 112 tasks
-    assert G.gemv_tasks(8, 16) == 1 and G.gemv_tasks(100, 32) == 4
-    assert G.kernel_blocks(0, 512, 4096, 8192, 128, programs=132, rows=6) == (32, 512)  # per-GEMV BN
-    assert G.kernel_blocks(64, 128, 1024, 4096, 128, programs=132, rows=2) == (64, 128)
-    assert G.kernel_blocks(64, 512, 32, 64, 32, programs=1, rows=48) == (32, 64)  # BN <= SB, BK <= K
-    # one row: 16 K weights a step, whatever the launch shape says
-    assert G.kernel_blocks(64, 128, 4096, 8192, 128, programs=132, rows=1) == (32, 512)  # 128 tasks
+    assert G.gemv_tasks(8, 16) == 1 and G.gemv_tasks(100, 32) == 4 and G.gemv_tasks(100, 32, split=4) == 16
+    # (block_n, block_k, chunk, N, K, SB, programs, rows, warps) -> (BN, BK, SPLIT)
+    assert G.kernel_blocks(0, 128, 1024, 4096, 8192, 128, 132, 6, 8) == (128, 128, 8)  # BN by warps, K split
+    assert G.kernel_blocks(0, 128, 1024, 4096, 8192, 128, 132, 6, 4) == (64, 128, 8)
+    assert G.kernel_blocks(0, 128, 1024, 32768, 1024, 128, 132, 48, 4) == (64, 128, 1)  # K within a chunk
+    assert G.kernel_blocks(0, 128, 1024, 256, 4096, None, 132, 6, 8) == (128, 64, 4)  # bf16: half the K step
+    assert G.kernel_blocks(64, 512, 1024, 32, 64, 32, 1, 48, 8) == (32, 64, 1)  # BN <= SB, BK <= K
+    assert G.kernel_blocks(0, 32, 96, 64, 384, 32, 1, 2, 4) == (32, 32, 4)  # slices of 3 K steps
+    assert G.kernel_blocks(0, 128, 96, 64, 384, 32, 1, 2, 4) == (32, 128, 3)  # a slice is at least a K step
+    assert G.kernel_blocks(0, 32, 256, 64, 384, 32, 1, 2, 4) == (32, 32, 1)  # 256 does not divide 384
+    # one row: 16 K weights a step, unsplit, whatever the launch shape says
+    assert G.kernel_blocks(64, 128, 1024, 4096, 8192, 128, 132, 1, 8) == (32, 512, 1)  # 128 tasks
+    assert G.split_scratch(4096, 128, 8, 16) == (4096 * 8 * 16, 32) and G.split_scratch(4096, 128, 1, 16) == (0, 0)
+    assert G.split_needs([[(1024, (64, 128, 4)), (512, (64, 128, 4))], [(8192, (64, 128, 1))]], 6) == (
+        (1024 + 512) * 4 * 16, 24)
     assert G.single_row_blocks(1536, 4096, 128, programs=132) == (16, 1024)  # 48 tasks at BN 32: too few
     assert G.single_row_blocks(256, 4096, None, programs=132) == (16, 1024)  # bf16
     assert G.single_row_blocks(32768, 1024, 128, programs=132) == (32, 512)
@@ -214,3 +253,7 @@ def test_invalid_tilings_raise():
         G.gemv(x, q, s, group_rows=48)
     with pytest.raises(ValueError, match="block grid"):
         G.gemv(x, q, s[:, :3])
+    with pytest.raises(ValueError, match="slices of whole"):
+        G.gemv(x, q, s, block=(32, 64), split=4)  # 4 slices of 64 do not make K 128
+    with pytest.raises(ValueError, match="not split"):
+        G.gemv(x[:1], q, s, block=(32, 64), split=2)

@@ -1,15 +1,28 @@
-"""The dense GEMV stage: one task computes BN outputs of y = x @ W.T for all R rows of a step.
+"""The dense GEMV stage: y = x @ W.T for all R rows of a step, in tasks of BN outputs.
 
 Used by K1 (wq_a, wkv, wq_b) and K2 (grouped wo_a, wo_b, the router gate, the shared expert's
-w1 / w3 / w2). `gemv_task` is the device function the mono kernels call from their task loop;
-`_gemv_stage` is the standalone launch (program p takes tasks p, p + grid, ...) that `gemv`
-and the tests use.
+w1 / w3 / w2). `gemv_stage` is the device function the mono kernels call for a program's share
+of a stage; `_gemv_stage` is the standalone launch that `gemv` and the tests use.
 
 Contract
-- Task `nb` (0 <= nb < `gemv_tasks(N, BN)` = ceil(N / BN)) writes
+- A stage of SPLIT slices has `gemv_tasks(N, BN, SPLIT)` = ceil(N / BN) * SPLIT tasks; task t is
+  slice ks = t % SPLIT (K steps ks * K / SPLIT ..) of output block nb = t // SPLIT. The outputs
   y[r, nb*BN + n] = sum_k x[r, xoff + k] * W[nb*BN + n, k] for r < R and nb*BN + n < N, and
-  nothing else; it reads x [R, >= xoff + K] bf16 (row stride `x_stride`, unit column stride),
-  W [N, K] row-major and, for FP8, its scales. Tasks of the stage are independent.
+  nothing else, are written by the block's one task (SPLIT 1), or, split, by the block's slice
+  that arrives last: each slice stores its fp32 tile in the slice sums (`sums_ptr`, a [BN, BR]
+  tile a task at t * BN * BR) and, once the program's K loop is done, takes the block's ticket
+  (`tickets_ptr[nb]`, `sync.arrive`: its stores published first); the one that draws ticket SPLIT - 1 sums the block's tiles in
+  slice order 0, 1, .., SPLIT - 1, writes y and sets the ticket back to 0. So the result does
+  not depend on which slice finished last (graph replays are bit-exact), no task waits for
+  another (any grid is safe), and the tickets are 0 again when the stage is over: a later stage
+  or launch may reuse them and the sums after a grid barrier or in stream order. The stage reads
+  x [R, >= xoff + K] bf16 (row stride `x_stride`, unit column stride), W [N, K] row-major and,
+  for FP8, its scales.
+- Program p of a grid of G takes tasks (p - first) mod G, + G, ... (`first`: where the stage's
+  tasks start, so that a stage of several GEMVs spreads them over all programs). Its dot tasks
+  run as one loop over their K steps, task after task, pipelined `DENSE_STAGES` K steps deep by
+  Triton (cp.async copies to shared memory), so the weights keep streaming across task
+  boundaries.
 - Grouped projection (`wo_a`): with group_rows > 0, output rows g*group_rows .. belong to group
   g, which reads x columns g*K .. g*K + K - 1, so xoff = (nb*BN // group_rows) * K; BN must
   divide group_rows so that a task lies in one group. group_rows == 0: xoff = 0.
@@ -29,14 +42,16 @@ Contract
   multiplies it by x's BK values, each already scaled by its column's E8M0 scale (the same
   power of two as scaling the weight: exact while normal), and sums along K on the CUDA cores
   in fp32. BK may then be any power of two dividing K.
-- Rounding: fp32 accumulation; y is stored as bf16 rounded to nearest even (OUT_BF16, what the
-  reference's bf16 F.linear returns) or as fp32.
+  A one-row step is not split (SPLIT 1).
+- Rounding: fp32 accumulation (within a task by the dot, then over the slices in order); y is
+  stored as bf16 rounded to nearest even (OUT_BF16, what the reference's bf16 F.linear returns)
+  or as fp32.
 
-Python side: `gemv_tasks` (the stage's task count), `row_block` (BR), `default_blocks`
-(BN, BK) of a dot task, `single_row_blocks` (BN, BK) of a one-row task, `kernel_blocks` (the
-kernels' choice between them), `check_blocks` (the ValueErrors above: call it at build),
-`scale_block` (SB from a scale tensor's shape) and `gemv`, the standalone launch (grid (1,)
-under the interpreter).
+Python side: `gemv_tasks` (the stage's task count), `split_scratch` (the slice sums and tickets a
+split GEMV needs), `row_block` (BR), `default_blocks` (BN, BK) of a standalone dot task,
+`single_row_blocks` (BN, BK) of a one-row task, `kernel_blocks` (BN, BK, SPLIT inside the
+kernels), `check_blocks` (the ValueErrors above: call it at build), `scale_block` (SB from a
+scale tensor's shape) and `gemv`, the standalone launch (grid (1,) under the interpreter).
 
 Decode (constexpr FAST)
 - FAST (NVIDIA): the codes bitcast to float8e4nv and converted to bf16 (exact), x bf16, and a
@@ -56,10 +71,12 @@ import triton.language as tl
 
 from .plan import interpreted
 from .rounding import bf16
+from .sync import arrive
 
 
 WFMT_FP8 = 0
 WFMT_BF16 = 1
+DENSE_STAGES: tl.constexpr = tl.constexpr(4)  # K steps in flight a program (Triton's pipeline depth)
 
 
 @triton.jit
@@ -83,20 +100,24 @@ def _e8m0_value(code):
 
 
 @triton.jit
-def gemv_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-              WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
-    """y[:R, nb*BN : nb*BN + BN] (masked at N) = x[:R, xoff : xoff + K] @ W[block].T (the
-    contract in the module docstring). K1 / K2 call this."""
+def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr,
+               tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+    """Program `pid`'s share of a GEMV stage (the contract in the module docstring): tasks
+    t = start, start + grid, ... with start = (pid - first) mod grid, so that a stage of several
+    GEMVs can start the next one's tasks on the programs after the last one's. K1 / K2 call this."""
     # K rounded down to a multiple of BK (no change: BK divides K, `check_blocks`) tells the
     # compiler that W's rows are 16-byte aligned. Given a K computed in the kernel (wo_a's
     # heads * D / groups) it cannot know that, and loads the tile a byte at a time, unpipelined.
     K = K // BK * BK
+    n_tasks = tl.cdiv(N, BN) * SPLIT
+    start = (pid - first % grid + grid) % grid
     if BR == 1:
-        _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK, OUT_BF16, FAST)
+        for t in range(start, n_tasks, grid):
+            _single_row_task(t, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK, OUT_BF16, FAST)
     else:
-        _dot_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST)
+        _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
+                   sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST)
 
 
 @triton.jit
@@ -131,52 +152,92 @@ def _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.
 
 
 @triton.jit
-def _dot_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-              WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
-    """gemv_task for BR >= 16 rows: tensor-core dots of the weight tile and x's tile."""
+def _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr,
+               tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+    """The program's dot tasks (BR >= 16) as one loop over their K steps, task after task, so
+    that Triton's software pipeline (`DENSE_STAGES` deep) keeps loading across task boundaries;
+    a task's tile leaves at its last K step: the outputs (SPLIT 1) or its slice sum. Split, the
+    tickets are taken after the loop: a CTA barrier inside it would stop Triton pipelining it."""
+    steps = K // BK // SPLIT  # K steps of a task
+    mine = tl.cdiv(tl.maximum(n_tasks - start, 0), grid)
+    tile = tl.arange(0, BN)[:, None] * BR + tl.arange(0, BR)[None, :]
+    acc = tl.zeros((BN, BR), dtype=tl.float32)
+    for i in tl.range(0, mine * steps, num_stages=DENSE_STAGES):
+        j = i // steps
+        step = i - j * steps
+        t = start + j * grid
+        nb = t // SPLIT
+        k0 = ((t - nb * SPLIT) * steps + step) * BK
+        acc = _dot_step(acc, nb, k0, x_ptr, x_stride, R, w_ptr, s_ptr, N, K, group_rows, WFMT, SB, BN, BK, BR, FAST)
+        if step == steps - 1:
+            if SPLIT == 1:
+                _store_outputs(acc, nb, R, y_ptr, y_stride, N, BN, BR, OUT_BF16, FAST)
+            else:
+                tl.store(sums_ptr + t * (BN * BR) + tile, acc)
+            acc = tl.zeros((BN, BR), dtype=tl.float32)
+    if SPLIT > 1:
+        for j in range(mine):
+            nb = (start + j * grid) // SPLIT
+            if arrive(tickets_ptr + nb) == SPLIT - 1:
+                # Every slice of the block is in: sum them in slice order, whichever arrived last,
+                # so the result is the same every run. L2 loads (.cg): an earlier stage's sums may
+                # sit in this SM's L1 at these addresses.
+                block = sums_ptr + nb * SPLIT * (BN * BR) + tile
+                total = tl.load(block, cache_modifier=".cg")
+                for k in tl.static_range(1, SPLIT):
+                    total += tl.load(block + k * (BN * BR), cache_modifier=".cg")
+                tl.atomic_xchg(tickets_ptr + nb, 0, sem="relaxed", scope="gpu")  # 0 again for the next stage
+                _store_outputs(total, nb, R, y_ptr, y_stride, N, BN, BR, OUT_BF16, FAST)
+
+
+@triton.jit
+def _dot_step(acc, nb, k0, x_ptr, x_stride, R, w_ptr, s_ptr, N, K, group_rows, WFMT: tl.constexpr,
+              SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FAST: tl.constexpr):
+    """acc + W[nb*BN : nb*BN + BN, k0 : k0 + BK] @ x[:R, xoff + k0 : xoff + k0 + BK].T (fp32)."""
     n = nb * BN + tl.arange(0, BN)
-    n_mask = n < N
     r = tl.arange(0, BR)
-    r_mask = r < R
-    rk = tl.arange(0, BK)
+    rk = k0 + tl.arange(0, BK)
     xoff = 0
     if group_rows > 0:
         xoff = (nb * BN) // group_rows * K
-    x_rows = x_ptr + r[:, None] * x_stride + xoff + rk[None, :]
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]  # N * K may pass 2^31
-    acc = tl.zeros((BN, BR), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK):
-        x = tl.load(x_rows + k0, mask=r_mask[:, None], other=0.0)
-        w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
-        if WFMT == 0 and BK > SB:
-            # Several scale blocks along K: each weight scaled in registers before the dot (a
-            # power of two: exact while the product is a normal number, as the per-op path's
-            # bf16 dequantized weights are). BN divides SB, so a tile spans one block row.
-            codes = tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + (k0 + rk) // SB)
-            scale_k = _e8m0_value(codes.to(tl.int32))[None, :]
-            if FAST:
-                w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale_k.to(tl.bfloat16)
-                acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
-            else:
-                acc = tl.dot(_e4m3_value(w.to(tl.int32)) * scale_k, tl.trans(x.to(tl.float32)), acc,
-                             input_precision="ieee")
-        elif WFMT == 0:
-            if FAST:
-                w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-                part = tl.dot(w, tl.trans(x.to(tl.bfloat16)))
-            else:
-                part = tl.dot(_e4m3_value(w.to(tl.int32)), tl.trans(x.to(tl.float32)), input_precision="ieee")
-            # One scale for the whole tile: BN and BK divide SB.
-            scale = _e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
-            acc += part * scale
+    x = tl.load(x_ptr + r[:, None] * x_stride + xoff + rk[None, :], mask=(r < R)[:, None], other=0.0)
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :], mask=(n < N)[:, None], other=0)  # N*K may pass 2^31
+    if WFMT == 0 and BK > SB:
+        # Several scale blocks along K: each weight scaled in registers before the dot (a power of
+        # two: exact while the product is a normal number, as the per-op path's bf16 dequantized
+        # weights are). BN divides SB, so a tile spans one block row.
+        codes = tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + rk // SB)
+        scale_k = _e8m0_value(codes.to(tl.int32))[None, :]
+        if FAST:
+            w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale_k.to(tl.bfloat16)
+            acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
         else:
-            if FAST:
-                acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
-            else:
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(_e4m3_value(w.to(tl.int32)) * scale_k, tl.trans(x.to(tl.float32)), acc,
+                         input_precision="ieee")
+    elif WFMT == 0:
+        if FAST:
+            part = tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)))
+        else:
+            part = tl.dot(_e4m3_value(w.to(tl.int32)), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        # One scale for the whole tile: BN and BK divide SB.
+        acc += part * _e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
+    else:
+        if FAST:
+            acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _store_outputs(acc, nb, R, y_ptr, y_stride, N, BN: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr,
+                   FAST: tl.constexpr):
+    """y[r, nb*BN + n] = acc[n, r] for r < R, nb*BN + n < N: bf16 (rounded to nearest even) or fp32."""
+    n = nb * BN + tl.arange(0, BN)
+    r = tl.arange(0, BR)
     y_tile = y_ptr + r[None, :] * y_stride + n[:, None]
-    y_mask = n_mask[:, None] & r_mask[None, :]
+    y_mask = (n < N)[:, None] & (r < R)[None, :]
     if OUT_BF16:
         if not FAST:
             acc = bf16(acc)
@@ -186,18 +247,50 @@ def _dot_task(nb, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group
 
 
 @triton.jit
-def _gemv_stage(x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, n_tasks,
-                WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def split_sums_of(N, BN: tl.constexpr, SPLIT: tl.constexpr, BR: tl.constexpr):
+    """The slice sums one GEMV of a stage takes (`split_scratch`), for the next one's offset."""
+    sums = 0
+    if SPLIT > 1:
+        sums = tl.cdiv(N, BN) * SPLIT * BN * BR
+    return sums
+
+
+@triton.jit
+def split_tickets_of(N, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """The tickets one GEMV of a stage takes (`split_scratch`), for the next one's offset."""
+    tickets = 0
+    if SPLIT > 1:
+        tickets = tl.cdiv(N, BN)
+    return tickets
+
+
+@triton.jit
+def _gemv_stage(x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr, tickets_ptr,
+                WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                 BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
-    for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        gemv_task(t, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-                  WFMT, SB, BN, BK, BR, OUT_BF16, FAST)
+    gemv_stage(tl.program_id(0), tl.num_programs(0), 0, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K,
+               group_rows, sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST)
 
 
 # --- Python side ----------------------------------------------------------------------------------
-def gemv_tasks(N: int, BN: int) -> int:
-    """Tasks of a GEMV stage with N output columns in blocks of BN."""
-    return triton.cdiv(N, BN)
+def gemv_tasks(N: int, BN: int, split: int = 1) -> int:
+    """Tasks of a GEMV stage with N output columns in blocks of BN, each block's K in `split` slices."""
+    return triton.cdiv(N, BN) * split
+
+
+def split_scratch(N: int, BN: int, split: int, BR: int) -> tuple[int, int]:
+    """(fp32 slice sums, tickets) a GEMV split `split` ways needs (`gemv_stage`'s sums_ptr and
+    tickets_ptr): a [BN, BR] tile a task and a ticket an output block; none unsplit."""
+    return (gemv_tasks(N, BN, split) * BN * BR, triton.cdiv(N, BN)) if split > 1 else (0, 0)
+
+
+def split_needs(stages, rows: int) -> tuple[int, int]:
+    """(fp32 slice sums, tickets) the largest of a kernel's dense `stages` needs at `rows` rows;
+    a stage is a list of (N, (BN, BK, SPLIT)), one a GEMV that runs in it."""
+    br = row_block(rows)
+    needs = [[sum(part) for part in zip(*(split_scratch(N, bn, split, br) for N, (bn, _, split) in stage))]
+             for stage in stages]
+    return max(n[0] for n in needs), max(n[1] for n in needs)
 
 
 def row_block(R: int) -> int:
@@ -230,25 +323,38 @@ def single_row_blocks(N: int, K: int, SB: int | None = None, programs: int | Non
     return bn, min(16384 // bn, K & -K)
 
 
-def kernel_blocks(block_n: int, block_k: int, N: int, K: int, SB: int | None, programs: int,
-                  rows: int) -> tuple[int, int]:
-    """(BN, BK) of a GEMV stage inside the persistent kernels for a step of `rows` rows: one row,
-    `single_row_blocks`; more, the launch shape's (`LaunchShape.block_n / block_k`): BN =
-    block_n capped at SB, or with block_n 0 `default_blocks`' choice for `programs`; BK =
-    block_k capped at the largest power of two dividing K."""
+def kernel_blocks(block_n: int, block_k: int, chunk: int, N: int, K: int, SB: int | None, programs: int,
+                  rows: int, warps: int) -> tuple[int, int, int]:
+    """(BN, BK, SPLIT) of a GEMV stage inside the persistent kernels for a step of `rows` rows, in
+    programs of `warps` warps. One row: `single_row_blocks`, unsplit. More rows (the launch shape,
+    `LaunchShape.block_n / block_k / dense_chunk`): BN = block_n, or with block_n 0 128 in
+    programs of 8 warps or more and 64 below (a dot of 64 rows a warp group); at most SB and
+    next_pow2(N), at least 16; BK = block_k, at most the largest power of two dividing K, and
+    half that for bf16 weights (the same bytes a step); tasks of `chunk` K elements (at least
+    BK), so K splits into K / chunk slices when longer (while that divides K evenly)."""
     if rows == 1:
-        return single_row_blocks(N, K, SB, programs)
-    bn = default_blocks(N, K, SB, programs)[0] if block_n == 0 else min(block_n, SB or block_n)
-    return bn, min(block_k, K & -K)
+        return (*single_row_blocks(N, K, SB, programs), 1)
+    bn = block_n or (128 if warps >= 8 else 64)
+    bn = max(16, min(bn, SB or bn, triton.next_power_of_2(N)))
+    bk = min(block_k, K & -K) if SB is not None else max(16, min(block_k // 2, K & -K))
+    chunk = max(chunk, bk)
+    split = K // chunk if K > chunk and K % chunk == 0 else 1
+    return bn, bk, split
 
 
-def check_blocks(N: int, K: int, SB: int | None, BN: int, BK: int, group_rows: int = 0) -> None:
-    """Raise ValueError unless (BN, BK) is a valid tiling of an [N, K] weight (SB None: bf16)."""
+def check_blocks(N: int, K: int, SB: int | None, BN: int, BK: int, group_rows: int = 0, split: int = 1,
+                 rows: int = 2) -> None:
+    """Raise ValueError unless (BN, BK, split) is a valid tiling of an [N, K] weight (SB None:
+    bf16) for steps of `rows` rows."""
     for name, b in (("BN", BN), ("BK", BK)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"gemv: {name}={b} must be a power of two >= 16")
     if K <= 0 or K % BK:
         raise ValueError(f"gemv: BK={BK} must divide K={K}")
+    if split < 1 or K % (split * BK):
+        raise ValueError(f"gemv: split={split} slices of whole BK={BK} steps must cover K={K}")
+    if split > 1 and rows == 1:
+        raise ValueError("gemv: a one-row step's GEMV is not split along K")
     if SB is not None and SB % BN:  # (BK, a power of two as SB, divides SB or is a multiple of it)
         raise ValueError(f"gemv: BN={BN} must divide the scale block SB={SB}, so that a tile spans one block row")
     if group_rows and (group_rows < 0 or group_rows % BN or N % group_rows):
@@ -266,14 +372,15 @@ def scale_block(N: int, K: int, scale_shape) -> int:
     raise ValueError(f"gemv: scale shape {tuple(scale_shape)} is no power-of-two block grid of a [{N}, {K}] weight")
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, block=None,
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, block=None, split: int = 1,
          out_dtype=torch.bfloat16, group_rows: int = 0, fast: bool | None = None,
          poison: bool = False) -> torch.Tensor:
     """y [R, N] = x [R, >= K] (bf16) @ W.T, W [N, K]: FP8 (float8_e4m3fn or its uint8 codes)
     with E8M0 block scales `scale` (float8_e8m0fnu or uint8), or bf16 when `scale` is None.
     With group_rows > 0, output rows g*group_rows .. read x columns g*K .. (grouped wo_a).
-    `block` = (BN, BK), default `default_blocks` for this device's SM count; `poison` fills y
-    with NaN first, so that tests see any element no task wrote."""
+    `block` = (BN, BK), default `default_blocks` for this device's SM count; `split` slices of K
+    a block (2+ rows); `poison` fills y with NaN first, so that tests see any element no task
+    wrote."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be a 2-D bf16 tensor with unit column stride, found {x.dtype} {tuple(x.shape)}")
     R, (N, K) = x.shape[0], w.shape
@@ -288,7 +395,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
         w = w.view(torch.uint8)
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
     bn, bk = block if block is not None else (single_row_blocks if R == 1 else default_blocks)(N, K, sb, programs)
-    check_blocks(N, K, sb, bn, bk, group_rows)
+    check_blocks(N, K, sb, bn, bk, group_rows, split, R)
     width = (N // group_rows) * K if group_rows else K
     if R < 1 or x.shape[1] < width:
         raise ValueError(f"gemv: x {tuple(x.shape)} needs >= 1 row and >= {width} columns")
@@ -297,10 +404,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     if fast is None:
         fast = x.is_cuda and torch.version.cuda is not None
     y = torch.full((R, N), float("nan") if poison else 0.0, dtype=out_dtype, device=x.device)
-    n_tasks = gemv_tasks(N, bn)
-    grid = (1,) if interpreted() else (n_tasks,)
-    _gemv_stage[grid](x, x.stride(0), R, w.contiguous(), s, y, y.stride(0), N, K, group_rows, n_tasks,
-                      WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, BR=row_block(R), OUT_BF16=out_dtype == torch.bfloat16,
+    br = row_block(R)
+    sums, tickets = split_scratch(N, bn, split, br)
+    sums = torch.full((max(sums, 1),), float("nan"), dtype=torch.float32, device=x.device)
+    tickets = torch.zeros(max(tickets, 1), dtype=torch.int32, device=x.device)
+    grid = (1,) if interpreted() else (gemv_tasks(N, bn, split),)
+    _gemv_stage[grid](x, x.stride(0), R, w.contiguous(), s, y, y.stride(0), N, K, group_rows, sums, tickets,
+                      WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, SPLIT=split, BR=br, OUT_BF16=out_dtype == torch.bfloat16,
                       FAST=fast)
     return y
-

@@ -11,18 +11,20 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                mix partials (hc_attn_fn)
 1 settle    hc.settle_task     R                               partials, streams -> post/comb of the
                                                                attention site, x = attn_norm(collapse)
-2 wq_a|wkv  gemv_task (FP8)    ceil(q_lora/BN_QA) + ceil(D/BN_KV)  x -> qr_raw, kv_raw (bf16)
+2 wq_a|wkv  gemv_stage (FP8)   (ceil(q_lora/BN_QA) + ceil(D/BN_KV)) x -> qr_raw, kv_raw (bf16)
+                               * SPLIT_D
 3 norms     norm_rope_kv_task  2R                              qr_raw -> qr = q_norm(qr_raw); kv_raw ->
                                                                kv_norm, RoPE -> the KV ring (not for
                                                                pad rows, slot < 0)
-4 wq_b      gemv_task (FP8)    ceil(H*D/BN_QB)                 qr -> q_raw
+4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw
 5 heads     q_heads_task       R * H                           q_raw -> q = RoPE(rms_norm(head))
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and `streams` is `residual`. K2 reads q, the ring and the attention site's post/comb,
 after this launch ends (stream order).
 Waits: a grid barrier after each stage but the last; an expired wait names the stage (STAGES).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes).
-Scratch: `Scratch` of the step's width; the ring is the layer's `LayerCache.window`.
+Scratch: `Scratch` of the step's width; the ring is the layer's `LayerCache.window`; the split
+GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
 Arguments: `K1Args` (pointers and runtime scalars) and `K1Meta` (compile-time constants), by name.
 """
 
@@ -36,7 +38,7 @@ import triton.language as tl
 
 from . import attention as A
 from . import hc as HC
-from .gemv import gemv_task, row_block
+from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
 from .weights import Fp8Matrix
 
@@ -76,6 +78,8 @@ class K1Args(NamedTuple):
     wq_b: Fp8Matrix
     q_raw: torch.Tensor
     q: torch.Tensor
+    sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
+    tickets: torch.Tensor
     d: int
     q_lora: int
     heads: int
@@ -98,6 +102,8 @@ class K1Meta(NamedTuple):
     BN_QB: int
     BK_D: int  # GEMV K steps over the hidden size and over q_lora
     BK_Q: int
+    SPLIT_D: int  # GEMV slices of the hidden size and of q_lora
+    SPLIT_Q: int
     BR: int  # rows padded to the dots' block (gemv.row_block)
     D: int  # head_dim
     RD: int  # rope dims of a head
@@ -122,14 +128,13 @@ def _k1(a, m):
                        a.hc_eps, a.norm_eps, a.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
     barrier(a.sync, epoch, 1, BARRIERS, m.TIMELINE)
 
-    q_tasks = tl.cdiv(a.q_lora, m.BN_QA)
-    for t in range(pid, q_tasks + tl.cdiv(m.D, m.BN_KV), grid):
-        if t < q_tasks:
-            gemv_task(t, a.x, a.d, a.rows, a.wq_a.codes, a.wq_a.scales, a.qr_raw, a.q_lora, a.q_lora, a.d, 0,
-                      0, m.SB, m.BN_QA, m.BK_D, m.BR, True, m.FAST)
-        else:
-            gemv_task(t - q_tasks, a.x, a.d, a.rows, a.wkv.codes, a.wkv.scales, a.kv_raw, m.D, m.D, a.d, 0,
-                      0, m.SB, m.BN_KV, m.BK_D, m.BR, True, m.FAST)
+    q_tasks = tl.cdiv(a.q_lora, m.BN_QA) * m.SPLIT_D
+    gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wq_a.codes, a.wq_a.scales, a.qr_raw, a.q_lora, a.q_lora, a.d, 0,
+               a.sums, a.tickets, 0, m.SB, m.BN_QA, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST)
+    gemv_stage(pid, grid, q_tasks, a.x, a.d, a.rows, a.wkv.codes, a.wkv.scales, a.kv_raw, m.D, m.D, a.d, 0,
+               a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR),
+               a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D), 0, m.SB, m.BN_KV, m.BK_D, m.SPLIT_D, m.BR,
+               True, m.FAST)
     barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE)
 
     for t in range(pid, 2 * a.rows, grid):
@@ -137,9 +142,8 @@ def _k1(a, m):
                             a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D, m.RD, a.norm_eps, m.BQ, m.D)
     barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE)
 
-    for t in range(pid, tl.cdiv(a.heads * m.D, m.BN_QB), grid):
-        gemv_task(t, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D, a.heads * m.D,
-                  a.q_lora, 0, 0, m.SB, m.BN_QB, m.BK_Q, m.BR, True, m.FAST)
+    gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
+               a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q, m.BR, True, m.FAST)
     barrier(a.sync, epoch, 4, BARRIERS, m.TIMELINE)
 
     for t in range(pid, a.rows * a.heads, grid):
@@ -148,15 +152,24 @@ def _k1(a, m):
     finish_launch(a.sync.words, epoch)
 
 
+def dense_stages(runner, rows: int):
+    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a | wkv, wq_b."""
+    c, warps = runner.config, runner.shape.k1_warps
+    d, q_lora, hd = c.hidden_size, c.q_lora_rank, c.head_dim
+    qa, kv = runner.gemv_blocks(q_lora, d, rows, warps), runner.gemv_blocks(hd, d, rows, warps)
+    qb = runner.gemv_blocks(c.num_attention_heads * hd, q_lora, rows, warps)
+    return [[(q_lora, qa), (hd, kv)], [(c.num_attention_heads * hd, qb)]]
+
+
 def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     """K1 of one layer on scratch `s`; returns the index of s.streams holding the settled residual."""
     c = runner.config
     residual = s.streams[cur]
     ring = cache.window
     d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
-    (bn_qa, bk_qa), (bn_kv, bk_kv) = runner.gemv_blocks(q_lora, d, s.rows), runner.gemv_blocks(hd, d, s.rows)
-    bk_d = min(bk_qa, bk_kv)  # one K step for the stage's two matrices (they share x)
-    bn_qb, bk_q = runner.gemv_blocks(heads * hd, q_lora, s.rows)
+    [(_, (bn_qa, bk_qa, split_d)), (_, (bn_kv, bk_kv, _))], [(_, (bn_qb, bk_q, split_q))] = \
+        dense_stages(runner, s.rows)
+    bk_d = min(bk_qa, bk_kv)  # one K step for the stage's two matrices (they share x and its slices)
     args = K1Args(
         sync=runner.sync_args("k1"), rows=s.rows, positions=s.positions, slots=s.slots,
         residual=residual, owed_y=s.y, owed_post=s.post_ffn, owed_comb=s.comb_ffn,
@@ -165,6 +178,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         post=s.post_attn, comb=s.comb_attn, x=s.x, wq_a=lw.wq_a, wkv=lw.wkv, qr_raw=s.qr_raw, kv_raw=s.kv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
         ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw, q=s.q,
+        sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
@@ -172,6 +186,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
+        SPLIT_D=split_d, SPLIT_Q=split_q,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )

@@ -6,15 +6,16 @@ interpreter), program p takes tasks p, p + grid, ... of each stage, a grid barri
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 0 attend    attention.attend_task  R * ceil(H/HB)     q, the KV ring, sinks -> o (inverse RoPE;
                                                       zero for pad rows)
-1 wo_a      gemv_task, grouped     ceil(G*o_lora/BN_OA) o -> z
-2 wo_b      gemv_task              ceil(d/BN_OB)      z -> attn_out
+1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
+2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
                                                       post/comb (K1) -> streams, partials (hc_ffn_fn)
 4 settle    hc.settle_task         R                  -> post/comb of the FFN site (owed to the next
                                                       layer), x = ffn_norm(collapse)
-5 gate|w1|w3 gemv_task             ceil(E/BN_G) + 2 ceil(I/BN_SH)  x -> logits (fp32), shared gate/up
+5 gate|w1|w3 gemv_stage            ceil(E/BN_G) * SPLIT_G       x -> logits (fp32), shared gate/up
+                                   + 2 ceil(I/BN_SH) * SPLIT_D
 6 route|swiglu route_task, shared_swiglu_task   R + R*ceil(I/SWB)   -> ids, weights; shared h
-7 group|w2  group_task, gemv_task  1 + ceil(d/BN_S2)  ids -> order/experts/counts; h -> shared_out
+7 group|w2  group_task, gemv_stage 1 + ceil(d/BN_S2) * SPLIT_I  ids -> order/experts/counts; h -> shared_out
 8 up        experts.up_task        P * (I/BNE) * 2    x -> gate/up of each pick
 9 swiglu    experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
 10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
@@ -27,7 +28,8 @@ Waits: a grid barrier after every stage but the last (11; 8 in the `ffn` variant
 reads only what finished stages wrote; an expired wait names the stage it waited on (STAGES,
 FFN_STAGES). Rounding points: those of each stage module (bf16 where the per-op path rounds;
 fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
-Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`.
+Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`; the split
+GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
 Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`.
 """
 
@@ -43,7 +45,7 @@ from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import router as RT
-from .gemv import gemv_task, row_block
+from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .plan import MAX_ROWS
 from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
 from .weights import Fp8Matrix
@@ -118,6 +120,8 @@ class FfnArgs(NamedTuple):
     h: torch.Tensor
     per_pick: torch.Tensor
     y: torch.Tensor
+    sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
+    tickets: torch.Tensor
     d: int
     n_experts: int
     inter: int
@@ -148,10 +152,16 @@ class K2Meta(NamedTuple):
     BN_G: int
     BN_SH: int
     BN_S2: int
-    BK_D: int  # GEMV K steps over the hidden size, the intermediate, o and z
+    BK_G: int  # GEMV K steps of the router gate, then over the hidden size, the intermediate, o and z
+    BK_D: int
     BK_I: int
     BK_O: int
     BK_Z: int
+    SPLIT_G: int  # GEMV slices of the same
+    SPLIT_D: int
+    SPLIT_I: int
+    SPLIT_O: int
+    SPLIT_Z: int
     BR: int
     HASH: bool
     SHARED: bool
@@ -184,23 +194,20 @@ def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
                        f.hc_eps, f.norm_eps, f.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
     barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE)
 
-    e_tasks = tl.cdiv(f.n_experts, m.BN_G)
-    i_tasks = tl.cdiv(f.inter, m.BN_SH)
-    n5 = e_tasks
+    # the router gate (bf16 weights, fp32 logits), then the shared expert's w1 and w3 on the programs after it
+    gemv_stage(pid, grid, 0, f.x, f.d, R, f.gate, f.gate, f.logits, f.n_experts, f.n_experts, f.d, 0, f.sums,
+               f.tickets, 1, m.SB, m.BN_G, m.BK_G, m.SPLIT_G, m.BR, False, m.FAST)
     if m.SHARED:
-        n5 += 2 * i_tasks
-    for t in range(pid, n5, grid):
-        if t < e_tasks:
-            gemv_task(t, f.x, f.d, R, f.gate, f.gate, f.logits, f.n_experts, f.n_experts, f.d, 0,
-                      1, m.SB, m.BN_G, m.BK_D, m.BR, False, m.FAST)
-        else:
-            if m.SHARED:
-                if t < e_tasks + i_tasks:
-                    gemv_task(t - e_tasks, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate,
-                              f.inter, f.inter, f.d, 0, 0, m.SB, m.BN_SH, m.BK_D, m.BR, True, m.FAST)
-                else:
-                    gemv_task(t - e_tasks - i_tasks, f.x, f.d, R, f.shared[2].codes, f.shared[2].scales, f.shared_up,
-                              f.inter, f.inter, f.d, 0, 0, m.SB, m.BN_SH, m.BK_D, m.BR, True, m.FAST)
+        first = tl.cdiv(f.n_experts, m.BN_G) * m.SPLIT_G
+        sums = f.sums + split_sums_of(f.n_experts, m.BN_G, m.SPLIT_G, m.BR)
+        tickets = f.tickets + split_tickets_of(f.n_experts, m.BN_G, m.SPLIT_G)
+        gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate, f.inter,
+                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST)
+        first += tl.cdiv(f.inter, m.BN_SH) * m.SPLIT_D
+        sums += split_sums_of(f.inter, m.BN_SH, m.SPLIT_D, m.BR)
+        tickets += split_tickets_of(f.inter, m.BN_SH, m.SPLIT_D)
+        gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[2].codes, f.shared[2].scales, f.shared_up, f.inter,
+                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST)
     barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE)
 
     n6 = R
@@ -216,16 +223,11 @@ def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
                                       m.SWB, m.FAST)
     barrier(f.sync, epoch, b0 + 3, NB, m.TIMELINE)
 
-    n7 = 1
-    if m.SHARED:
-        n7 += tl.cdiv(f.d, m.BN_S2)
-    for t in range(pid, n7, grid):
-        if t == 0:
-            RT.group_task(f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
-        else:
-            if m.SHARED:
-                gemv_task(t - 1, f.shared_h, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
-                          f.d, f.inter, 0, 0, m.SB, m.BN_S2, m.BK_I, m.BR, True, m.FAST)
+    if pid == 0:
+        RT.group_task(f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
+    if m.SHARED:  # the shared expert's w2 on the programs after the first
+        gemv_stage(pid, grid, 1, f.shared_h, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
+                   f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I, m.BR, True, m.FAST)
     barrier(f.sync, epoch, b0 + 4, NB, m.TIMELINE)
 
     P = R * f.topk
@@ -257,18 +259,31 @@ def _k2(a, f, m):
                           a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.FAST)
         barrier(f.sync, epoch, 0, NB, m.TIMELINE)
         z_width = a.o_groups * a.o_lora
-        for t in range(pid, tl.cdiv(z_width, m.BN_OA), grid):
-            gemv_task(t, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
-                      a.heads * m.D // a.o_groups, a.o_lora, 0, m.SB, m.BN_OA, m.BK_O, m.BR, True, m.FAST)
+        gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
+                   a.heads * m.D // a.o_groups, a.o_lora, f.sums, f.tickets, 0, m.SB, m.BN_OA, m.BK_O, m.SPLIT_O,
+                   m.BR, True, m.FAST)
         barrier(f.sync, epoch, 1, NB, m.TIMELINE)
-        for t in range(pid, tl.cdiv(f.d, m.BN_OB), grid):
-            gemv_task(t, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width, 0,
-                      0, m.SB, m.BN_OB, m.BK_Z, m.BR, True, m.FAST)
+        gemv_stage(pid, grid, 0, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width,
+                   0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST)
         barrier(f.sync, epoch, 2, NB, m.TIMELINE)
         b0 = 3
     _ffn_stages(f, m, epoch, b0, NB, pid, grid)
     stamp(f.sync.timeline, 2 * NB + 1, m.TIMELINE)
     finish_launch(f.sync.words, epoch)
+
+
+def dense_stages(runner, rows: int):
+    """K2's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wo_a, wo_b,
+    gate | w1 | w3, w2 (the `ffn` launch runs the last two)."""
+    c, warps = runner.config, runner.shape.k2_warps
+    inter, d = c.moe_intermediate_size, c.hidden_size
+    z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups
+    oa = runner.gemv_blocks(z_width, o_in, rows, warps, group_rows=c.o_lora_rank)
+    ob = runner.gemv_blocks(d, z_width, rows, warps)
+    g = runner.gemv_blocks(c.n_routed_experts, d, rows, warps, fp8=False)
+    sh = runner.gemv_blocks(inter, d, rows, warps)
+    s2 = runner.gemv_blocks(d, inter, rows, warps)
+    return [[(z_width, oa)], [(d, ob)], [(c.n_routed_experts, g), (inter, sh), (inter, sh)], [(d, s2)]]
 
 
 def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
@@ -277,13 +292,10 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     c = runner.config
     residual = s.streams[cur]
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
-    z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * hd // c.o_groups
     rows = s.rows
-    bn_oa, bk_o = runner.gemv_blocks(z_width, o_in, rows, group_rows=c.o_lora_rank)
-    bn_ob, bk_z = runner.gemv_blocks(d, z_width, rows)
-    (bn_g, bk_g), (bn_sh, bk_sh) = runner.gemv_blocks(c.n_routed_experts, d, rows, fp8=False), runner.gemv_blocks(inter, d, rows)
-    bk_d = min(bk_g, bk_sh)  # one K step for the gate and the shared expert's w1 / w3 (they share x)
-    bn_s2, bk_i = runner.gemv_blocks(d, inter, rows)
+    [[(_, (bn_oa, bk_o, split_o))], [(_, (bn_ob, bk_z, split_z))],
+     [(_, (bn_g, bk_g, split_g)), (_, (bn_sh, bk_d, split_d)), _], [(_, (bn_s2, bk_i, split_i))]] = \
+        dense_stages(runner, rows)
     shape, ex = runner.shape, lw.experts
     attn = None
     if attention:
@@ -303,6 +315,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         counts=s.counts, shared=lw.shared, shared_gate=s.shared_gate, shared_up=s.shared_up, shared_h=s.shared_h,
         shared_out=s.shared_out, w1=(ex.w1[0].view(torch.int16), ex.w1[1]), w2=(ex.w2[0].view(torch.int16), ex.w2[1]),
         w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up, h=s.h, per_pick=s.per_pick, y=s.y,
+        sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
@@ -310,8 +323,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     meta = K2Meta(
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
-        SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_D=bk_d, BK_I=bk_i,
-        BK_O=bk_o, BK_Z=bk_z, BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
+        SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d, BK_I=bk_i,
+        BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o, SPLIT_Z=split_z,
+        BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
         ROWS_E=X.ROWS, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),

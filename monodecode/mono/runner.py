@@ -29,7 +29,7 @@ from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
 from . import experts as X
 from . import k1, k2
-from .gemv import kernel_blocks
+from .gemv import kernel_blocks, split_needs
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
 from .shape import LaunchShape
@@ -126,6 +126,13 @@ class MonoRunner:
         self.shape = shape
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
+        # The split GEMVs' slice sums and tickets: one set for every launch and width (launches
+        # run in stream order, and a stage's tickets are 0 again when it ends), sized for the
+        # widest step's largest stage.
+        sums, tickets = (max(n) for n in zip(*(split_needs(family.dense_stages(self, MAX_ROWS), MAX_ROWS)
+                                                for family in (k1, k2))))
+        self.split_sums = torch.zeros(max(sums, 1), dtype=torch.float32, device=self.device)
+        self.split_tickets = torch.zeros(max(tickets, 1), dtype=torch.int32, device=self.device)
         self.graphs.clear()
         self.timelines.clear()
         self.compiled = {}  # (kernel name, row block): the compiled kernel last launched (GPU)
@@ -143,13 +150,14 @@ class MonoRunner:
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
 
-    def gemv_blocks(self, N: int, K: int, rows: int, fp8: bool = True, group_rows: int = 0) -> tuple[int, int]:
-        """(BN, BK) of a dense [N, K] GEMV stage in the kernels for a step of `rows` rows
-        (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape); BN at most
-        `group_rows` for a grouped one."""
-        bn, bk = kernel_blocks(self.shape.block_n, self.shape.block_k, N, K,
-                               self.config.fp8_block[0] if fp8 else None, self.grid, rows)
-        return (min(bn, group_rows) if group_rows else bn), bk
+    def gemv_blocks(self, N: int, K: int, rows: int, warps: int, fp8: bool = True,
+                    group_rows: int = 0) -> tuple[int, int, int]:
+        """(BN, BK, SPLIT) of a dense [N, K] GEMV stage in programs of `warps` warps for a step of
+        `rows` rows (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape); BN
+        at most `group_rows` for a grouped one."""
+        bn, bk, split = kernel_blocks(self.shape.block_n, self.shape.block_k, self.shape.dense_chunk, N, K,
+                                      self.config.fp8_block[0] if fp8 else None, self.grid, rows, warps)
+        return (min(bn, group_rows) if group_rows else bn), bk, split
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds beyond the per-op path's weights: the FP8 dense copies the
