@@ -123,7 +123,7 @@ def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stri
 @triton.jit
 def _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.constexpr, SB: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
-    """gemv_task for one row (BR == 1): fp32 products summed on the CUDA cores."""
+    """Task nb of a one-row step (BR == 1): fp32 products summed on the CUDA cores."""
     n = nb * BN + tl.arange(0, BN)
     n_mask = n < N
     rk = tl.arange(0, BK)
