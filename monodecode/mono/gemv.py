@@ -38,7 +38,7 @@ Contract
 - K % BK == 0; N is arbitrary (the tail block is masked). Rows: R runtime, BR = R padded up to a
   power of two >= 16 (the dot's minimum), rows >= R masked; a one-row step has BR = 1 (below).
 - One row (BR == 1): no dot. Each step loads a BN x BK weight tile (16 KB at the tiles
-  `single_row_blocks` picks, so that enough bytes are in flight to cover the memory latency),
+  `single_row_blocks` picks), in the same kind of pipelined loop over the program's tasks,
   multiplies it by x's BK values, each already scaled by its column's E8M0 scale (the same
   power of two as scaling the weight: exact while normal), and sums along K on the CUDA cores
   in fp32. BK may then be any power of two dividing K.
@@ -113,42 +113,50 @@ def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stri
     n_tasks = tl.cdiv(N, BN) * SPLIT
     start = (pid - first % grid + grid) % grid
     if BR == 1:
-        for t in range(start, n_tasks, grid):
-            _single_row_task(t, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK, OUT_BF16, FAST)
+        _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK,
+                          OUT_BF16, FAST)
     else:
         _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
                    sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST)
 
 
 @triton.jit
-def _single_row_task(nb, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.constexpr, SB: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
-    """Task nb of a one-row step (BR == 1): fp32 products summed on the CUDA cores."""
-    n = nb * BN + tl.arange(0, BN)
-    n_mask = n < N
+def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.constexpr,
+                      SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr,
+                      FAST: tl.constexpr):
+    """The program's tasks of a one-row step (BR == 1): fp32 products summed on the CUDA cores, one
+    loop over the tasks' K steps pipelined as `_dot_tasks`' (a task's outputs leave at its last)."""
+    steps = K // BK
+    mine = tl.cdiv(tl.maximum(n_tasks - start, 0), grid)
     rk = tl.arange(0, BK)
-    xoff = 0
-    if group_rows > 0:
-        xoff = (nb * BN) // group_rows * K
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :]
-    scale_row = s_ptr + (nb * BN // SB) * tl.cdiv(K, SB)  # BN divides SB: one block row
     acc = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK):
-        w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0)
+    for i in tl.range(0, mine * steps, num_stages=DENSE_STAGES):
+        j = i // steps
+        k0 = (i - j * steps) * BK
+        nb = start + j * grid
+        n = nb * BN + tl.arange(0, BN)
+        xoff = 0
+        if group_rows > 0:
+            xoff = (nb * BN) // group_rows * K
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + (k0 + rk)[None, :], mask=(n < N)[:, None], other=0)
         x = tl.load(x_ptr + xoff + k0 + rk).to(tl.float32)
         if WFMT == 0:
+            scale_row = s_ptr + (nb * BN // SB) * tl.cdiv(K, SB)  # BN divides SB: one block row
             x = x * _e8m0_value(tl.load(scale_row + (k0 + rk) // SB).to(tl.int32))
             if FAST:
                 w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 w = _e4m3_value(w.to(tl.int32))
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if OUT_BF16:
-        if not FAST:
-            acc = bf16(acc)
-        tl.store(y_ptr + n, acc.to(tl.bfloat16), mask=n_mask)
-    else:
-        tl.store(y_ptr + n, acc, mask=n_mask)
+        if k0 + BK == K:
+            if OUT_BF16:
+                out = acc
+                if not FAST:
+                    out = bf16(out)
+                tl.store(y_ptr + n, out.to(tl.bfloat16), mask=n < N)
+            else:
+                tl.store(y_ptr + n, acc, mask=n < N)
+            acc = tl.zeros((BN,), dtype=tl.float32)
 
 
 @triton.jit
