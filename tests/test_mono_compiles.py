@@ -86,8 +86,8 @@ print(min(int(layouts[layout]) for _, layout in loads), all(op == "async_copy_gl
 def test_gemv_loads_weight_rows_in_vectors_whatever_k(compiled_env, rows, bn, bk, split):
     """The dense GEMV's weight tile is loaded 8+ bytes a thread at a time even where the compiler
     cannot prove K a multiple of 16 (it loaded wo_a a byte at a time, unpipelined, inside K2), and
-    a dot stage's tiles through Triton's pipeline (async copies), split along K too (a CTA barrier
-    in the K loop, where a split task once took its ticket, silently turned the pipeline off)."""
+    through Triton's pipeline (async copies) at every width, split along K too (a CTA barrier in
+    the K loop, where a split task once took its ticket, silently turned the pipeline off)."""
     done = subprocess.run([sys.executable, "-c", GEMV_WEIGHT_LOAD_WIDTH, str(rows), str(bn), str(bk), str(split)],
                           env=compiled_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
