@@ -11,7 +11,8 @@ Contract
   nothing else, are written by the block's one task (SPLIT 1), or, split, by the block's slice
   that arrives last: each slice stores its fp32 tile in the slice sums (`sums_ptr`, a [BN, BR]
   tile a task at t * BN * BR) and, once the program's K loop is done, takes the block's ticket
-  (`tickets_ptr[nb]`, `sync.arrive`: its stores published first); the one that draws ticket SPLIT - 1 sums the block's tiles in
+  (`tickets_ptr[nb]`, `sync.arrive`: its stores published first); the one that draws ticket
+  SPLIT - 1 sums the block's tiles in
   slice order 0, 1, .., SPLIT - 1, writes y and sets the ticket back to 0. So the result does
   not depend on which slice finished last (graph replays are bit-exact), no task waits for
   another (any grid is safe), and the tickets are 0 again when the stage is over: a later stage
@@ -20,7 +21,7 @@ Contract
   for FP8, its scales.
 - Program p of a grid of G takes tasks (p - first) mod G, + G, ... (`first`: where the stage's
   tasks start, so that a stage of several GEMVs spreads them over all programs). Its dot tasks
-  run as one loop over their K steps, task after task, pipelined `DENSE_STAGES` K steps deep by
+  run as one loop over their K steps, task after task, pipelined STAGES K steps deep by
   Triton (cp.async copies to shared memory), so the weights keep streaming across task
   boundaries.
 - Grouped projection (`wo_a`): with group_rows > 0, output rows g*group_rows .. belong to group
@@ -76,7 +77,7 @@ from .sync import arrive
 
 WFMT_FP8 = 0
 WFMT_BF16 = 1
-DENSE_STAGES: tl.constexpr = tl.constexpr(4)  # K steps in flight a program (Triton's pipeline depth)
+DENSE_STAGES = 4  # the standalone stage's pipeline depth (the kernels': LaunchShape.dense_stages)
 
 
 @triton.jit
@@ -102,7 +103,8 @@ def _e8m0_value(code):
 @triton.jit
 def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr,
                tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr,
+               STAGES: tl.constexpr):
     """Program `pid`'s share of a GEMV stage (the contract in the module docstring): tasks
     t = start, start + grid, ... with start = (pid - first) mod grid, so that a stage of several
     GEMVs can start the next one's tasks on the programs after the last one's. K1 / K2 call this."""
@@ -114,23 +116,23 @@ def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stri
     start = (pid - first % grid + grid) % grid
     if BR == 1:
         _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK,
-                          OUT_BF16, FAST)
+                          OUT_BF16, FAST, STAGES)
     else:
         _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-                   sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST)
+                   sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST, STAGES)
 
 
 @triton.jit
 def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.constexpr,
                       SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr,
-                      FAST: tl.constexpr):
+                      FAST: tl.constexpr, STAGES: tl.constexpr):
     """The program's tasks of a one-row step (BR == 1): fp32 products summed on the CUDA cores, one
     loop over the tasks' K steps pipelined as `_dot_tasks`' (a task's outputs leave at its last)."""
     steps = K // BK
     mine = tl.cdiv(tl.maximum(n_tasks - start, 0), grid)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BN,), dtype=tl.float32)
-    for i in tl.range(0, mine * steps, num_stages=DENSE_STAGES):
+    for i in tl.range(0, mine * steps, num_stages=STAGES):
         j = i // steps
         k0 = (i - j * steps) * BK
         nb = start + j * grid
@@ -162,16 +164,17 @@ def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, gr
 @triton.jit
 def _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr,
                tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr,
+               STAGES: tl.constexpr):
     """The program's dot tasks (BR >= 16) as one loop over their K steps, task after task, so
-    that Triton's software pipeline (`DENSE_STAGES` deep) keeps loading across task boundaries;
+    that Triton's software pipeline (STAGES deep) keeps loading across task boundaries;
     a task's tile leaves at its last K step: the outputs (SPLIT 1) or its slice sum. Split, the
     tickets are taken after the loop: a CTA barrier inside it would stop Triton pipelining it."""
     steps = K // BK // SPLIT  # K steps of a task
     mine = tl.cdiv(tl.maximum(n_tasks - start, 0), grid)
     tile = tl.arange(0, BN)[:, None] * BR + tl.arange(0, BR)[None, :]
     acc = tl.zeros((BN, BR), dtype=tl.float32)
-    for i in tl.range(0, mine * steps, num_stages=DENSE_STAGES):
+    for i in tl.range(0, mine * steps, num_stages=STAGES):
         j = i // steps
         step = i - j * steps
         t = start + j * grid
@@ -275,9 +278,9 @@ def split_tickets_of(N, BN: tl.constexpr, SPLIT: tl.constexpr):
 @triton.jit
 def _gemv_stage(x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr, tickets_ptr,
                 WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
     gemv_stage(tl.program_id(0), tl.num_programs(0), 0, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K,
-               group_rows, sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST)
+               group_rows, sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST, STAGES)
 
 
 # --- Python side ----------------------------------------------------------------------------------
@@ -419,5 +422,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     grid = (1,) if interpreted() else (gemv_tasks(N, bn, split),)
     _gemv_stage[grid](x, x.stride(0), R, w.contiguous(), s, y, y.stride(0), N, K, group_rows, sums, tickets,
                       WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, SPLIT=split, BR=br, OUT_BF16=out_dtype == torch.bfloat16,
-                      FAST=fast)
+                      FAST=fast, STAGES=DENSE_STAGES)
     return y

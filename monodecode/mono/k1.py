@@ -104,6 +104,7 @@ class K1Meta(NamedTuple):
     BK_Q: int
     SPLIT_D: int  # GEMV slices of the hidden size and of q_lora
     SPLIT_Q: int
+    DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages)
     BR: int  # rows padded to the dots' block (gemv.row_block)
     D: int  # head_dim
     RD: int  # rope dims of a head
@@ -130,11 +131,11 @@ def _k1(a, m):
 
     q_tasks = tl.cdiv(a.q_lora, m.BN_QA) * m.SPLIT_D
     gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wq_a.codes, a.wq_a.scales, a.qr_raw, a.q_lora, a.q_lora, a.d, 0,
-               a.sums, a.tickets, 0, m.SB, m.BN_QA, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST)
+               a.sums, a.tickets, 0, m.SB, m.BN_QA, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST, m.DENSE_STAGES)
     gemv_stage(pid, grid, q_tasks, a.x, a.d, a.rows, a.wkv.codes, a.wkv.scales, a.kv_raw, m.D, m.D, a.d, 0,
                a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR),
                a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D), 0, m.SB, m.BN_KV, m.BK_D, m.SPLIT_D, m.BR,
-               True, m.FAST)
+               True, m.FAST, m.DENSE_STAGES)
     barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE)
 
     for t in range(pid, 2 * a.rows, grid):
@@ -143,7 +144,8 @@ def _k1(a, m):
     barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE)
 
     gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
-               a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q, m.BR, True, m.FAST)
+               a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q,
+               m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(a.sync, epoch, 4, BARRIERS, m.TIMELINE)
 
     for t in range(pid, a.rows * a.heads, grid):
@@ -186,7 +188,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
-        SPLIT_D=split_d, SPLIT_Q=split_q,
+        SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )

@@ -162,6 +162,7 @@ class K2Meta(NamedTuple):
     SPLIT_I: int
     SPLIT_O: int
     SPLIT_Z: int
+    DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages)
     BR: int
     HASH: bool
     SHARED: bool
@@ -196,18 +197,20 @@ def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 
     # the router gate (bf16 weights, fp32 logits), then the shared expert's w1 and w3 on the programs after it
     gemv_stage(pid, grid, 0, f.x, f.d, R, f.gate, f.gate, f.logits, f.n_experts, f.n_experts, f.d, 0, f.sums,
-               f.tickets, 1, m.SB, m.BN_G, m.BK_G, m.SPLIT_G, m.BR, False, m.FAST)
+               f.tickets, 1, m.SB, m.BN_G, m.BK_G, m.SPLIT_G, m.BR, False, m.FAST, m.DENSE_STAGES)
     if m.SHARED:
         first = tl.cdiv(f.n_experts, m.BN_G) * m.SPLIT_G
         sums = f.sums + split_sums_of(f.n_experts, m.BN_G, m.SPLIT_G, m.BR)
         tickets = f.tickets + split_tickets_of(f.n_experts, m.BN_G, m.SPLIT_G)
         gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate, f.inter,
-                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST)
+                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
+                   m.BR, True, m.FAST, m.DENSE_STAGES)
         first += tl.cdiv(f.inter, m.BN_SH) * m.SPLIT_D
         sums += split_sums_of(f.inter, m.BN_SH, m.SPLIT_D, m.BR)
         tickets += split_tickets_of(f.inter, m.BN_SH, m.SPLIT_D)
         gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[2].codes, f.shared[2].scales, f.shared_up, f.inter,
-                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST)
+                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
+                   m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE)
 
     n6 = R
@@ -227,7 +230,8 @@ def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
         RT.group_task(f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
     if m.SHARED:  # the shared expert's w2 on the programs after the first
         gemv_stage(pid, grid, 1, f.shared_h, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
-                   f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I, m.BR, True, m.FAST)
+                   f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
+                   m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(f.sync, epoch, b0 + 4, NB, m.TIMELINE)
 
     P = R * f.topk
@@ -261,10 +265,10 @@ def _k2(a, f, m):
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
                    a.heads * m.D // a.o_groups, a.o_lora, f.sums, f.tickets, 0, m.SB, m.BN_OA, m.BK_O, m.SPLIT_O,
-                   m.BR, True, m.FAST)
+                   m.BR, True, m.FAST, m.DENSE_STAGES)
         barrier(f.sync, epoch, 1, NB, m.TIMELINE)
         gemv_stage(pid, grid, 0, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width,
-                   0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST)
+                   0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST, m.DENSE_STAGES)
         barrier(f.sync, epoch, 2, NB, m.TIMELINE)
         b0 = 3
     _ffn_stages(f, m, epoch, b0, NB, pid, grid)
@@ -323,8 +327,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     meta = K2Meta(
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
-        SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d, BK_I=bk_i,
-        BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o, SPLIT_Z=split_z,
+        SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
+        BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
+        SPLIT_Z=split_z, DENSE_STAGES=shape.dense_stages,
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths

@@ -6,10 +6,10 @@ and `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone); dense G
 of two rows or more of `block_n` outputs (0: 128 in programs of 8 warps, 64 in fewer) over
 `dense_chunk` elements of K (a longer K is split into slices summed in order) in K steps of
 `block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow `gemv.single_row_blocks`
-instead); expert tasks of `expert_block_n` outputs over K steps of
-`expert_block_k` (a multiple of 128, the fragment order's column group; with 256, tasks of one or
-two rows take the diagonal loop: experts.py). The defaults are the fastest shape measured on the
-H200 (docs/notes/).
+instead), `dense_stages` K steps deep in Triton's software pipeline (every width); expert tasks
+of `expert_block_n` outputs over K steps of `expert_block_k` (a multiple of 128, the fragment
+order's column group; with 256, tasks of one or two rows take the diagonal loop: experts.py).
+The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class LaunchShape:
     block_n: int = 0
     block_k: int = 128
     dense_chunk: int = 1024
+    dense_stages: int = 4
     expert_block_n: int = 128
     expert_block_k: int = 256
 
