@@ -151,13 +151,7 @@ def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, gr
                 w = _e4m3_value(w.to(tl.int32))
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if k0 + BK == K:
-            if OUT_BF16:
-                out = acc
-                if not FAST:
-                    out = bf16(out)
-                tl.store(y_ptr + n, out.to(tl.bfloat16), mask=n < N)
-            else:
-                tl.store(y_ptr + n, acc, mask=n < N)
+            _store(y_ptr + n, acc, n < N, OUT_BF16, FAST)
             acc = tl.zeros((BN,), dtype=tl.float32)
 
 
@@ -244,17 +238,22 @@ def _dot_step(acc, nb, k0, x_ptr, x_stride, R, w_ptr, s_ptr, N, K, group_rows, W
 @triton.jit
 def _store_outputs(acc, nb, R, y_ptr, y_stride, N, BN: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr,
                    FAST: tl.constexpr):
-    """y[r, nb*BN + n] = acc[n, r] for r < R, nb*BN + n < N: bf16 (rounded to nearest even) or fp32."""
+    """y[r, nb*BN + n] = acc[n, r] for r < R, nb*BN + n < N."""
     n = nb * BN + tl.arange(0, BN)
     r = tl.arange(0, BR)
-    y_tile = y_ptr + r[None, :] * y_stride + n[:, None]
-    y_mask = (n < N)[:, None] & (r < R)[None, :]
+    _store(y_ptr + r[None, :] * y_stride + n[:, None], acc, (n < N)[:, None] & (r < R)[None, :], OUT_BF16, FAST)
+
+
+@triton.jit
+def _store(ptrs, acc, mask, OUT_BF16: tl.constexpr, FAST: tl.constexpr):
+    """fp32 acc stored at ptrs: as bf16 rounded to nearest even (OUT_BF16; `rounding.bf16` where the
+    cast truncates) or as fp32."""
     if OUT_BF16:
         if not FAST:
             acc = bf16(acc)
-        tl.store(y_tile, acc.to(tl.bfloat16), mask=y_mask)
+        tl.store(ptrs, acc.to(tl.bfloat16), mask=mask)
     else:
-        tl.store(y_tile, acc, mask=y_mask)
+        tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
