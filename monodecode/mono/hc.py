@@ -14,9 +14,11 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
   - Either way, the partial sums of the site's mixes over the task's hc x CHUNK stream values
     (as fp32): part[r, chunk, m] = sum_{k, c} fn[m, k * d + c] * streams[r, k, c] for m < MIX, and
     part[r, chunk, MIX] = sum_{k, c} streams[r, k, c]^2; part is [R, n_chunks, MIX + 1] fp32.
-    The dot is an fp32 `tl.dot` in IEEE precision (the reference's F.linear is fp32; TF32 would
-    cost ~1e-3 of the mixes), with RB rows of the step as its M side, so a task reads its fn
-    columns once for RB rows: RB = 16 reads fn ceil(R / 16) times a step, RB = BR once.
+    The dot is one fp32 `tl.dot` in IEEE precision over K = hc x CHUNK (the reference's F.linear
+    is fp32; TF32 would cost ~1e-3 of the mixes), with RB rows of the step as its M side, so a
+    task reads its fn columns once for RB rows: RB = 16 reads fn ceil(R / 16) times a step.
+    A task issues all its loads (fn, residual, out, post, comb) before its first store: it
+    waits on memory once (a store between them would make each later load wait for it).
 - `settle_task`, one task per row: `settle_tasks(R)` = R. Row t reduces its partials:
   mixes = dot * rsqrt(sumsq / (hc * d) + norm_eps), i.e. F.linear(rms_norm(flat streams), fn);
   then, all in fp32 as `hc_pre`: pre = sigmoid(mix * scale[0] + base) + hc_eps,
@@ -25,10 +27,12 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
   denominator). Writes post [R, hc] and comb [R, hc, hc] fp32 (owed to the next fold), and
   x_norm [R, d] bf16 = bf16(norm_w * (x * rsqrt(mean(x^2) + norm_eps))) of the collapsed row
   x = bf16(sum_k pre[k] * streams[r, k]) (fp32 product-sum), norm_w fp32 [d].
-  d may exceed a register tile, so the row goes in BD-column pieces and in two passes: pass 1
-  writes the collapsed bf16 row into x_norm itself (its scratch) and sums its squares; a CTA
-  barrier (`tl.debug_barrier`: the pass-2 tile may sit on other threads than the pass-1 tile);
-  pass 2 re-reads it and overwrites it with the normalised row. Pad rows are computed like any row.
+  The row's first BD columns (streams and norm weight) are loaded with the partials. A row of
+  d <= BD is then collapsed and normalised in registers. A longer row goes in BD-column pieces
+  and two passes: pass 1 writes the collapsed bf16 row into x_norm itself (its scratch) and sums
+  its squares; a CTA barrier (`tl.debug_barrier`: the pass-2 tile may sit on other threads than
+  the pass-1 tile); pass 2 re-reads it and overwrites it with the normalised row. Pad rows are
+  computed like any row.
 - Stages: settle reads the streams fold wrote (or the residual, without HAS_OWED) and all of a row's
   partials, so a grid barrier separates them.
 - Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
@@ -47,22 +51,26 @@ import triton.language as tl
 from .rounding import bf16
 
 
-CHUNK = 64  # columns a fold task covers (a power of two >= 16: the K side of its dot)
+CHUNK = 64  # columns a fold task covers in the standalone launch (a power of two >= 16: the K side of its dot)
 MIN_CHUNK = 16  # the smallest CHUNK: partials buffers sized for it serve every chunk
+MAX_CHUNK = 64  # the largest the kernels take: a task holds hc x CHUNK x MIXP of fn (32 KB at 64) at once
 RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot)
-BD = 1024  # columns of a settle tile
-CB = 16  # chunks of partials a settle task reduces at a time
+BD = 1024  # columns of a settle tile in the standalone launch
+CB = 16  # chunks of partials the standalone settle reduces at a time
 
 
-def seam_blocks(warps: int, d: int, rows: int) -> tuple[int, int, int]:
-    """(CHUNK, CB, BD) of the kernels' fold and settle for programs of `warps` warps and a step
-    of `rows` rows. One row: smaller fold tasks, more of them (CHUNK 32 at 4 warps, 16 at 8: the
-    fastest measured, docs/notes/2026-12-02-single-row-gemv.md), a settle that sums the partials
-    64 chunks at a time and collapses the row in tiles of 64 stream values a thread (hc = 4), since
-    its one task is the whole stage. More rows: the module's defaults."""
-    if rows > 1:
-        return CHUNK, CB, min(BD, triton.next_power_of_2(d))
-    return max(MIN_CHUNK, 128 // warps), 64, min(512 * warps, triton.next_power_of_2(d))
+def seam_blocks(warps: int, d: int, rows: int, programs: int) -> tuple[int, int, int]:
+    """(CHUNK, CB, BD) of the kernels' fold and settle for `programs` programs of `warps` warps and
+    a step of `rows` rows. A fold task waits on memory once, so its tasks are as large as leave
+    none to a second round: CHUNK is the smallest power of two from MIN_CHUNK to MAX_CHUNK with
+    at most one task a program. The settle sums all of a row's partials at once (CB, up to 256
+    chunks) and collapses the row in tiles of 512 x warps columns (BD: 16 values a thread and a
+    stream), in registers when one tile holds the row."""
+    chunk = MIN_CHUNK
+    while chunk < MAX_CHUNK and fold_tasks(rows, d, chunk) > programs:
+        chunk *= 2
+    cb = min(256, triton.next_power_of_2(triton.cdiv(d, chunk)))
+    return chunk, cb, min(512 * warps, triton.next_power_of_2(d))
 
 
 def fold_tasks(R: int, d: int, CHUNK: int = CHUNK, RB: int = RB) -> int:
@@ -79,23 +87,29 @@ def mix_pad(hc: int) -> int:
 
 
 @triton.jit
-def _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC: tl.constexpr):
-    """Stream k of hc_post on the task's tile: res3 [RB, HC, CHUNK] fp32 (the residual),
-    out [RB, CHUNK] fp32 -> the new stream [RB, CHUNK], bf16 values as fp32."""
-    post = bf16(tl.load(post_ptr + rows * HC + k, mask=rmask, other=0.0))
-    spread = bf16(post[:, None] * out)
-    j = tl.arange(0, HC)
-    comb = bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j[None, :] * HC + k, mask=rmask[:, None],
-                         other=0.0))  # comb[r, j, k]: stream k receives sum over j
-    mixed = bf16(tl.sum(comb[:, :, None] * res3, axis=1))
-    return bf16(spread + mixed)
+def _owed_streams(rows, rmask, cols, tile_mask, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr,
+                  HC: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr):
+    """hc_post on the task's tile: every stream k at once, [RB, HC, CHUNK] bf16 values as fp32."""
+    k = tl.arange(0, HC)
+    out = tl.load(out_ptr + rows[:, None] * out_stride + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+    post = bf16(tl.load(post_ptr + rows[:, None] * HC + k[None, :], mask=rmask[:, None], other=0.0))
+    mixed = tl.zeros((RB, HC, CHUNK), dtype=tl.float32)
+    for j in tl.static_range(HC):  # stream k receives sum over j of comb[r, j, k] * residual[r, j]
+        res_j = tl.load(res_ptr + rows[:, None] * (HC * d) + j * d + cols[None, :], mask=tile_mask,
+                        other=0.0).to(tl.float32)
+        comb_j = bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j * HC + k[None, :], mask=rmask[:, None],
+                              other=0.0))
+        mixed += comb_j[:, :, None] * res_j[:, None, :]
+    spread = bf16(post[:, :, None] * out[:, None, :])
+    return bf16(spread + bf16(mixed))
 
 
 @triton.jit
 def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams_ptr, fn_ptr, part_ptr,
               HC: tl.constexpr, MIXP: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr,
               HAS_OWED: tl.constexpr):
-    """Fold task t (row block, column chunk): the new streams (HAS_OWED) and the mix partials."""
+    """Fold task t (row block, column chunk): the new streams (HAS_OWED) and the mix partials.
+    Every load comes before the task's first store, so the task waits on memory once."""
     MIX: tl.constexpr = (2 + HC) * HC
     n_chunks = tl.cdiv(d, CHUNK)
     chunk = t % n_chunks
@@ -103,28 +117,24 @@ def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     rmask, cmask = rows < R, cols < d
     tile_mask = rmask[:, None] & cmask[None, :]
+    k = tl.arange(0, HC)
     m = tl.arange(0, MIXP)
+    fn = tl.load(fn_ptr + m[None, None, :] * (HC * d) + k[:, None, None] * d + cols[None, :, None],
+                 mask=(m[None, None, :] < MIX) & cmask[None, :, None], other=0.0)  # [HC, CHUNK, MIXP]
+    at = rows[:, None, None] * (HC * d) + k[None, :, None] * d + cols[None, None, :]
     if HAS_OWED:
-        j = tl.arange(0, HC)
-        res3 = tl.load(res_ptr + rows[:, None, None] * (HC * d) + j[None, :, None] * d + cols[None, None, :],
-                       mask=tile_mask[:, None, :], other=0.0).to(tl.float32)
-        out = tl.load(out_ptr + rows[:, None] * out_stride + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-    dots = tl.zeros((RB, MIXP), dtype=tl.float32)
-    sumsq = tl.zeros((RB,), dtype=tl.float32)
-    for k in tl.static_range(HC):
-        at = rows[:, None] * (HC * d) + k * d + cols[None, :]
-        if HAS_OWED:
-            s = _owed_stream(k, rows, rmask, res3, out, post_ptr, comb_ptr, HC)
-            tl.store(streams_ptr + at, s.to(tl.bfloat16), mask=tile_mask)
-        else:
-            s = tl.load(res_ptr + at, mask=tile_mask, other=0.0).to(tl.float32)
-        sumsq += tl.sum(s * s, axis=1)
-        fn = tl.load(fn_ptr + m[None, :] * (HC * d) + k * d + cols[:, None],
-                     mask=(m[None, :] < MIX) & cmask[:, None], other=0.0)  # [CHUNK, MIXP]
-        dots = tl.dot(s, fn, dots, input_precision="ieee")
+        s = _owed_streams(rows, rmask, cols, tile_mask, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, HC, RB,
+                          CHUNK)
+    else:
+        s = tl.load(res_ptr + at, mask=tile_mask[:, None, :], other=0.0).to(tl.float32)
+    # the mixes' partial dots over the task's hc x CHUNK stream values: one dot, K = hc * CHUNK
+    dots = tl.dot(tl.reshape(s, (RB, HC * CHUNK)), tl.reshape(fn, (HC * CHUNK, MIXP)), input_precision="ieee")
+    sumsq = tl.sum(tl.sum(s * s, axis=2), axis=1)
     part = part_ptr + (rows * n_chunks + chunk) * (MIX + 1)
     tl.store(part[:, None] + m[None, :], dots, mask=rmask[:, None] & (m[None, :] < MIX))
     tl.store(part + MIX, sumsq, mask=rmask)
+    if HAS_OWED:
+        tl.store(streams_ptr + at, s.to(tl.bfloat16), mask=tile_mask[:, None, :])
 
 
 @triton.jit
@@ -165,12 +175,17 @@ def _sinkhorn(z, hc_eps, sinkhorn_iters):
 def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
                 hc_eps, norm_eps, sinkhorn_iters,
                 HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
-    """Settle row t: post, comb and the normalised collapsed row x_norm."""
+    """Settle row t: post, comb and the normalised collapsed row x_norm. The row's first BD columns
+    of streams and norm weight are loaded with the partials, before anything waits on memory; a
+    row that fits in them (d <= BD) is then normalised in registers, in one pass."""
     MIX: tl.constexpr = (2 + HC) * HC
+    i = tl.arange(0, HC)
+    c = tl.arange(0, BD)
+    first = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + c[None, :], mask=c[None, :] < d, other=0.0)
+    first_w = tl.load(norm_w_ptr + c, mask=c < d, other=0.0)
     n_chunks = tl.cdiv(d, CHUNK)
     pre_w, post_w, comb_w, sumsq = _mix_sums(part_ptr + t * n_chunks * (MIX + 1), n_chunks, HC, CB)
     inv = tl.rsqrt(sumsq / (HC * d) + norm_eps)  # rms_norm of the flat streams, applied to the dots
-    i = tl.arange(0, HC)
     pre = tl.sigmoid(pre_w * inv * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
     post = 2 * tl.sigmoid(post_w * inv * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
     z = comb_w * inv * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
@@ -178,25 +193,30 @@ def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, po
     tl.store(post_ptr + t * HC + i, post)
     tl.store(comb_ptr + t * (HC * HC) + i[:, None] * HC + i[None, :], comb)
 
-    # pass 1: the collapsed row, rounded to bf16, parked in x_norm; its sum of squares
+    # the collapsed row, rounded to bf16, and its sum of squares
     row = xn_ptr + t * d
-    sq = tl.zeros((BD,), dtype=tl.float32)
-    for c0 in range(0, d, BD):
-        c = c0 + tl.arange(0, BD)
-        cm = c < d
-        s = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + c[None, :], mask=cm[None, :], other=0.0)
-        x = bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0))
-        tl.store(row + c, x.to(tl.bfloat16), mask=cm)
-        sq += x * x
-    inv_x = tl.rsqrt(tl.sum(sq, axis=0) / d + norm_eps)
-    tl.debug_barrier()  # pass 2 reads what other threads of this program stored
-    # pass 2: the weighted RMSNorm, in place
-    for c0 in range(0, d, BD):
-        c = c0 + tl.arange(0, BD)
-        cm = c < d
-        x = tl.load(row + c, mask=cm, other=0.0).to(tl.float32)
-        y = bf16(tl.load(norm_w_ptr + c, mask=cm, other=0.0) * (x * inv_x))
-        tl.store(row + c, y.to(tl.bfloat16), mask=cm)
+    x = bf16(tl.sum(pre[:, None] * first.to(tl.float32), axis=0))
+    if d <= BD:  # the whole row is in registers: normalise it there
+        inv_x = tl.rsqrt(tl.sum(x * x, axis=0) / d + norm_eps)
+        tl.store(row + c, bf16(first_w * (x * inv_x)).to(tl.bfloat16), mask=c < d)
+    else:  # pass 1 parks the collapsed row in x_norm itself; pass 2 normalises it in place
+        tl.store(row + c, x.to(tl.bfloat16))
+        sq = x * x
+        for c0 in range(BD, d, BD):
+            cc = c0 + c
+            cm = cc < d
+            s = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + cc[None, :], mask=cm[None, :], other=0.0)
+            x = bf16(tl.sum(pre[:, None] * s.to(tl.float32), axis=0))
+            tl.store(row + cc, x.to(tl.bfloat16), mask=cm)
+            sq += x * x
+        inv_x = tl.rsqrt(tl.sum(sq, axis=0) / d + norm_eps)
+        tl.debug_barrier()  # pass 2 reads what other threads of this program stored
+        for c0 in range(0, d, BD):
+            cc = c0 + c
+            cm = cc < d
+            x = tl.load(row + cc, mask=cm, other=0.0).to(tl.float32)
+            y = bf16(tl.load(norm_w_ptr + cc, mask=cm, other=0.0) * (x * inv_x))
+            tl.store(row + cc, y.to(tl.bfloat16), mask=cm)
 
 
 # --- standalone launches --------------------------------------------------------------------------

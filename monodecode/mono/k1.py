@@ -184,7 +184,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
-    chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows)
+    chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grid)
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
