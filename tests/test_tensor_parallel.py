@@ -1,0 +1,110 @@
+"""Tensor parallelism of the per-op model (model/parallel.py) on the CPU: 2 and 4 processes over
+gloo, each loading only its part of a synthetic checkpoint, against one process.
+
+Every rank runs the same steps (prefills of two requests, multi-row verify-like steps with a pad
+row, a reused slot) and must produce the one-process logits up to fp32 summation order, the
+same greedy tokens, and logits bit-identical across ranks."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from monodecode.checkpoint import SyntheticCheckpoint
+from monodecode.config import preset
+from monodecode.model import Model
+from monodecode.model.parallel import SINGLE, TensorParallel
+
+
+def tiny(size: int):
+    """The tiny preset, with heads and o groups that `size` ranks divide."""
+    return preset("tiny", num_attention_heads=max(4, 2 * size), o_groups=max(2, size))
+
+
+def steps(model: Model) -> list[torch.Tensor]:
+    """Logits of a fixed run: prefills of slots 0 and 1, then decode steps with several rows of
+    slot 0, one of slot 1 and a pad row, then slot 1 reused for a new request."""
+    g = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size
+    cache = model.make_cache(num_slots=3, max_context=48, max_step_rows=4)
+    out = []
+    lengths = {0: 9, 1: 6}
+    for slot, n in lengths.items():
+        out.append(model.step(cache, torch.randint(0, vocab, (n,), generator=g), torch.arange(n), [slot] * n))
+    for _ in range(3):
+        p0, p1 = lengths[0], lengths[1]
+        tokens = torch.randint(0, vocab, (5,), generator=g)
+        out.append(model.step(cache, tokens, [p0, p0 + 1, p0 + 2, p1, 0], [0, 0, 0, 1, -1]))
+        lengths[0] += 3
+        lengths[1] += 1
+    out.append(model.step(cache, torch.randint(0, vocab, (4,), generator=g), torch.arange(4), [1] * 4))
+    return out
+
+
+def _rank(rank: int, size: int, store: str, results: str):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        torch.set_num_threads(1)
+        tp = TensorParallel.from_process_group()
+        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(size), seed=3), "cpu", torch.float32, tp=tp)
+        held = sum(t.numel() for v in model.w.values() for t in (v if isinstance(v, tuple) else (v,)))
+        torch.save({"logits": steps(model), "held": held}, f"{results}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(size: int, tmp_path) -> list[dict]:
+    results = str(tmp_path / "logits")
+    mp.start_processes(_rank, args=(size, str(tmp_path / "store"), results), nprocs=size, start_method="spawn")
+    return [torch.load(f"{results}.{rank}") for rank in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_give_the_one_process_logits(size, tmp_path):
+    one = Model.from_checkpoint(SyntheticCheckpoint(tiny(size), seed=3), "cpu", torch.float32)
+    reference = steps(one)
+    ranks = run_ranks(size, tmp_path)
+    whole = sum(t.numel() for v in one.w.values() for t in (v if isinstance(v, tuple) else (v,)))
+    for rank, result in enumerate(ranks):
+        assert result["held"] < whole  # a rank holds its part, not the whole model
+        for step, (got, want) in enumerate(zip(result["logits"], reference)):
+            assert got.shape == want.shape
+            assert torch.equal(got, ranks[0]["logits"][step]), (rank, step)  # bit-identical across ranks
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= 1e-5 * scale, (rank, step)
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), (rank, step)
+
+
+def test_a_size_that_does_not_divide_the_model_is_refused():
+    with pytest.raises(ValueError, match=r"tensor parallel size 3 must divide the attention heads 4, o_groups 2, "
+                                         r"routed experts 8, vocabulary 512"):
+        TensorParallel(rank=0, size=3).check(preset("tiny"))
+    SINGLE.check(preset("tiny"))
+
+
+def test_a_rank_holds_its_slices():
+    c = preset("tiny")
+    tp = TensorParallel(rank=1, size=2)
+    assert tp.holds("layers.0.ffn.experts.5.w1.weight", c) and not tp.holds("layers.0.ffn.experts.3.w1.weight", c)
+    assert tp.holds("layers.0.attn.wq_b.weight", c)
+    wq_b = torch.arange(c.num_attention_heads * c.head_dim).float()[:, None].expand(-1, 3)
+    assert torch.equal(tp.shard("layers.0.attn.wq_b", wq_b, c)[:, 0], torch.arange(128, 256).float())
+    wo_b = torch.arange(c.o_groups * c.o_lora_rank).float()[None, :].expand(5, -1)
+    assert torch.equal(tp.shard("layers.0.attn.wo_b", wo_b, c)[0], torch.arange(32, 64).float())
+    assert tp.shard("embed", torch.zeros(c.vocab_size, 2), c).shape == (c.vocab_size // 2, 2)
+    norm = torch.ones(c.hidden_size)
+    assert tp.shard("layers.0.attn_norm", norm, c) is norm
+
+
+def test_the_draft_and_the_kernels_refuse_a_rank_of_several():
+    from monodecode.mono.plan import MonoRefused
+    from monodecode.mono.runner import MonoRunner
+
+    ckpt = SyntheticCheckpoint(preset("tiny"), seed=3)
+    model = Model.from_checkpoint(ckpt, "cpu", torch.bfloat16)  # one rank's view of the whole model
+    half = Model(model.config, model.w, "cpu", torch.bfloat16, ckpt, tp=TensorParallel(rank=0, size=2))
+    with pytest.raises(MonoRefused, match=r"tensor parallelism yet \(tensor parallel size 2\)"):
+        MonoRunner(half)
+    with pytest.raises(NotImplementedError, match="DSpark draft does not run under tensor parallelism"):
+        half.draft()
