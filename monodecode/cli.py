@@ -14,6 +14,7 @@ from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, load_config
 from .mono.plan import MonoRefused
+from .ranks import RankError
 from .schema import STORAGE_ITEMSIZE, step_bytes, tensor_specs
 from .spec.config import SpeculativeConfig
 
@@ -65,6 +66,24 @@ def port_arg(text: str) -> int:
     return port
 
 
+TP_HELP = ("ranks the model is split over, one process a device (rank r on cuda:r; on the CPU over gloo): "
+           "attention heads, routed experts and the vocabulary divided (default: 1)")
+
+
+def tensor_parallel_arg(text: str) -> int:
+    size = int(text) if text.isdigit() else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of ranks")
+    return size
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """What tensor parallelism does not run yet, refused before the model loads."""
+    if args.tensor_parallel_size > 1 and args.speculative_config is not None:
+        raise ValueError(f"--speculative-config: the DSpark draft does not run under tensor parallelism yet "
+                         f"(--tensor-parallel-size {args.tensor_parallel_size})")
+
+
 def speculative_config_arg(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_json(text)
@@ -108,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the compute dtype")
     gen.add_argument("--mono", default="auto", choices=["auto", "on", "off"], help=MONO_HELP)
+    gen.add_argument("--tensor-parallel-size", type=tensor_parallel_arg, default=1, metavar="N", help=TP_HELP)
     gen.add_argument("--speculative-config", metavar="JSON", type=speculative_config_arg,
                      help='DSpark speculation, e.g. \'{"method": "dspark", "num_speculative_tokens": 5, '
                           '"rejection_sample_method": "block"}\'')
@@ -126,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--speculative-config", metavar="JSON", type=speculative_config_arg,
                        help="DSpark speculation, as for generate")
     serve.add_argument("--mono", default="auto", choices=["auto", "on", "off"], help=MONO_HELP)
+    serve.add_argument("--tensor-parallel-size", type=tensor_parallel_arg, default=1, metavar="N", help=TP_HELP)
     serve.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the compute dtype")
     serve.set_defaults(run=run_serve)
@@ -138,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError, ValueError, MemoryError, MonoRefused) as e:
+    except (ConfigError, CheckpointError, ValueError, MemoryError, MonoRefused, RankError) as e:
         print(f"monodecode {args.command}: error: {e}", file=sys.stderr)
         return 2
 
@@ -158,6 +179,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .generate import generate, generate_speculative
 
     spec = args.speculative_config
+    check_tensor_parallel(args)
     if spec is not None:
         spec.check_temperature(args.temperature)  # before the model loads
     vocab_size = load_config(args.model).vocab_size
@@ -177,16 +199,20 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model == DEFAULT_MODEL:
         print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
               "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)
-    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype), mono=args.mono)
+    model = load(args.model, device=args.device, dtype=getattr(torch, args.dtype), mono=args.mono,
+                 tensor_parallel_size=args.tensor_parallel_size)
     config = model.config
     if prompt_ids is None:
         prompt_ids = [config.bos_token_id or 0]
     stop = (config.eos_token_id,) if config.eos_token_id is not None else ()
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_ids=stop)
-    if spec is not None:
-        out, stats = generate_speculative(model, prompt_ids, args.max_tokens, spec, **sampling)
-    else:
-        out, stats = generate(model, prompt_ids, args.max_tokens, **sampling), None
+    try:
+        if spec is not None:
+            out, stats = generate_speculative(model, prompt_ids, args.max_tokens, spec, **sampling)
+        else:
+            out, stats = generate(model, prompt_ids, args.max_tokens, **sampling), None
+    finally:
+        model.close()  # the other tensor-parallel ranks, if any
     print(tokenizer.decode(out) if tokenizer is not None else ",".join(map(str, out)))
     if stats is not None:
         print(describe_acceptance(stats, spec), file=sys.stderr)
@@ -196,6 +222,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
+    check_tensor_parallel(args)
     if args.model == DEFAULT_MODEL:
         print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
               "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)

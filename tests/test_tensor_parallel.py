@@ -108,3 +108,24 @@ def test_the_draft_and_the_kernels_refuse_a_rank_of_several():
         MonoRunner(half)
     with pytest.raises(NotImplementedError, match="DSpark draft does not run under tensor parallelism"):
         half.draft()
+
+
+def test_a_rank_that_dies_while_starting_is_an_error_not_a_wait():
+    """The leader joins the group and loads while watching the other ranks: one that exits
+    meanwhile raises at once, though the leader's own start would wait for it."""
+    import threading
+    import time
+
+    from monodecode.ranks import RankError, _watching
+
+    class Exited:
+        def join(self, timeout=None):
+            raise mp.ProcessExitedException("process 0 terminated with exit code 1", error_index=0, error_pid=1,
+                                            exit_code=1)
+
+    never = threading.Event()
+    began = time.monotonic()
+    with pytest.raises(RankError, match="exited while starting"):
+        _watching(Exited(), never.wait)  # a start that would wait forever
+    assert time.monotonic() - began < 5
+    never.set()

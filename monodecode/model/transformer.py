@@ -52,6 +52,9 @@ class Model:
         _check_fits(ckpt, device, dtype, tp)
         return cls(ckpt.config, read_weights(ckpt, "model", device, dtype, tp), device, dtype, ckpt, tp)
 
+    def close(self) -> None:
+        """Nothing to release in one process (`ranks.LeadingModel.close` stops the other ranks)."""
+
     def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> DecodeCache:
         """Decode state for `num_slots` requests of up to `max_context` positions; a step may
         hold up to `max_step_rows` rows of one request that a later step rewinds."""
@@ -196,9 +199,8 @@ def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
         raise ValueError(f"row {row}: {what} {int(values[row])} is outside [{low}, {high})")
 
 
-def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0) -> Model:
+def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tp: TensorParallel = SINGLE) -> Model:
     """The per-op model of a checkpoint directory, or of a preset name (deterministic random
-    weights built in memory)."""
-    if str(source) in PRESETS:
-        return Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
-    return Model.from_checkpoint(Checkpoint(source), device, dtype)
+    weights built in memory); under tensor parallelism, rank `tp`'s part of it."""
+    ckpt = SyntheticCheckpoint(preset(str(source)), seed) if str(source) in PRESETS else Checkpoint(source)
+    return Model.from_checkpoint(ckpt, device, dtype, tp=tp)
