@@ -47,6 +47,8 @@ def rank_device(device, rank: int) -> torch.device:
 def _join(rank: int, size: int, store: str, device: torch.device):
     """Join the ranks' process group; the group commands travel over."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives (all_gather_object too) use the current device
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size, timeout=TIMEOUT)
     return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else dist.group.WORLD
 
