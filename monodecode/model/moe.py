@@ -30,7 +30,7 @@ class MoE:
         self.bias = None if hash_routed else w[f"{prefix}gate.bias"]
         self.shared = tuple(w[f"{prefix}shared_experts.{m}"] for m in ("w1", "w2", "w3")) if config.n_shared_experts else None
         self.experts, self.topk, self.tp = experts, topk, tp
-        self.held = tp.part(self.gate.shape[0])  # this rank's routed experts (all of them on one rank)
+        self.held = tp.part(self.gate.shape[0]) if tp.size > 1 else None  # this rank's routed experts; None: all
         self.limit, self.route_scale = config.swiglu_limit, config.routed_scaling_factor
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ class MoE:
         ids, weights = self.route(x, tokens)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
-            if e not in self.held:
+            if self.held is not None and e not in self.held:
                 continue
             rows, k = (ids == e).nonzero(as_tuple=True)
             y = self._swiglu(x[rows], *self.experts.expert(e), weights[rows, k])
