@@ -77,13 +77,6 @@ def tensor_parallel_arg(text: str) -> int:
     return size
 
 
-def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """What tensor parallelism does not run yet, refused before the model loads."""
-    if args.tensor_parallel_size > 1 and args.speculative_config is not None:
-        raise ValueError(f"--speculative-config: the DSpark draft does not run under tensor parallelism yet "
-                         f"(--tensor-parallel-size {args.tensor_parallel_size})")
-
-
 def speculative_config_arg(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_json(text)
@@ -179,7 +172,6 @@ def run_generate(args: argparse.Namespace) -> int:
     from .generate import generate, generate_speculative
 
     spec = args.speculative_config
-    check_tensor_parallel(args)
     if spec is not None:
         spec.check_temperature(args.temperature)  # before the model loads
     vocab_size = load_config(args.model).vocab_size
@@ -222,7 +214,6 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
-    check_tensor_parallel(args)
     if args.model == DEFAULT_MODEL:
         print(f"note: the default model is the '{DEFAULT_MODEL}' preset with seeded random weights; "
               "its output is noise. Pass --model DIR for a real checkpoint.", file=sys.stderr)

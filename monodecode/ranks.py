@@ -7,7 +7,9 @@ checkpoint, make_cache, step, score, draft) for the engine, `generate` and the s
 sends each call that reads or changes model state to the other ranks before making it itself.
 The other ranks (`follow`) make the same calls in the same order, so every collective of a step
 meets its partners. Caches are mirrored: each rank holds its own copy; the leader's
-`MirroredCache` forwards `clear`.
+`MirroredCache` forwards `clear`. The DSpark draft likewise (`LeadingDraft`: make_cache, commit,
+propose); the other ranks' proposals are thrown away (they sample with no generator: the
+sampling has no collective, so their steps still meet rank 0's).
 Commands travel over a gloo group (Python objects) whatever carries the model's reductions
 (gloo on CPUs, NCCL on GPUs). `LeadingModel.close` (also at exit) stops the ranks; a rank whose
 leader vanished gets an error from its wait and exits, and every wait gives up after
@@ -76,7 +78,8 @@ class LeadingModel:
 
     def __init__(self, model, control, ranks):
         self.model, self._control, self._ranks = model, control, ranks
-        self._ids = itertools.count()
+        self.ids = itertools.count()
+        self._draft = None
         self._closed = False
         atexit.register(self.close)
 
@@ -92,7 +95,7 @@ class LeadingModel:
         dist.broadcast_object_list([command], src=0, group=self._control)
 
     def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> MirroredCache:
-        cache_id = next(self._ids)
+        cache_id = next(self.ids)
         self.send("make_cache", cache_id, num_slots, max_context, max_step_rows)
         return MirroredCache(self.model.make_cache(num_slots, max_context, max_step_rows), cache_id, self)
 
@@ -106,8 +109,11 @@ class LeadingModel:
         self.send("score", token_ids)
         return self.model.score(token_ids)
 
-    def draft(self):
-        return self.model.draft()  # refused under tensor parallelism, before anything is sent
+    def draft(self) -> "LeadingDraft":
+        if self._draft is None:
+            self.send("draft")
+            self._draft = LeadingDraft(self.model.draft(), self)
+        return self._draft
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group (once; also at exit)."""
@@ -120,13 +126,40 @@ class LeadingModel:
         dist.destroy_process_group()
 
 
+class LeadingDraft:
+    """Rank 0's DSpark draft: each call is sent to the other ranks, then made here."""
+
+    def __init__(self, draft, leader: LeadingModel):
+        self.draft, self._leader = draft, leader
+
+    block_size = property(lambda self: self.draft.block_size)
+
+    def make_cache(self, num_slots: int) -> MirroredCache:
+        cache_id = next(self._leader.ids)
+        self._leader.send("draft_make_cache", cache_id, num_slots)
+        return MirroredCache(self.draft.make_cache(num_slots), cache_id, self._leader)
+
+    def commit(self, cache: MirroredCache, slot: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._leader.send("draft_commit", cache.id, slot, _plain(positions), hidden.cpu())
+        self.draft.commit(cache.local, slot, positions, hidden)
+
+    def propose(self, cache: MirroredCache, anchors, anchor_positions, slots, sampling):
+        unseeded = [(temperature, top_p, top_k, None) for temperature, top_p, top_k, _ in sampling]
+        self._leader.send("draft_propose", cache.id, _plain(anchors), _plain(anchor_positions), list(slots), unseeded)
+        return self.draft.propose(cache.local, anchors, anchor_positions, slots, sampling)
+
+
 def _follow(index: int, size: int, store: str, source: str, device: str, dtype: torch.dtype, seed: int):
     """Rank index + 1: load its part, then make the leader's calls until told to stop."""
     rank = index + 1
     device = rank_device(device, rank)
     control = _join(rank, size, store, device)
     model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group())
-    caches = {}
+    caches, draft = {}, None
+
+    def as_tensor(values):
+        return torch.as_tensor(values, device=model.device)
+
     while True:
         received = [None]
         dist.broadcast_object_list(received, src=0, group=control)
@@ -144,6 +177,17 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
             caches[cache_id].clear(slot)
         elif name == "score":
             model.score(*args)
+        elif name == "draft":
+            draft = model.draft()
+        elif name == "draft_make_cache":
+            cache_id, num_slots = args
+            caches[cache_id] = draft.make_cache(num_slots)
+        elif name == "draft_commit":
+            cache_id, slot, positions, hidden = args
+            draft.commit(caches[cache_id], slot, as_tensor(positions), hidden.to(model.device))
+        elif name == "draft_propose":
+            cache_id, anchors, anchor_positions, slots, sampling = args
+            draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, sampling)
     dist.destroy_process_group()
 
 

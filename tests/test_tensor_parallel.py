@@ -3,7 +3,8 @@ gloo, each loading only its part of a synthetic checkpoint, against one process.
 
 Every rank runs the same steps (prefills of two requests, multi-row verify-like steps with a pad
 row, a reused slot) and must produce the one-process logits up to fp32 summation order, the
-same greedy tokens, and logits bit-identical across ranks."""
+same greedy tokens, and logits bit-identical across ranks; and the DSpark draft's proposal
+distributions of the one process."""
 
 import os
 
@@ -42,6 +43,19 @@ def steps(model: Model) -> list[torch.Tensor]:
     return out
 
 
+def draft_probs(model: Model) -> torch.Tensor:
+    """The DSpark draft's proposal distributions for two requests after their prompts."""
+    g = torch.Generator().manual_seed(11)
+    draft = model.draft()
+    cache, dcache = model.make_cache(num_slots=2, max_context=48, max_step_rows=8), draft.make_cache(2)
+    for slot, n in ((0, 7), (1, 4)):
+        _, hidden = model.step(cache, torch.randint(0, model.config.vocab_size, (n,), generator=g), torch.arange(n),
+                               [slot] * n, return_hidden=True)
+        draft.commit(dcache, slot, torch.arange(n), hidden)
+    greedy = [(0.0, 1.0, 0, None)] * 2
+    return draft.propose(dcache, torch.tensor([3, 9]), torch.tensor([7, 4]), [0, 1], greedy).probs
+
+
 def _rank(rank: int, size: int, store: str, results: str):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
@@ -49,7 +63,7 @@ def _rank(rank: int, size: int, store: str, results: str):
         tp = TensorParallel.from_process_group()
         model = Model.from_checkpoint(SyntheticCheckpoint(tiny(size), seed=3), "cpu", torch.float32, tp=tp)
         held = sum(t.numel() for v in model.w.values() for t in (v if isinstance(v, tuple) else (v,)))
-        torch.save({"logits": steps(model), "held": held}, f"{results}.{rank}")
+        torch.save({"logits": steps(model), "draft": draft_probs(model), "held": held}, f"{results}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -60,10 +74,10 @@ def run_ranks(size: int, tmp_path) -> list[dict]:
     return [torch.load(f"{results}.{rank}") for rank in range(size)]
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_give_the_one_process_logits(size, tmp_path):
     one = Model.from_checkpoint(SyntheticCheckpoint(tiny(size), seed=3), "cpu", torch.float32)
-    reference = steps(one)
+    reference, reference_draft = steps(one), draft_probs(one)
     ranks = run_ranks(size, tmp_path)
     whole = sum(t.numel() for v in one.w.values() for t in (v if isinstance(v, tuple) else (v,)))
     for rank, result in enumerate(ranks):
@@ -74,6 +88,7 @@ def test_ranks_give_the_one_process_logits(size, tmp_path):
             scale = want.abs().max()
             assert (got - want).abs().max() <= 1e-5 * scale, (rank, step)
             assert torch.equal(got.argmax(-1), want.argmax(-1)), (rank, step)
+        torch.testing.assert_close(result["draft"], reference_draft, rtol=1e-5, atol=1e-6)  # the draft's too
 
 
 def test_a_size_that_does_not_divide_the_model_is_refused():
@@ -97,7 +112,7 @@ def test_a_rank_holds_its_slices():
     assert tp.shard("layers.0.attn_norm", norm, c) is norm
 
 
-def test_the_draft_and_the_kernels_refuse_a_rank_of_several():
+def test_the_kernels_refuse_a_rank_of_several():
     from monodecode.mono.plan import MonoRefused
     from monodecode.mono.runner import MonoRunner
 
@@ -106,8 +121,6 @@ def test_the_draft_and_the_kernels_refuse_a_rank_of_several():
     half = Model(model.config, model.w, "cpu", torch.bfloat16, ckpt, tp=TensorParallel(rank=0, size=2))
     with pytest.raises(MonoRefused, match=r"tensor parallelism yet \(tensor parallel size 2\)"):
         MonoRunner(half)
-    with pytest.raises(NotImplementedError, match="DSpark draft does not run under tensor parallelism"):
-        half.draft()
 
 
 def test_a_rank_that_dies_while_starting_is_an_error_not_a_wait():

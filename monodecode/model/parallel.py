@@ -15,6 +15,8 @@ Rank r of N (contiguous ranges; `TensorParallel.check` refuses an N that does no
 - embedding: vocab rows r V/N ..; a token outside them embeds to zeros, so `reduce` is exact.
 - lm_head: vocab rows r V/N ..; the logits are `gather`ed along the vocabulary.
 - mHC, norms, hc_head and everything else: whole.
+The DSpark draft's blocks (`mtp.k.`) are split the same way (its routed experts by its own
+count); its Markov and confidence heads are whole.
 
 Reductions: each rank gathers every rank's part and sums them in rank order, in fp32, so all
 ranks hold bit-identical results whatever the collective's own order. A partial sum is in the
@@ -53,6 +55,8 @@ class TensorParallel:
         n = self.size
         need = {"attention heads": config.num_attention_heads, "o_groups": config.o_groups,
                 "routed experts": config.n_routed_experts, "vocabulary": config.vocab_size}
+        if config.has_dspark:
+            need["draft's routed experts"] = config.draft_n_routed_experts
         if config.n_shared_experts:
             need["shared expert intermediate size"] = config.moe_intermediate_size
         bad = [f"{what} {count}" for what, count in need.items() if count % n]
@@ -98,11 +102,14 @@ class TensorParallel:
     def holds(self, name: str, config: ModelConfig) -> bool:
         """Whether this rank reads tensor `name` (schema name) at all: not another rank's expert."""
         found = _EXPERT.search(name)
-        return self.size == 1 or not found or int(found[1]) in self.part(config.n_routed_experts)
+        if self.size == 1 or not found:
+            return True
+        experts = config.draft_n_routed_experts if found[1] == "mtp" else config.n_routed_experts
+        return int(found[2]) in self.part(experts)
 
     def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """This rank's slice of weight `name` (schema name without `.weight`), converted."""
-        if self.size == 1 or not name.startswith("layers."):
+        if self.size == 1 or not name.startswith(("layers.", "mtp.")):
             return self._vocab_rows(name, tensor, config)
         c = config
         leaf = name.split(".", 2)[2]
@@ -131,4 +138,4 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
-_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
+_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")

@@ -98,11 +98,8 @@ class Model:
         if self._draft is None:
             from .draft import Draft
 
-            if self.tp.size > 1:
-                raise NotImplementedError("the DSpark draft does not run under tensor parallelism yet "
-                                          f"(tensor parallel size {self.tp.size}); use size 1 to speculate")
             self.checkpoint.validate(require_draft=True)
-            self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype))
+            self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype, self.tp))
         return self._draft
 
     def replace_experts(self, layer: int, experts) -> None:
