@@ -188,6 +188,8 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
         elif name == "draft_propose":
             cache_id, anchors, anchor_positions, slots, sampling = args
             draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, sampling)
+        else:
+            raise ValueError(f"tensor-parallel rank {rank}: unknown command {name!r} from rank 0")
     dist.destroy_process_group()
 
 
