@@ -166,30 +166,33 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
         name, *args = received[0]
         if name == "stop":
             break
-        if name == "make_cache":
-            cache_id, *shape = args
-            caches[cache_id] = model.make_cache(*shape)
-        elif name == "step":
-            cache_id, tokens, positions, slots, return_hidden = args
-            model.step(caches[cache_id], tokens, positions, slots, return_hidden=return_hidden)
-        elif name == "clear":
-            cache_id, slot = args
-            caches[cache_id].clear(slot)
-        elif name == "score":
-            model.score(*args)
-        elif name == "draft":
-            draft = model.draft()
-        elif name == "draft_make_cache":
-            cache_id, num_slots = args
-            caches[cache_id] = draft.make_cache(num_slots)
-        elif name == "draft_commit":
-            cache_id, slot, positions, hidden = args
-            draft.commit(caches[cache_id], slot, as_tensor(positions), hidden.to(model.device))
-        elif name == "draft_propose":
-            cache_id, anchors, anchor_positions, slots, sampling = args
-            draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, sampling)
-        else:
-            raise ValueError(f"tensor-parallel rank {rank}: unknown command {name!r} from rank 0")
+        try:
+            if name == "make_cache":
+                cache_id, *shape = args
+                caches[cache_id] = model.make_cache(*shape)
+            elif name == "step":
+                cache_id, tokens, positions, slots, return_hidden = args
+                model.step(caches[cache_id], tokens, positions, slots, return_hidden=return_hidden)
+            elif name == "clear":
+                cache_id, slot = args
+                caches[cache_id].clear(slot)
+            elif name == "score":
+                model.score(*args)
+            elif name == "draft":
+                draft = model.draft()
+            elif name == "draft_make_cache":
+                cache_id, num_slots = args
+                caches[cache_id] = draft.make_cache(num_slots)
+            elif name == "draft_commit":
+                cache_id, slot, positions, hidden = args
+                draft.commit(caches[cache_id], slot, as_tensor(positions), hidden.to(model.device))
+            elif name == "draft_propose":
+                cache_id, anchors, anchor_positions, slots, sampling = args
+                draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, sampling)
+            else:
+                raise RankError(f"tensor-parallel rank {rank}: unknown command {name!r} from rank 0")
+        except ValueError:
+            pass  # bad input (a row out of range): rank 0 refused it too, by the same check, before any collective
     dist.destroy_process_group()
 
 

@@ -142,3 +142,22 @@ def test_a_rank_that_dies_while_starting_is_an_error_not_a_wait():
         _watching(Exited(), never.wait)  # a start that would wait forever
     assert time.monotonic() - began < 5
     never.set()
+
+
+def test_a_bad_step_is_refused_on_every_rank_and_the_ranks_go_on():
+    """From Python (`monodecode.load(..., tensor_parallel_size=2)`): a step with a token out of
+    range raises on rank 0 and is dropped by rank 1, which stays in step for the next ones."""
+    from monodecode.decode import load
+
+    one, two = load("tiny"), load("tiny", tensor_parallel_size=2)
+    try:
+        caches = [m.make_cache(num_slots=2, max_context=16) for m in (one, two)]
+        with pytest.raises(ValueError, match="row 1: token id 9999 is outside"):
+            two.step(caches[1], [1, 9999], [0, 1], [0, 0])
+        for _ in range(2):
+            want, got = (m.step(c, [1, 2, 3], [0, 1, 2], [0, 0, 0]) for m, c in zip((one, two), caches))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            caches[0].clear(0)
+            caches[1].clear(0)
+    finally:
+        two.close()
