@@ -83,8 +83,7 @@ class TensorParallel:
         """The sum over ranks of each rank's x, in rank order in fp32, in x's dtype."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        parts = self._every_ranks(x)
         total = parts[0].float()
         for part in parts[1:]:
             total = total + part.float()
@@ -92,11 +91,12 @@ class TensorParallel:
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x concatenated along `dim`, in rank order."""
-        if self.size == 1:
-            return x
+        return x if self.size == 1 else torch.cat(self._every_ranks(x), dim=dim)
+
+    def _every_ranks(self, x: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return parts
 
     # --- which part of a checkpoint tensor this rank holds ----------------------------------------
     def holds(self, name: str, config: ModelConfig) -> bool:
