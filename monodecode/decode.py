@@ -46,6 +46,9 @@ class Decoder:
     def draft(self):
         return self.model.draft()
 
+    def close(self) -> None:
+        self.model.close()
+
     def score(self, token_ids) -> torch.Tensor:
         """fp32 logits [T, vocab] of a full prefill of one sequence (per-op: too many rows)."""
         return self.model.score(token_ids)
@@ -63,7 +66,19 @@ class Decoder:
         return self.model.step(cache, tokens, positions, slots, return_hidden=return_hidden)
 
 
-def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off") -> Decoder:
+def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off",
+         tensor_parallel_size: int = 1) -> Decoder:
     """The decoder of a checkpoint directory, or of a preset name (deterministic random weights
-    built in memory). `mono`: "off", "auto" or "on" (`Decoder`)."""
-    return Decoder(load_model(source, device=device, dtype=dtype, seed=seed), mono)
+    built in memory). `mono`: "off", "auto" or "on" (`Decoder`). `tensor_parallel_size` > 1:
+    the model over that many processes, this one their rank 0 (`ranks.load_ranks`)."""
+    return Decoder(load_any(source, device=device, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size),
+                   mono)
+
+
+def load_any(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tensor_parallel_size: int = 1):
+    """The per-op model in this process (size 1), or rank 0 of `tensor_parallel_size` ranks."""
+    if tensor_parallel_size == 1:
+        return load_model(source, device=device, dtype=dtype, seed=seed)
+    from .ranks import load_ranks
+
+    return load_ranks(source, tensor_parallel_size, device=device, dtype=dtype, seed=seed)

@@ -14,6 +14,11 @@
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
+#   ab            bench layer of baseline/ (a `git archive` of main, carried) and of this tree, in the order
+#                 base, new, new, base ($OUT/base1, new1, new2, base2; TIMELINE=--timeline adds the timeline
+#                 to round 2, when both trees' kernels are compiled), then tools/ab_summary.py: each run's
+#                 mono time with the per-op graph as a control, and the trees' fastest runs. KINDS and
+#                 WIDTHS as for bench-layer (defaults: window, 6: one width); TIMEOUT bounds each run (150)
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
@@ -24,7 +29,7 @@
 # (TIMELINE= , empty, leaves its per-stage timeline out).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|compiled|bench-decode|experts}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|ab|compiled|bench-decode|experts}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -59,6 +64,17 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
+  ab)
+    [ -d baseline/monodecode ] || { echo "ab: no baseline/ (git archive main monodecode scripts tools pyproject.toml)" >> "$out/$part.txt"; exit 2; }
+    for run in base1 new1 new2 base2; do
+      case $run in base*) tree=baseline ;; *) tree=. ;; esac
+      case $run in *2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
+      mkdir -p "$out/$run"
+      (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-6}" \
+        --kinds "${KINDS:-window}" $timeline --out "$out/$run" > "$out/$run/bench-layer.txt" 2>&1)
+      echo "$run: exit $?" >> "$out/$part.txt"
+    done
+    python3 tools/ab_summary.py "$out" >> "$out/$part.txt" 2>&1 ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" --shapes "${SHAPES:-default}" --compile "${MODE:-max-autotune-no-cudagraphs}" \

@@ -77,6 +77,28 @@ def test_generate_takes_text_as_serve_does(capsys):
     assert capsys.readouterr().out == text
 
 
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
+def test_generate_at_tensor_parallel_size_2_gives_the_one_process_tokens(capsys, speculate):
+    """`--tensor-parallel-size 2`: this process and a second over gloo, the same tokens, sampled
+    (seeded) and, with the DSpark draft, the same acceptance."""
+    args = ["generate", "--prompt-ids", "5,6,7", "--max-tokens", "12", "--temperature", "0.8", "--seed", "3"]
+    if speculate:
+        args += ["--speculative-config", '{"method": "dspark", "num_speculative_tokens": 5}']
+    assert main(args) == 0
+    one = capsys.readouterr()
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    two = capsys.readouterr()
+    assert two.out == one.out
+    assert not speculate or two.err.splitlines()[-1] == one.err.splitlines()[-1]  # the acceptance line
+
+
+def test_tensor_parallel_sizes_the_model_cannot_take_are_refused_before_loading(capsys):
+    assert main(["generate", "--tensor-parallel-size", "4"]) == 2  # the tiny preset has 2 o groups
+    assert "tensor parallel size 4 must divide the o_groups 2" in capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "0"]) == 2
+    assert "is not a positive number of ranks" in capsys.readouterr().err
+
+
 def test_generate_refuses_text_for_a_vocabulary_too_small_for_bytes(tmp_path, capsys):
     config = preset("tiny", vocab_size=200, dspark_noise_token_id=199)
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))

@@ -400,15 +400,16 @@ def test_text_offsets_count_the_characters_of_the_text(server):
 
 
 @contextlib.contextmanager
-def cli_server(log_path):
-    """`monodecode serve` (the real CLI, in a child process) on a free loopback port, once it
-    answers /health: (the process, its URL). The process is killed if still running at the end."""
+def cli_server(log_path, *flags: str):
+    """`monodecode serve` (the real CLI, in a child process; `flags` added) on a free loopback
+    port, once it answers /health: (the process, its URL). The process is killed if still
+    running at the end."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "monodecode.cli", "serve", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "monodecode.cli", "serve", "--port", str(port), *flags],
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + TIMEOUT
@@ -435,6 +436,24 @@ def test_readme_main_job_serves_the_default_model(tmp_path):
         proc.terminate()
         proc.wait(TIMEOUT)
     assert "mono auto: runs per-op: " in (tmp_path / "serve.log").read_text()  # the reasons, logged once
+
+
+def test_readme_request_at_tensor_parallel_size_2_answers_as_one_process(tmp_path):
+    """`serve --tensor-parallel-size 2` (two processes over gloo) answers the README's request
+    with the text one process gives, and stops its second rank when it exits."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    example = json.loads(re.search(r"-d '(\{.*?\})'", readme).group(1))
+    answers = []
+    for size in ("1", "2"):
+        log = tmp_path / f"serve_tp{size}.log"
+        with cli_server(log, "--tensor-parallel-size", size) as (proc, url):
+            status, out = post(url, "/v1/completions", example)
+            assert status == 200 and out["usage"]["completion_tokens"] == example["max_tokens"], log.read_text()
+            answers.append(out["choices"][0]["text"])
+            proc.terminate()
+            proc.wait(TIMEOUT)
+    assert answers[0] == answers[1]
+    assert "the kernels do not run under tensor parallelism yet" in (tmp_path / "serve_tp2.log").read_text()
 
 
 def test_sigterm_with_a_request_running_exits_within_10_s(tmp_path):

@@ -1,10 +1,13 @@
-"""tools/sharded_pytest.py: the GPU runs' parallel pytest (scripts/h200.sh tests-all)."""
+"""tools/sharded_pytest.py: the GPU runs' parallel pytest (scripts/h200.sh tests-all); tools/ab_summary.py:
+the verdict of an A/B of bench layer runs (scripts/h200.sh ab)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "sharded_pytest.py"
+AB_SUMMARY = Path(__file__).resolve().parents[1] / "tools" / "ab_summary.py"
 
 
 def _run(tmp_path, body: str, *args: str):
@@ -32,3 +35,21 @@ def test_a_list_of_ids_runs_just_those(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 tests from the list ids.txt in 2 shards" in done.stdout
     assert done.stdout.count("1 passed") == 2
+
+
+def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path):
+    # (mono us, per-op graph us) of each run; base1 ran slow on a cold machine, control and all
+    runs = {"base1": (480.0, 1770.0), "new1": (450.0, 1600.0), "new2": (455.0, 1610.0), "base2": (465.0, 1605.0)}
+    for name, (mono, per_op) in runs.items():
+        (tmp_path / name).mkdir()
+        rows = [{"kind": "window", "width": 6, "mono_s": mono * 1e-6, "per_op_graph_s": per_op * 1e-6},
+                {"kind": "window", "width": 1, "mono_s": None, "per_op_graph_s": 1e-3}]  # refused: not summed
+        (tmp_path / name / "bench_layer.json").write_text(json.dumps({"layers": rows}))
+    done = subprocess.run([sys.executable, str(AB_SUMMARY), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "base     run 1: 480.0 (1770.0), run 2: 465.0 (1605.0)" in done.stdout
+    assert "fastest: base 465.0, new 450.0 us (-15.0 us, -3.2 %)" in done.stdout
+    assert "1 rows" not in done.stdout
+    empty = subprocess.run([sys.executable, str(AB_SUMMARY), str(tmp_path / "none")], capture_output=True, text=True,
+                           timeout=60)
+    assert empty.returncode == 1 and "no <tree><round>/bench_layer.json" in empty.stderr

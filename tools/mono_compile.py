@@ -17,6 +17,8 @@ ptxas -v.
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
   This machine's Triton may allocate a little differently from the GPU's.
 - `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
+- `--sms`: the target's multiprocessor count (default 132, an H100 SXM / H200): the grid the
+  tile choices that depend on it assume (a CPU runner's own grid is 1).
 - `--widths`: rows a step, comma-separated: one request of up to 5 rows (a draft block), the rest
   pad rows. Each build takes seconds (a K2 at 48 rows about 10 s on a 2-core machine).
 - `--dump DIR`: also write each build's TTGIR there (its `ttg.local_alloc`s and their
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="default", help="a LaunchShape spec")
     parser.add_argument("--dump", help="a folder for each build's TTGIR")
     parser.add_argument("--widths", default="1,48", help="rows a step, comma-separated")
+    parser.add_argument("--sms", type=int, default=132, help="the target GPU's SMs (an H200's 132): the grid "
+                                                            "that the launch shape's tile choices assume")
     cli = parser.parse_args(argv)
     launches = []
     k1._k1, k2._k2 = Recorder(k1._k1, launches), Recorder(k2._k2, launches)
@@ -165,6 +169,9 @@ def main(argv=None) -> int:
     model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims), seed=1), "cpu", torch.bfloat16)
     runner = runner_module.MonoRunner(model, shape=LaunchShape.parse(cli.shape))
     runner.fast = True  # the NVIDIA code paths
+    # tiles chosen by the grid (one-row GEMV blocks) as on the target GPU, not the CPU runner's grid of 1;
+    # the recorded launches never run, so nothing else reads it
+    runner.grid = cli.sms * runner.shape.programs_per_sm
     runner.check = lambda: None  # nothing ran
     for rows in (int(w) for w in cli.widths.split(",")):
         cache = model.make_cache(8, 64, 8)

@@ -6,6 +6,8 @@ position t attends, with one softmax that also holds a per-head sink logit (prob
 with no value): the raw KV of positions t - window + 1 .. t, plus on CSA layers the indexer's
 top-k visible compressed entries and on HCA layers every visible compressed entry. The output's
 rope dims are de-rotated at the query position, then the grouped `wo_a` and `wo_b` project.
+Under tensor parallelism (parallel.py) a rank holds a range of the heads and the o groups they
+feed, and `wo_b`'s output is summed over the ranks.
 
 A step's rows are grouped by request (consecutive positions of one slot); each group reads the
 positions before it from the cache and its own rows directly, so one code path serves prefill
@@ -23,6 +25,7 @@ from ..config import ModelConfig
 from .cache import LayerCache
 from .compressor import Compressor, Indexer
 from .norm import rms_norm
+from .parallel import SINGLE, TensorParallel
 from .rope import apply_rope, layer_frequencies
 
 
@@ -34,9 +37,12 @@ class RequestRows:
 
 
 class Attention:
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, ratio: int):
-        self.c = config
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, ratio: int,
+                 tp: TensorParallel = SINGLE):
+        self.c, self.tp = config, tp
         self.w = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+        # under tensor parallelism this rank's heads and the o groups they feed (parallel.py)
+        self.heads, self.o_groups = config.num_attention_heads // tp.size, config.o_groups // tp.size
         self.ratio = ratio
         self.freqs = layer_frequencies(config, compressed=ratio > 0)
         self.compressor = self.indexer = None
@@ -71,7 +77,7 @@ class Attention:
         """(qr [N, q_lora], q [N, H, D], kv [N, D]), q and kv rotated at `positions`."""
         c, w = self.c, self.w
         qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], c.rms_norm_eps)
-        q = F.linear(qr, w["wq_b"]).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        q = F.linear(qr, w["wq_b"]).unflatten(-1, (self.heads, c.head_dim))
         q = apply_rope(rms_norm(q, None, c.rms_norm_eps), positions, self.freqs)
         return qr, q, self.keys(x, positions)
 
@@ -91,13 +97,13 @@ class Attention:
         return torch.einsum(f"nhk,{k}->nhd", probs, keys.float()).to(q.dtype)
 
     def output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """De-rotate the heads' rope dims at the query positions, then grouped wo_a and wo_b."""
-        c = self.c
+        """De-rotate the heads' rope dims at the query positions, then grouped wo_a and wo_b
+        (summed over the tensor-parallel ranks' groups)."""
         out = apply_rope(out, positions, self.freqs, inverse=True)
-        groups = out.reshape(out.shape[0], c.o_groups, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1
-        wo_a = self.w["wo_a"].view(c.o_groups, c.o_lora_rank, -1)
+        groups = out.reshape(out.shape[0], self.o_groups, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1
+        wo_a = self.w["wo_a"].view(self.o_groups, self.c.o_lora_rank, -1)
         z = torch.einsum("ngi,gri->ngr", groups, wo_a).flatten(1)
-        return F.linear(z, self.w["wo_b"])
+        return self.tp.reduce(F.linear(z, self.w["wo_b"]))
 
     def _window_keys(self, g: RequestRows, kv: torch.Tensor, cache: LayerCache):
         window, p0 = self.c.sliding_window, int(g.positions[0])

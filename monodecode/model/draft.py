@@ -79,8 +79,9 @@ class Draft:
         self.model, self.c, self.w = model, c, weights
         self.block_size = c.dspark_block_size
         self.stages = [
-            Block(c, weights, f"mtp.{k}.", expert_bank(weights, f"mtp.{k}.ffn.", c.draft_n_routed_experts, model.dtype),
-                  0, False, c.draft_num_experts_per_tok, attention_cls=DraftAttention)
+            Block(c, weights, f"mtp.{k}.", expert_bank(weights, f"mtp.{k}.ffn.", model.tp.part(c.draft_n_routed_experts),
+                                                       model.dtype),
+                  0, False, c.draft_num_experts_per_tok, attention_cls=DraftAttention, tp=model.tp)
             for k in range(c.num_nextn_predict_layers)
         ]
         self.last = f"mtp.{c.num_nextn_predict_layers - 1}."

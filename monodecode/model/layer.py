@@ -10,15 +10,17 @@ from .cache import LayerCache, PositionRing
 from .hc import hc_post, hc_pre
 from .moe import MoE
 from .norm import rms_norm
+from .parallel import SINGLE, TensorParallel
 from .weights import ExpertBank
 
 
 class Block:
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts: ExpertBank,
-                 ratio: int, hash_routed: bool, topk: int, attention_cls: type[Attention] = Attention):
+                 ratio: int, hash_routed: bool, topk: int, attention_cls: type[Attention] = Attention,
+                 tp: TensorParallel = SINGLE):
         self.c, self.w, self.p = config, w, prefix
-        self.attention = attention_cls(config, w, f"{prefix}attn.", ratio)
-        self.moe = MoE(config, w, f"{prefix}ffn.", experts, hash_routed, topk)
+        self.attention = attention_cls(config, w, f"{prefix}attn.", ratio, tp)
+        self.moe = MoE(config, w, f"{prefix}ffn.", experts, hash_routed, topk, tp)
 
     def __call__(self, streams: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                  groups: list[RequestRows], cache: LayerCache | PositionRing) -> torch.Tensor:

@@ -8,7 +8,9 @@ activation dtype there, as the reference does; each expert's output rounded to t
 (its w2 projection), summed in fp32 per row, expert by expert in ascending id order. `experts`
 is anything whose `expert(e)` gives expert e's (w1, w2, w3) in the compute dtype: the
 checkpoint's bank (`weights.ExpertBank`), or another holder of the same weights that
-`Model.replace_experts` installed.
+`Model.replace_experts` installed. Under tensor parallelism (parallel.py) a rank runs its own
+range of the picked experts and its slice of the shared expert, and the ranks' fp32 sums are
+added in rank order.
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .parallel import SINGLE, TensorParallel
 
 
 class MoE:
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, experts,
-                 hash_routed: bool, topk: int):
+                 hash_routed: bool, topk: int, tp: TensorParallel = SINGLE):
         self.gate = w[f"{prefix}gate"]
         self.tid2eid = w.get(f"{prefix}gate.tid2eid") if hash_routed else None
         self.bias = None if hash_routed else w[f"{prefix}gate.bias"]
         self.shared = tuple(w[f"{prefix}shared_experts.{m}"] for m in ("w1", "w2", "w3")) if config.n_shared_experts else None
-        self.experts, self.topk = experts, topk
+        self.experts, self.topk, self.tp = experts, topk, tp
+        self.held = tp.part(self.gate.shape[0]) if tp.size > 1 else None  # this rank's routed experts; None: all
         self.limit, self.route_scale = config.swiglu_limit, config.routed_scaling_factor
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +60,14 @@ class MoE:
         ids, weights = self.route(x, tokens)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
+            if self.held is not None and e not in self.held:
+                continue
             rows, k = (ids == e).nonzero(as_tuple=True)
             y = self._swiglu(x[rows], *self.experts.expert(e), weights[rows, k])
             out.index_add_(0, rows, y.float())
         if self.shared:
             out += self._swiglu(x, *self.shared, None).float()
-        return out.to(x.dtype)
+        return self.tp.reduce(out).to(x.dtype)
 
     def _swiglu(self, x, w1, w2, w3, weight):
         gate = F.linear(x, w1).float().clamp(max=self.limit)

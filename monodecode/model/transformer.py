@@ -20,27 +20,40 @@ from .cache import DecodeCache
 from .hc import hc_head
 from .layer import Block
 from .norm import rms_norm
+from .parallel import SINGLE, TensorParallel
 from .weights import expert_bank, free_memory, read_weights, resident_bytes
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None):
+    """The model, or under tensor parallelism (`tp`, parallel.py) one rank's part of it: every
+    rank runs every step with the same inputs and gets the same logits."""
+
+    def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None, tp: TensorParallel = SINGLE):
         v41.refuse_to_run(config, "the per-op model")
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        tp.check(config)
+        self.config, self.device, self.dtype, self.tp = config, torch.device(device), dtype, tp
         self.w, self.checkpoint, self._draft = weights, checkpoint, None
         self._fp32_output_gemm = has_fp32_output_gemm(self.device, dtype)
+        experts = tp.part(config.n_routed_experts)
         self.blocks = [
-            Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", config.n_routed_experts, dtype),
-                  ratio, config.is_hash_layer(i), config.num_experts_per_tok)
+            Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", experts, dtype),
+                  ratio, config.is_hash_layer(i), config.num_experts_per_tok, tp=tp)
             for i, ratio in enumerate(config.compress_ratios)
         ]
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32) -> "Model":
+    def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32,
+                        tp: TensorParallel = SINGLE) -> "Model":
         v41.refuse_to_run(ckpt.config, "the per-op model")  # before any weight is read
+        tp.check(ckpt.config)
+        tp.check_same("config and checkpoint tensors",
+                      repr(ckpt.config) + "".join(f"{s.name}{s.shape}{s.fmt}" for s in ckpt.specs))
         ckpt.validate()
-        _check_fits(ckpt, device, dtype)
-        return cls(ckpt.config, read_weights(ckpt, "model", device, dtype), device, dtype, ckpt)
+        _check_fits(ckpt, device, dtype, tp)
+        return cls(ckpt.config, read_weights(ckpt, "model", device, dtype, tp), device, dtype, ckpt, tp)
+
+    def close(self) -> None:
+        """Nothing to release in one process (`ranks.LeadingModel.close` stops the other ranks)."""
 
     def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> DecodeCache:
         """Decode state for `num_slots` requests of up to `max_context` positions; a step may
@@ -70,7 +83,13 @@ class Model:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding broadcast to the hc streams [N, hc, d] (layer 0's settled residual)."""
-        streams = F.embedding(tokens, self.w["embed"]).unsqueeze(1)
+        if self.tp.size == 1:
+            streams = F.embedding(tokens, self.w["embed"]).unsqueeze(1)
+        else:  # this rank's vocabulary rows; the other rows embed to zeros here
+            mine = self.tp.part(self.config.vocab_size)
+            held = (tokens >= mine.start) & (tokens < mine.stop)
+            rows = F.embedding(torch.where(held, tokens - mine.start, 0), self.w["embed"])
+            streams = self.tp.reduce(rows * held.unsqueeze(-1)).unsqueeze(1)
         return streams.expand(-1, self.config.hc_mult, -1).contiguous()
 
     def draft(self) -> "Draft":
@@ -80,7 +99,7 @@ class Model:
             from .draft import Draft
 
             self.checkpoint.validate(require_draft=True)
-            self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype))
+            self._draft = Draft(self, read_weights(self.checkpoint, "draft", self.device, self.dtype, self.tp))
         return self._draft
 
     def replace_experts(self, layer: int, experts) -> None:
@@ -101,8 +120,10 @@ class Model:
         x = rms_norm(x, self.w["norm"] if norm_weight is None else norm_weight, self.config.rms_norm_eps)
         head = self.w["head"]
         if self._fp32_output_gemm:  # the same exact products and fp32 sums, without an fp32 copy of the head
-            return torch.mm(x.reshape(-1, x.shape[-1]), head.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        return F.linear(x.float(), head.float())
+            logits = torch.mm(x.reshape(-1, x.shape[-1]), head.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        else:
+            logits = F.linear(x.float(), head.float())
+        return self.tp.gather(logits)  # this rank's vocabulary rows, then every rank's
 
     def score(self, token_ids) -> torch.Tensor:
         """fp32 logits [T, vocab] of a full prefill of one sequence."""
@@ -152,9 +173,10 @@ def has_fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _check_fits(ckpt, device, dtype) -> None:
-    """Refuse, before reading anything, weights that cannot fit where they are to live."""
-    need = resident_bytes([s for s in ckpt.specs if s.group == "model"], dtype)
+def _check_fits(ckpt, device, dtype, tp: TensorParallel) -> None:
+    """Refuse, before reading anything, weights that cannot fit where they are to live (a
+    tensor-parallel rank: its experts, and the other tensors whole: an upper bound)."""
+    need = resident_bytes([s for s in ckpt.specs if s.group == "model" and tp.holds(s.name, ckpt.config)], dtype)
     free = free_memory(device)
     if need > free:
         raise MemoryError(
@@ -174,9 +196,8 @@ def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
         raise ValueError(f"row {row}: {what} {int(values[row])} is outside [{low}, {high})")
 
 
-def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0) -> Model:
+def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tp: TensorParallel = SINGLE) -> Model:
     """The per-op model of a checkpoint directory, or of a preset name (deterministic random
-    weights built in memory)."""
-    if str(source) in PRESETS:
-        return Model.from_checkpoint(SyntheticCheckpoint(preset(str(source)), seed), device, dtype)
-    return Model.from_checkpoint(Checkpoint(source), device, dtype)
+    weights built in memory); under tensor parallelism, rank `tp`'s part of it."""
+    ckpt = SyntheticCheckpoint(preset(str(source)), seed) if str(source) in PRESETS else Checkpoint(source)
+    return Model.from_checkpoint(ckpt, device, dtype, tp=tp)

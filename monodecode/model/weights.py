@@ -21,13 +21,15 @@ import torch
 from .. import formats
 from ..checkpoint import Checkpoint
 from ..schema import TensorSpec
+from .parallel import SINGLE, TensorParallel
 
 FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias", "_fn", "_base", "_scale")
 
 
 @dataclass
 class ExpertBank:
-    """Routed experts of one block as the checkpoint stores them, one entry per expert: w1, w3
+    """Routed experts of one block as the checkpoint stores them, one entry per expert held
+    (experts `first`, `first` + 1, ...: a tensor-parallel rank holds a range of them): w1, w3
     [inter, d] and w2 [d, inter], each either MXFP4 (packed uint8 codes, E8M0 scales) or one
     tensor in the compute dtype. `expert(e)` dequantizes expert e for the step that picked it."""
 
@@ -35,9 +37,11 @@ class ExpertBank:
     w2: list[tuple[torch.Tensor, ...]]
     w3: list[tuple[torch.Tensor, ...]]
     dtype: torch.dtype
+    first: int = 0
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._get(self.w1[e]), self._get(self.w2[e]), self._get(self.w3[e])
+        i = e - self.first
+        return self._get(self.w1[i]), self._get(self.w2[i]), self._get(self.w3[i])
 
     def _get(self, stored: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if len(stored) == 2:
@@ -45,10 +49,13 @@ class ExpertBank:
         return stored[0]
 
 
-def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor]:
+def read_weights(ckpt: Checkpoint, group: str, device, dtype,
+                 tp: TensorParallel = SINGLE) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor]:
     """Every tensor of a schema group ("model" or "draft"), converted for the per-op path:
-    dequantized FP8, (packed, scale) pairs for MXFP4, cast plain tensors."""
-    specs = [s for s in ckpt.specs if s.group == group]
+    dequantized FP8, (packed, scale) pairs for MXFP4, cast plain tensors; under tensor
+    parallelism only what rank `tp` holds (other ranks' experts are not read, split tensors are
+    cut as each is read: no rank holds the whole model)."""
+    specs = [s for s in ckpt.specs if s.group == group and tp.holds(s.name, ckpt.config)]
     spec_of = {name: s for s in specs for name in s.stored()}
     pending: dict[str, torch.Tensor] = {}
     out = {}
@@ -58,7 +65,8 @@ def read_weights(ckpt: Checkpoint, group: str, device, dtype) -> dict[str, tuple
         pending[name] = tensor
         spec = spec_of[name]
         if all(piece in pending for piece in spec.stored()):
-            out[spec.name.removesuffix(".weight")] = _convert(spec, pending, device, dtype)
+            key = spec.name.removesuffix(".weight")
+            out[key] = tp.shard(key, _convert(spec, pending, device, dtype), ckpt.config)
     return out
 
 
@@ -89,11 +97,12 @@ def free_memory(device) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def expert_bank(weights: dict, prefix: str, num_experts: int, dtype) -> ExpertBank:
+def expert_bank(weights: dict, prefix: str, experts: range, dtype) -> ExpertBank:
+    """The bank of experts `experts` (a contiguous range) of the block at `prefix`."""
     def matrices(matrix: str) -> list[tuple[torch.Tensor, ...]]:
-        return [_as_tuple(weights[f"{prefix}experts.{e}.{matrix}"]) for e in range(num_experts)]
+        return [_as_tuple(weights[f"{prefix}experts.{e}.{matrix}"]) for e in experts]
 
-    return ExpertBank(matrices("w1"), matrices("w2"), matrices("w3"), dtype)
+    return ExpertBank(matrices("w1"), matrices("w2"), matrices("w3"), dtype, experts.start)
 
 
 def _as_tuple(value) -> tuple[torch.Tensor, ...]:

@@ -62,6 +62,8 @@ class MonoRunner:
         dominate anyway)."""
         self.model, self.config = model, model.config
         reasons = refusals(self.config, model.device, model.dtype)
+        if model.tp.size > 1:
+            reasons.append(f"the kernels do not run under tensor parallelism yet (tensor parallel size {model.tp.size})")
         if reasons:
             raise MonoRefused(reasons)
         self.plan = layer_plan(self.config)

@@ -89,14 +89,15 @@ def serve(args) -> int:
     import torch
 
     from ..config import load_config
-    from ..model import load_model
+    from ..decode import load_any
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     check_mono(args.mono)  # before spending time on loading the model
     max_model_len = resolve_max_model_len(load_config(args.model), args.model, args.max_model_len)
     sock = bind(args.host, args.port)
     try:
-        model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+        model = load_any(args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                         tensor_parallel_size=args.tensor_parallel_size)
         app = make_app(model, args.model, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        speculative_config=args.speculative_config, mono=args.mono,

@@ -1,0 +1,141 @@
+"""Tensor parallelism of the per-op model: which part of each weight a rank holds, and the
+reductions that put the parts back together.
+
+Rank r of N (contiguous ranges; `TensorParallel.check` refuses an N that does not divide them):
+- attention: heads r H/N .. (r + 1) H/N - 1: their rows of `wq_b` and their `attn_sink`, the
+  `o_groups / N` groups those heads feed (`wo_a`'s rows: group g holds heads g H/G ..), and the
+  columns of `wo_b` that read those groups' z. Its `wo_b` output is a partial sum (`reduce`).
+  The rest of the attention (wq_a, the shared K=V head, norms, compressor, indexer) is whole on
+  every rank: it is small, and every rank then writes the same cache.
+- MoE: routed experts r E/N .. (the others are never read: experts are the bulk of the bytes),
+  the shared expert's intermediate slice (rows of w1 and w3, columns of w2); the router whole,
+  so every rank picks the same experts. The MoE output is a partial sum (`reduce`).
+  By expert rather than by intermediate slice: a rank then reads whole experts, and a step's
+  picks spread over the ranks (the per-op path loops over picked experts).
+- embedding: vocab rows r V/N ..; a token outside them embeds to zeros, so `reduce` is exact.
+- lm_head: vocab rows r V/N ..; the logits are `gather`ed along the vocabulary.
+- mHC, norms, hc_head and everything else: whole.
+The DSpark draft's blocks (`mtp.k.`) are split the same way (its routed experts by its own
+count); its Markov and confidence heads are whole.
+
+Reductions: each rank gathers every rank's part and sums them in rank order, in fp32, so all
+ranks hold bit-identical results whatever the collective's own order. A partial sum is in the
+compute dtype (F.linear's output) before it is summed: in bf16 the reduction rounds each rank's
+part once more than one rank would.
+
+`SINGLE` is the one-rank case (no process group): its reduce and gather return their input.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object = None  # torch.distributed process group; None: the default group
+
+    @classmethod
+    def from_process_group(cls, group=None) -> "TensorParallel":
+        """This process's place in an initialised torch.distributed group (the world by default)."""
+        if not dist.is_initialized():
+            raise RuntimeError("tensor parallelism needs torch.distributed initialised (init_process_group) first")
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    def check(self, config: ModelConfig) -> None:
+        """Refuse a world size that does not divide what the ranks split, naming the numbers."""
+        n = self.size
+        need = {"attention heads": config.num_attention_heads, "o_groups": config.o_groups,
+                "routed experts": config.n_routed_experts, "vocabulary": config.vocab_size}
+        if config.has_dspark:
+            need["draft's routed experts"] = config.draft_n_routed_experts
+        if config.n_shared_experts:
+            need["shared expert intermediate size"] = config.moe_intermediate_size
+        bad = [f"{what} {count}" for what, count in need.items() if count % n]
+        if bad:
+            raise ValueError(f"tensor parallel size {n} must divide the {', '.join(bad)} of this model")
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise unless every rank holds the same `value` (say, the config and the checkpoint's
+        tensor table): ranks must load the same model."""
+        if self.size == 1:
+            return
+        values = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        for rank, other in enumerate(values):
+            if other != values[0]:
+                raise ValueError(f"tensor parallel ranks disagree on the {what}: rank {rank} differs from rank 0")
+
+    def part(self, total: int) -> range:
+        """This rank's contiguous share of `total` (heads, groups, experts, vocabulary rows)."""
+        per = total // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of each rank's x, in rank order in fp32, in x's dtype."""
+        if self.size == 1:
+            return x
+        parts = self._every_ranks(x)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total = total + part.float()
+        return total.to(x.dtype)
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's x concatenated along `dim`, in rank order."""
+        return x if self.size == 1 else torch.cat(self._every_ranks(x), dim=dim)
+
+    def _every_ranks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+    # --- which part of a checkpoint tensor this rank holds ----------------------------------------
+    def holds(self, name: str, config: ModelConfig) -> bool:
+        """Whether this rank reads tensor `name` (schema name) at all: not another rank's expert."""
+        found = _EXPERT.search(name)
+        if self.size == 1 or not found:
+            return True
+        experts = config.draft_n_routed_experts if found[1] == "mtp" else config.n_routed_experts
+        return int(found[2]) in self.part(experts)
+
+    def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """This rank's slice of weight `name` (schema name without `.weight`), converted."""
+        if self.size == 1 or not name.startswith(("layers.", "mtp.")):
+            return self._vocab_rows(name, tensor, config)
+        c = config
+        leaf = name.split(".", 2)[2]
+        if leaf == "attn.wq_b":
+            return self._rows(tensor, self.part(c.num_attention_heads), c.head_dim)
+        if leaf == "attn.attn_sink":
+            return self._rows(tensor, self.part(c.num_attention_heads), 1)
+        if leaf == "attn.wo_a":
+            return self._rows(tensor, self.part(c.o_groups), c.o_lora_rank)
+        if leaf == "attn.wo_b":
+            return self._rows(tensor.t(), self.part(c.o_groups), c.o_lora_rank).t().contiguous()
+        if leaf in ("ffn.shared_experts.w1", "ffn.shared_experts.w3"):
+            return self._rows(tensor, self.part(c.moe_intermediate_size), 1)
+        if leaf == "ffn.shared_experts.w2":
+            return self._rows(tensor.t(), self.part(c.moe_intermediate_size), 1).t().contiguous()
+        return tensor
+
+    def _vocab_rows(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        if self.size > 1 and name in ("embed", "head"):
+            return self._rows(tensor, self.part(config.vocab_size), 1)
+        return tensor
+
+    @staticmethod
+    def _rows(tensor: torch.Tensor, units: range, rows_per_unit: int) -> torch.Tensor:
+        return tensor[units.start * rows_per_unit:units.stop * rows_per_unit].contiguous()
+
+
+SINGLE = TensorParallel()
+_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")

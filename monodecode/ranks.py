@@ -1,0 +1,245 @@
+"""The per-op model over N processes, one a device (tensor parallelism: model/parallel.py).
+
+`load_ranks(source, size, ...)`: this process becomes rank 0 and starts ranks 1 .. N-1
+(spawned; each loads its own part of the checkpoint on its own device: rank r on cuda:r, or all
+on the CPU). It returns a `LeadingModel`: the model's interface (config, device, dtype, tp,
+checkpoint, make_cache, step, score, draft) for the engine, `generate` and the server, which
+sends each call that reads or changes model state to the other ranks before making it itself.
+The other ranks (`follow`) make the same calls in the same order, so every collective of a step
+meets its partners. Caches are mirrored: each rank holds its own copy; the leader's
+`MirroredCache` forwards `clear`. The DSpark draft likewise (`LeadingDraft`: make_cache, commit,
+propose); the other ranks' proposals are thrown away (they sample with no generator: the
+sampling has no collective, so their steps still meet rank 0's).
+Commands travel over a gloo group (Python objects) whatever carries the model's reductions
+(gloo on CPUs, NCCL on GPUs). `LeadingModel.close` (also at exit) stops the ranks; a rank whose
+leader vanished gets an error from its wait and exits, and every wait gives up after
+`TIMEOUT` (a rank that died makes the others raise, not hang).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import tempfile
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .model import load_model
+from .presets import load_config
+from .model.parallel import TensorParallel
+
+class RankError(RuntimeError):
+    """Another tensor-parallel rank failed or exited while this one started."""
+
+
+TIMEOUT = timedelta(minutes=10)  # a collective's longest wait: loading a shard takes minutes
+
+
+def rank_device(device, rank: int) -> torch.device:
+    """Rank r's device: cuda:(index + r) for a GPU `device`, the CPU for the CPU."""
+    device = torch.device(device)
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+def _join(rank: int, size: int, store: str, device: torch.device):
+    """Join the ranks' process group; the group commands travel over."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives (all_gather_object too) use the current device
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size, timeout=TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else dist.group.WORLD
+
+
+def _plain(values) -> list:
+    return values.tolist() if torch.is_tensor(values) else list(values)
+
+
+class MirroredCache:
+    """The leader's cache: its own copy, whose changes outside a step reach the other ranks."""
+
+    def __init__(self, local, cache_id: int, leader: "LeadingModel"):
+        self.local, self.id, self._leader = local, cache_id, leader
+
+    def clear(self, slot: int) -> None:
+        self._leader.send("clear", self.id, slot)
+        self.local.clear(slot)
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+
+class LeadingModel:
+    """Rank 0's model: every state-changing call is sent to the other ranks, then made here."""
+
+    def __init__(self, model, control, ranks):
+        self.model, self._control, self._ranks = model, control, ranks
+        self.ids = itertools.count()
+        self._draft = None
+        self._closed = False
+        atexit.register(self.close)
+
+    config = property(lambda self: self.model.config)
+    device = property(lambda self: self.model.device)
+    dtype = property(lambda self: self.model.dtype)
+    tp = property(lambda self: self.model.tp)
+    checkpoint = property(lambda self: self.model.checkpoint)
+
+    def send(self, *command) -> None:
+        if self._closed:
+            raise RuntimeError("the tensor-parallel ranks were stopped (LeadingModel.close)")
+        dist.broadcast_object_list([command], src=0, group=self._control)
+
+    def make_cache(self, num_slots: int, max_context: int, max_step_rows: int = 8) -> MirroredCache:
+        cache_id = next(self.ids)
+        self.send("make_cache", cache_id, num_slots, max_context, max_step_rows)
+        return MirroredCache(self.model.make_cache(num_slots, max_context, max_step_rows), cache_id, self)
+
+    def step(self, cache: MirroredCache, tokens, positions, slots, return_hidden: bool = False):
+        tokens, positions, slots = _plain(tokens), _plain(positions), _plain(slots)
+        self.send("step", cache.id, tokens, positions, slots, return_hidden)
+        return self.model.step(cache.local, tokens, positions, slots, return_hidden=return_hidden)
+
+    def score(self, token_ids) -> torch.Tensor:
+        token_ids = _plain(token_ids)
+        self.send("score", token_ids)
+        return self.model.score(token_ids)
+
+    def draft(self) -> "LeadingDraft":
+        if self._draft is None:
+            self.send("draft")
+            self._draft = LeadingDraft(self.model.draft(), self)
+        return self._draft
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group (once; also at exit)."""
+        if self._closed:
+            return
+        self.send("stop")
+        self._closed = True
+        while not self._ranks.join():
+            pass
+        dist.destroy_process_group()
+
+
+class LeadingDraft:
+    """Rank 0's DSpark draft: each call is sent to the other ranks, then made here."""
+
+    def __init__(self, draft, leader: LeadingModel):
+        self.draft, self._leader = draft, leader
+
+    block_size = property(lambda self: self.draft.block_size)
+
+    def make_cache(self, num_slots: int) -> MirroredCache:
+        cache_id = next(self._leader.ids)
+        self._leader.send("draft_make_cache", cache_id, num_slots)
+        return MirroredCache(self.draft.make_cache(num_slots), cache_id, self._leader)
+
+    def commit(self, cache: MirroredCache, slot: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._leader.send("draft_commit", cache.id, slot, _plain(positions), hidden.cpu())
+        self.draft.commit(cache.local, slot, positions, hidden)
+
+    def propose(self, cache: MirroredCache, anchors, anchor_positions, slots, sampling):
+        unseeded = [(temperature, top_p, top_k, None) for temperature, top_p, top_k, _ in sampling]
+        self._leader.send("draft_propose", cache.id, _plain(anchors), _plain(anchor_positions), list(slots), unseeded)
+        return self.draft.propose(cache.local, anchors, anchor_positions, slots, sampling)
+
+
+def _follow(index: int, size: int, store: str, source: str, device: str, dtype: torch.dtype, seed: int):
+    """Rank index + 1: load its part, then make the leader's calls until told to stop."""
+    rank = index + 1
+    device = rank_device(device, rank)
+    control = _join(rank, size, store, device)
+    model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group())
+    caches, draft = {}, None
+
+    def as_tensor(values):
+        return torch.as_tensor(values, device=model.device)
+
+    while True:
+        received = [None]
+        dist.broadcast_object_list(received, src=0, group=control)
+        name, *args = received[0]
+        if name == "stop":
+            break
+        try:
+            if name == "make_cache":
+                cache_id, *shape = args
+                caches[cache_id] = model.make_cache(*shape)
+            elif name == "step":
+                cache_id, tokens, positions, slots, return_hidden = args
+                model.step(caches[cache_id], tokens, positions, slots, return_hidden=return_hidden)
+            elif name == "clear":
+                cache_id, slot = args
+                caches[cache_id].clear(slot)
+            elif name == "score":
+                model.score(*args)
+            elif name == "draft":
+                draft = model.draft()
+            elif name == "draft_make_cache":
+                cache_id, num_slots = args
+                caches[cache_id] = draft.make_cache(num_slots)
+            elif name == "draft_commit":
+                cache_id, slot, positions, hidden = args
+                draft.commit(caches[cache_id], slot, as_tensor(positions), hidden.to(model.device))
+            elif name == "draft_propose":
+                cache_id, anchors, anchor_positions, slots, sampling = args
+                draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, sampling)
+            else:
+                raise RankError(f"tensor-parallel rank {rank}: unknown command {name!r} from rank 0")
+        except ValueError:
+            pass  # bad input (a row out of range): rank 0 refused it too, by the same check, before any collective
+    dist.destroy_process_group()
+
+
+def load_ranks(source, size: int, *, device="cpu", dtype=torch.float32, seed: int = 0) -> LeadingModel:
+    """Rank 0 of `size` ranks of the per-op model of `source` (a checkpoint directory or preset)."""
+    if size < 2:
+        raise ValueError(f"load_ranks runs 2 or more ranks, got a tensor parallel size of {size}")
+    TensorParallel(rank=0, size=size).check(load_config(source))  # before any process starts
+    device = torch.device(device)
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise ValueError(f"tensor parallel size {size} from {device} needs {(device.index or 0) + size} GPUs, "
+                         f"this machine has {torch.cuda.device_count()}")
+    store = str(Path(tempfile.mkdtemp(prefix="monodecode-tp-")) / "store")
+    ranks = mp.start_processes(_follow, args=(size, store, str(source), str(device), dtype, seed), nprocs=size - 1,
+                               join=False, daemon=True, start_method="spawn")
+
+    def start():
+        control = _join(0, size, store, rank_device(device, 0))
+        model = load_model(source, device=rank_device(device, 0), dtype=dtype, seed=seed,
+                           tp=TensorParallel.from_process_group())
+        return LeadingModel(model, control, ranks)
+
+    return _watching(ranks, start)
+
+
+def _watching(ranks, start):
+    """start() (joining the group, loading this rank's part), while watching the other ranks: a
+    rank that fails meanwhile (a bad checkpoint, no memory) raises its error here at once,
+    instead of leaving this rank waiting for it until TIMEOUT."""
+    done = {}
+
+    def run():
+        try:
+            done["result"] = start()
+        except BaseException as e:  # handed to the caller's thread
+            done["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)  # daemon: a rank's failure must not keep it waiting
+    thread.start()
+    while thread.is_alive():
+        try:
+            ranks.join(timeout=0.1)
+        except mp.ProcessRaisedException as e:
+            raise RankError(f"a tensor-parallel rank failed while starting: {e}") from None
+        except mp.ProcessExitedException as e:
+            raise RankError(f"a tensor-parallel rank exited while starting ({e})") from None
+        thread.join(0.1)
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
