@@ -74,6 +74,7 @@ case $part in
         --kinds "${KINDS:-window}" $timeline --out "$out/$run" > "$out/$run/bench-layer.txt" 2>&1)
       echo "$run: exit $?" >> "$out/$part.txt"
     done
+    rm -f "$out"/*/bench_layer.png  # a call brings back few files: the JSON and the printouts matter
     python3 tools/ab_summary.py "$out" >> "$out/$part.txt" 2>&1 ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \

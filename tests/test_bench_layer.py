@@ -186,13 +186,13 @@ def test_bench_layer_records_a_refused_shape_and_goes_on(device, tmp_path, monke
     configure = runner_module.MonoRunner.configure
 
     def refusing(self, shape, check=True):
-        if shape.programs_per_sm == 9:
+        if shape.k2_programs_per_sm == 9:
             raise MonoRefused(["K2: 9 programs a SM cannot all be resident at once"])
         return configure(self, shape, check)
 
     monkeypatch.setattr(runner_module.MonoRunner, "configure", refusing)
     assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "2", "--kinds", "window",
-                 "--shapes", "programs_per_sm=9;default", "--context", "20", "--reps", "1",
+                 "--shapes", "k2_programs_per_sm=9;default", "--context", "20", "--reps", "1",
                  "--out", str(tmp_path)]) == 0
     refused, timed = json.loads((tmp_path / "bench_layer.json").read_text())["layers"]
     assert "cannot all be resident" in refused["refused"] and refused["mono_s"] is None

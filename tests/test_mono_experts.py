@@ -86,7 +86,7 @@ def test_other_tiles_match_the_reference(experts, device, block_n, block_k):
     g = torch.Generator().manual_seed(50 + block_n + block_k)
     ids = picks(g, 6, 2, 8, "bias")
     ids[2] = -1
-    y, ref = run(experts, ids, g, device, LaunchShape(programs_per_sm=2, expert_block_n=block_n,
+    y, ref = run(experts, ids, g, device, LaunchShape(k2_programs_per_sm=2, expert_block_n=block_n,
                                                       expert_block_k=block_k))
     assert_close(y, ref)
 

@@ -359,10 +359,11 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
     assert len(m.mono.graphs) == 4
 
 
-@pytest.mark.parametrize("spec", ["block_n=16,block_k=512,expert_block_n=32",
+@pytest.mark.parametrize("spec", ["block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2",
                                   "block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16"])
 def test_another_launch_shape_gives_the_same_step(decoder, spec):
-    """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), dense
+    """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
+    two programs a SM and K2 at one (on a GPU: grids of their own, tiles chosen for each), dense
     GEMVs split along K (slices of 32: 2 to 4 a block, summed by the last to arrive, in every layer
     of the step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of 32 and 16 rows
     (`experts.load_fragments`' 16-row blocks): the same result up to fp32 summation order."""
@@ -470,7 +471,7 @@ def test_the_residency_check_launches_every_kernel_at_the_widest_build(decoder):
 def test_a_launch_shape_that_cannot_be_resident_is_refused_and_the_old_one_kept(decoder):
     before = decoder.mono.shape
     with pytest.raises(MonoRefused, match="cannot all be resident"):
-        decoder.mono.configure(LaunchShape(programs_per_sm=8, k1_warps=8, k2_warps=8))
+        decoder.mono.configure(LaunchShape(k2_programs_per_sm=8, k1_warps=8, k2_warps=8))
     assert decoder.mono.shape == before
     cache = decoder.make_cache(1, CONTEXT, STEP_ROWS)
     decoder.model.step(cache, [1, 2, 3], [0, 1, 2], [0, 0, 0])

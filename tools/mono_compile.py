@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     runner.fast = True  # the NVIDIA code paths
     # tiles chosen by the grid (one-row GEMV blocks) as on the target GPU, not the CPU runner's grid of 1;
     # the recorded launches never run, so nothing else reads it
-    runner.grid = cli.sms * runner.shape.programs_per_sm
+    runner.grids = {"k1": cli.sms * runner.shape.k1_programs_per_sm, "k2": cli.sms * runner.shape.k2_programs_per_sm}
+    runner.grids["ffn"] = runner.grids["k2"]
     runner.check = lambda: None  # nothing ran
     for rows in (int(w) for w in cli.widths.split(",")):
         cache = model.make_cache(8, 64, 8)

@@ -6,7 +6,7 @@ boundary where K2 has a grid barrier, and the sum over each row's picks in top-k
 host side. It is what the expert tests check against the float64 reference
 (`expert_reference.py`) and what the expert benchmark times.
 
-Grid: `programs_per_sm` programs a SM (grid (1,) under Triton's interpreter), program p taking
+Grid: `k2_programs_per_sm` programs a SM (grid (1,) under Triton's interpreter), program p taking
 tasks p, p + grid, ...; nothing waits inside a launch, so no launch needs to be co-resident.
 Scratch: `StageBuffers` (gate/up fp32, h bf16, per-pick outputs fp32), uninitialised unless
 poisoned with NaN (the tasks write every element anything reads).
@@ -84,7 +84,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     order, experts, counts = groups
     picks = order.numel()
     grid = (1,) if interpreted() else (torch.cuda.get_device_properties(x.device).multi_processor_count
-                                       * shape.programs_per_sm,)
+                                       * shape.k2_programs_per_sm,)
     (w1, s1), (w2, s2), (w3, s3) = ((codes.view(torch.int16), scales) for codes, scales in
                                     (weights.w1, weights.w2, weights.w3))
     if "up" in kernels:

@@ -1,8 +1,8 @@
 """K1: the attention seam and front of a `whole` layer, one persistent launch.
 
-Grid: one program per SM (`MonoRunner.grid`), all co-resident (a cooperative launch: the driver
-refuses a grid that cannot be); under Triton's interpreter grid (1,), one program doing every
-task in order. Program p takes tasks p, p + grid, ... of each stage; a grid barrier (sync.py)
+Grid: `LaunchShape.k1_programs_per_sm` programs a SM (`MonoRunner.grids`), all co-resident (a
+cooperative launch: the driver refuses a grid that cannot be); under Triton's interpreter grid
+(1,), one program doing every task in order. Program p takes tasks p, p + grid, ... of each stage; a grid barrier (sync.py)
 separates consecutive stages, so a task only reads what earlier stages wrote.
 
 Stages (R rows; task counts)                                    reads -> writes
@@ -156,10 +156,10 @@ def _k1(a, m):
 
 def dense_stages(runner, rows: int):
     """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a | wkv, wq_b."""
-    c, warps = runner.config, runner.shape.k1_warps
+    c = runner.config
     d, q_lora, hd = c.hidden_size, c.q_lora_rank, c.head_dim
-    qa, kv = runner.gemv_blocks(q_lora, d, rows, warps), runner.gemv_blocks(hd, d, rows, warps)
-    qb = runner.gemv_blocks(c.num_attention_heads * hd, q_lora, rows, warps)
+    qa, kv = runner.gemv_blocks("k1", q_lora, d, rows), runner.gemv_blocks("k1", hd, d, rows)
+    qb = runner.gemv_blocks("k1", c.num_attention_heads * hd, q_lora, rows)
     return [[(q_lora, qa), (hd, kv)], [(c.num_attention_heads * hd, qb)]]
 
 
@@ -184,7 +184,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
-    chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grid)
+    chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"])
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
@@ -192,5 +192,5 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
-    runner.launch(_k1, "K1", args, meta=meta)
+    runner.launch(_k1, "K1", "k1", args, meta=meta)
     return 1 - cur if owed else cur

@@ -1,7 +1,7 @@
 """K2: the attention back, the FFN seam and the MoE of a layer, one persistent launch.
 
-Grid and task placement as K1 (k1.py): one co-resident program per SM (grid (1,) under the
-interpreter), program p takes tasks p, p + grid, ... of each stage, a grid barrier between stages.
+Grid and task placement as K1 (k1.py), `LaunchShape.k2_programs_per_sm` co-resident programs a SM
+(grid (1,) under the interpreter), program p takes tasks p, p + grid, ... of each stage, a grid barrier between stages.
 
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 0 attend    attention.attend_task  R * ceil(H/HB)     q, the KV ring, sinks -> o (inverse RoPE;
@@ -279,14 +279,14 @@ def _k2(a, f, m):
 def dense_stages(runner, rows: int):
     """K2's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wo_a, wo_b,
     gate | w1 | w3, w2 (the `ffn` launch runs the last two)."""
-    c, warps = runner.config, runner.shape.k2_warps
+    c = runner.config
     inter, d = c.moe_intermediate_size, c.hidden_size
     z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups
-    oa = runner.gemv_blocks(z_width, o_in, rows, warps, group_rows=c.o_lora_rank)
-    ob = runner.gemv_blocks(d, z_width, rows, warps)
-    g = runner.gemv_blocks(c.n_routed_experts, d, rows, warps, fp8=False)
-    sh = runner.gemv_blocks(inter, d, rows, warps)
-    s2 = runner.gemv_blocks(d, inter, rows, warps)
+    oa = runner.gemv_blocks("k2", z_width, o_in, rows, group_rows=c.o_lora_rank)
+    ob = runner.gemv_blocks("k2", d, z_width, rows)
+    g = runner.gemv_blocks("k2", c.n_routed_experts, d, rows, fp8=False)
+    sh = runner.gemv_blocks("k2", inter, d, rows)
+    s2 = runner.gemv_blocks("k2", d, inter, rows)
     return [[(z_width, oa)], [(d, ob)], [(c.n_routed_experts, g), (inter, sh), (inter, sh)], [(d, s2)]]
 
 
@@ -323,7 +323,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
-    chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows, runner.grid)
+    chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows, runner.grids["k2"])
     meta = K2Meta(
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
@@ -337,5 +337,5 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast,
         FAST_EXPERTS=runner.fast and ex.supports_fast_decode(), TIMELINE=runner.timeline)
-    runner.launch(_k2, "K2" if attention else "K2 (ffn)", attn, ffn, meta=meta)
+    runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
     return 1 - cur if attention else cur

@@ -116,15 +116,18 @@ class MonoRunner:
         self.check()  # a host sync
 
     def configure(self, shape: LaunchShape, check: bool = True) -> None:
-        """Launch the kernels with `shape` from now on (the grid: programs_per_sm a SM; 1 under
-        the interpreter). Resets the sync state (its barrier targets count programs), drops the
+        """Launch the kernels with `shape` from now on (each kernel's grid: its programs a SM times
+        the SMs; 1 under the interpreter). Resets the sync state (its barrier targets count programs), drops the
         graphs and timelines captured so far and, on a GPU, checks co-residency
         (`check_residency`: raises MonoRefused if the shape cannot be resident, and keeps the
         shape it had)."""
         self._check_expert_tiles(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.grid = 1 if interpreted() else sms * shape.programs_per_sm
+        self.grids = {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm}
+        if interpreted():
+            self.grids = dict.fromkeys(self.grids, 1)
+        self.grids["ffn"] = self.grids["k2"]  # the `ffn` launch is K2 without its attention stages
         self.shape = shape
         self.sync = {name: SyncState(self.device, stages) for name, stages in
                      (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
@@ -152,13 +155,14 @@ class MonoRunner:
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
 
-    def gemv_blocks(self, N: int, K: int, rows: int, warps: int, fp8: bool = True,
+    def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:
-        """(BN, BK, SPLIT) of a dense [N, K] GEMV stage in programs of `warps` warps for a step of
-        `rows` rows (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape); BN
-        at most `group_rows` for a grouped one."""
+        """(BN, BK, SPLIT) of a dense [N, K] GEMV stage of kernel `family` ("k1", "k2") for a step
+        of `rows` rows (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape);
+        BN at most `group_rows` for a grouped one."""
+        warps = self.shape.k1_warps if family == "k1" else self.shape.k2_warps
         bn, bk, split = kernel_blocks(self.shape.block_n, self.shape.block_k, self.shape.dense_chunk, N, K,
-                                      self.config.fp8_block[0] if fp8 else None, self.grid, rows, warps)
+                                      self.config.fp8_block[0] if fp8 else None, self.grids[family], rows, warps)
         return (min(bn, group_rows) if group_rows else bn), bk, split
 
     def memory(self) -> dict[str, int]:
@@ -219,35 +223,36 @@ class MonoRunner:
         return SyncArgs(words=self.sync[kind].words, max_polls=self.max_polls, timeline=self.timeline_buffer(kind))
 
     def timeline_buffer(self, kind: str) -> torch.Tensor:
-        """The stamps buffer of a kernel family ([grid, TIMELINE_SLOTS] int64; the last launch's
+        """The stamps buffer of a kernel family ([its grid, TIMELINE_SLOTS] int64; the last launch's
         stamps), or, with the timeline off, any device pointer (the kernels do not touch it)."""
         if not self.timeline:
             return self.sync[kind].words
         if interpreted():
             raise RuntimeError("the mono timeline reads the GPU's global timer: it needs a GPU")
         if kind not in self.timelines:
-            self.timelines[kind] = torch.zeros(self.grid, TIMELINE_SLOTS, dtype=torch.int64, device=self.device)
+            self.timelines[kind] = torch.zeros(self.grids[kind], TIMELINE_SLOTS, dtype=torch.int64, device=self.device)
         return self.timelines[kind]
 
-    def launch(self, kernel, name: str, *args, meta) -> None:
-        """One persistent launch of `self.grid` programs: `kernel(*args, meta)`, the fields of the
+    def launch(self, kernel, name: str, family: str, *args, meta) -> None:
+        """One persistent launch of kernel `family`'s grid: `kernel(*args, meta)`, the fields of the
         `meta` named tuple passed as compile-time constants. On the GPU it is cooperative: the
         driver refuses a grid whose programs cannot all be resident at once (registers, shared
         memory) instead of letting their waits on each other hang; that refusal becomes
         MonoRefused."""
-        warps = self.shape.k1_warps if name == "K1" else self.shape.k2_warps
+        warps = self.shape.k1_warps if family == "k1" else self.shape.k2_warps
+        grid = self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
         if interpreted():
-            kernel[(self.grid,)](*args, constants, num_warps=warps)
+            kernel[(grid,)](*args, constants, num_warps=warps)
             return
         try:
-            compiled = kernel[(self.grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True)
+            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True)
             if compiled is not None:  # Triton returns the compiled kernel it launched
                 self.compiled[(name, meta.BR)] = compiled
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
-            raise MonoRefused([f"{name}: {self.grid} programs ({self.shape.programs_per_sm} per SM, {warps} warps) "
+            raise MonoRefused([f"{name}: {grid} programs ({self.shape.spec()}: {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
 
     def kernel_resources(self) -> list[dict]:

@@ -1,14 +1,15 @@
 """`LaunchShape`: how the persistent kernels are launched and tiled.
 
 Results do not depend on it beyond fp32 summation order (tests check each shape they use against
-the same reference). `programs_per_sm` co-resident programs on every SM, of `k1_warps` warps in K1
-and `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone); dense GEMV tasks of a step
-of two rows or more of `block_n` outputs (0: 128 in programs of 8 warps, 64 in fewer) over
-`dense_chunk` elements of K (a longer K is split into slices summed in order) in K steps of
-`block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow `gemv.single_row_blocks`
-instead), `dense_stages` K steps deep in Triton's software pipeline (every width); expert tasks
-of `expert_block_n` outputs over K steps of `expert_block_k` (a multiple of 128, the fragment
-order's column group; with 256, tasks of one or two rows take the diagonal loop: experts.py).
+the same reference). `k1_programs_per_sm` co-resident programs on every SM of `k1_warps` warps in
+K1, `k2_programs_per_sm` of `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone);
+dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8
+warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into slices summed in
+order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
+`gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
+(every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
+multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
+diagonal loop: experts.py).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -19,8 +20,9 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class LaunchShape:
-    programs_per_sm: int = 1
-    k1_warps: int = 4
+    k1_programs_per_sm: int = 1
+    k2_programs_per_sm: int = 1
+    k1_warps: int = 8
     k2_warps: int = 8
     block_n: int = 0
     block_k: int = 128
