@@ -1,10 +1,11 @@
 """K2: the attention back, the FFN seam and the MoE of a layer, one persistent launch.
 
-Grid and task placement as K1 (k1.py), `LaunchShape.k2_programs_per_sm` co-resident programs a SM
-(grid (1,) under the interpreter), program p takes tasks p, p + grid, ... of each stage, a grid barrier between stages.
+Grid and task placement as K1 (k1.py), `LaunchShape.k2_programs_per_sm` co-resident programs a
+SM (grid (1,) under the interpreter): program p takes tasks p, p + grid, ... of each stage, a grid
+barrier between stages.
 
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
-0 attend    attention.attend_task  R * ceil(H/HB)     q, the KV ring, sinks -> o (inverse RoPE;
+0 attend    attention.attend_task  R * ceil(H/HB) * AP  q, the KV ring, sinks -> o (inverse RoPE;
                                                       zero for pad rows)
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
@@ -140,6 +141,7 @@ class K2Meta(NamedTuple):
     HB: int  # heads of an attend task
     KW: int  # window keys, padded to a power of two
     BDA: int  # head dims an attend task takes at once
+    AP: int  # parts of head_dim an attend task's output covers one of (LaunchShape.attend_parts)
     HC: int
     MIXP: int
     RB: int
@@ -258,9 +260,9 @@ def _k2(a, f, m):
     NB: tl.constexpr = 11 if m.ATTENTION else 8
     b0 = 0
     if m.ATTENTION:
-        for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
+        for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * m.AP, grid):
             A.attend_task(t, a.q, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink, a.freqs,
-                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.FAST)
+                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.AP, m.FAST)
         barrier(f.sync, epoch, 0, NB, m.TIMELINE)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -323,10 +325,11 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
-    chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows, runner.grids["k2"])
+    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows, runner.grids["k2"], runner.shape.fold_rows)
     meta = K2Meta(
-        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
-        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
+        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
+        BDA=A.attend_chunk(A.BD, hd, shape.attend_parts), AP=shape.attend_parts,
+        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
         SPLIT_Z=split_z, DENSE_STAGES=shape.dense_stages,

@@ -27,7 +27,9 @@ import triton.language as tl
 
 from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
+from . import attention as A
 from . import experts as X
+from . import hc as HC
 from . import k1, k2
 from .gemv import kernel_blocks, split_needs
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
@@ -121,7 +123,7 @@ class MonoRunner:
         graphs and timelines captured so far and, on a GPU, checks co-residency
         (`check_residency`: raises MonoRefused if the shape cannot be resident, and keeps the
         shape it had)."""
-        self._check_expert_tiles(shape)
+        self._check_tiles(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grids = {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm}
@@ -148,12 +150,20 @@ class MonoRunner:
                 self.configure(previous, check=False)
                 raise
 
-    def _check_expert_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve is a caller's error."""
+    def _check_tiles(self, shape: LaunchShape) -> None:
+        """A shape whose expert tiles the experts' fragment order cannot serve, whose attend parts
+        or q-head blocks the heads cannot be cut into, or whose fold rows no fold task takes, is a
+        caller's error."""
         c = self.config
         refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
+        refusal = A.parts_refusal(shape.attend_parts, c.head_dim) or A.q_head_block_refusal(shape.q_head_block)
+        if refusal:
+            raise ValueError(f"launch shape {shape.spec()}: the window attention needs {refusal}")
+        refusal = HC.fold_rows_refusal(shape.fold_rows)
+        if refusal:
+            raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

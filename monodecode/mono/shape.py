@@ -9,7 +9,9 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
-diagonal loop: experts.py).
+diagonal loop: experts.py); window attention tasks whose output covers one of `attend_parts`
+parts of a head's channels (attention.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`);
+q-heads tasks of `q_head_block` heads (0: by the step's width, `attention.q_head_block`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -30,6 +32,9 @@ class LaunchShape:
     dense_stages: int = 4
     expert_block_n: int = 128
     expert_block_k: int = 256
+    attend_parts: int = 1
+    fold_rows: int = 16
+    q_head_block: int = 1
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
