@@ -6,7 +6,6 @@ row, a reused slot) and must produce the one-process logits up to fp32 summation
 same greedy tokens, and logits bit-identical across ranks; and the DSpark draft's proposal
 distributions of the one process."""
 
-import os
 
 import pytest
 import torch

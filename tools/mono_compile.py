@@ -141,7 +141,8 @@ def build(index: int, dump: str | None) -> str:
     kernel, args, kwargs = BUILDS[index]
     types, constants, attrs = signature(kernel, args)
     compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": kwargs.get("num_warps", 4)})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": kwargs.get("num_warps", 4), "maxnreg": kwargs.get("maxnreg")})
     timeline = bool(args[-1].TIMELINE)
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -164,15 +165,16 @@ def main(argv=None) -> int:
                                                             "that the launch shape's tile choices assume")
     cli = parser.parse_args(argv)
     launches = []
-    k1._k1, k2._k2 = Recorder(k1._k1, launches), Recorder(k2._k2, launches)
+    k1._k1, k2._k2, k2._k3 = (Recorder(kernel, launches) for kernel in (k1._k1, k2._k2, k2._k3))
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
     model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims), seed=1), "cpu", torch.bfloat16)
     runner = runner_module.MonoRunner(model, shape=LaunchShape.parse(cli.shape))
     runner.fast = True  # the NVIDIA code paths
     # tiles chosen by the grid (one-row GEMV blocks) as on the target GPU, not the CPU runner's grid of 1;
     # the recorded launches never run, so nothing else reads it
-    runner.grids = {"k1": cli.sms * runner.shape.k1_programs_per_sm, "k2": cli.sms * runner.shape.k2_programs_per_sm}
-    runner.grids["ffn"] = runner.grids["k2"]
+    per_sm = {"k1": runner.shape.k1_programs_per_sm, "k2": runner.shape.k2_programs_per_sm,
+              "ffn": runner.shape.k2_programs_per_sm, "k3": runner.shape.expert_programs_per_sm}
+    runner.grids = {family: cli.sms * per_sm[family] for family in runner.grids}
     runner.check = lambda: None  # nothing ran
     for rows in (int(w) for w in cli.widths.split(",")):
         cache = model.make_cache(8, 64, 8)

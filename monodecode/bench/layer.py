@@ -167,15 +167,13 @@ class LayerBench:
     def stage_times(self, kernels, whole: bool) -> dict:
         """Per-stage times (mono/timeline.py) of one eager run of the layer's kernels: where their
         time goes (the stamps cost a little; not the timed number)."""
-        from ..mono import k1, k2
-
         runner = self.runner
         runner.timeline = True
         try:
             kernels()
             torch.cuda.synchronize(self.device)
-            names = {"k1": k1.STAGES, "k2": k2.STAGES} if whole else {"ffn": k2.FFN_STAGES}
-            return {kind: stage_times(runner.timelines[kind], stages) for kind, stages in names.items()}
+            kinds = (["k1", "k2"] if whole else ["ffn"]) + (["k3"] if "k3" in runner.grids else [])
+            return {kind: stage_times(runner.timelines[kind], runner.sync[kind].stage_names) for kind in kinds}
         finally:
             runner.timeline = False
             runner.timelines.clear()
@@ -343,16 +341,21 @@ def table(report: dict) -> str:
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
                  "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; kernels: mono's "
-                 "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1; the `ffn` launch); shape: the "
+                 "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1; the `ffn` launch; K3 with it "
+                 "where the shape has one); shape: the "
                  "kernels' launch shape (mono/shape.py LaunchShape); launches: GPU kernels one eager step launches "
                  "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
     resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]
-                 for k in r.get("kernel_resources") or () if k["row_block"] == max(
-                     j["row_block"] for j in r["kernel_resources"])}
+                 for k in r.get("kernel_resources") or () if k["row_block"] in (None, _widest(r))}  # K3: None
     if resources:
         lines.append("registers a thread (spilled) at the widest row block: " + "; ".join(
             f"{shape} {kernel} {regs} ({spills})" for shape, kernel, regs, spills in sorted(resources)))
     return "\n".join(lines)
+
+
+def _widest(row: dict) -> int:
+    """The widest row block a layer row's kernels were built for (K3's one build has none)."""
+    return max(k["row_block"] for k in row["kernel_resources"] if k["row_block"] is not None)
 
 
 def _launches(counts: dict) -> str:

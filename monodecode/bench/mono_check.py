@@ -36,7 +36,6 @@ from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
 from ..decode import Decoder
 from ..model import Model
-from ..mono import k1, k2
 from ..mono.shape import LaunchShape
 from ..mono.sync import EPOCH, MonoSyncError
 from ..mono.timeline import format_times, stage_times
@@ -188,7 +187,6 @@ def check_timeline(decoder: Decoder, base_cache) -> dict:
     width. Not a benchmark (one step, stamps on); it says where a launch's time goes."""
     runner, g = decoder.mono, torch.Generator().manual_seed(5)
     graphs, runner.graphs_enabled, runner.timeline = runner.graphs_enabled, False, True
-    names = {"k1": k1.STAGES, "k2": k2.STAGES, "ffn": k2.FFN_STAGES}
     out = {}
     for width in WIDTHS:
         cache = copy.deepcopy(base_cache)
@@ -196,7 +194,8 @@ def check_timeline(decoder: Decoder, base_cache) -> dict:
         decoder.step(cache, tokens, positions, slots)  # warm
         decoder.step(cache, tokens, positions, slots)
         torch.cuda.synchronize()
-        out[width] = {kind: stage_times(stamps, names[kind]) for kind, stamps in runner.timelines.items()}
+        out[width] = {kind: stage_times(stamps, runner.sync[kind].stage_names) for kind, stamps in
+                      runner.timelines.items()}
         for kind, times in out[width].items():
             print(f"width {width}, {kind} (last layer):\n{format_times(times)}")
     runner.graphs_enabled, runner.timeline = graphs, False

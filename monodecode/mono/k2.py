@@ -22,16 +22,20 @@ Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
 11 combine  combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
 The `ffn` variant (no `K2Attention`, for layers whose attention ran per-op) starts at stage 3 with
-nothing to fold: the streams it reads are already settled. y, post and comb of the FFN site are
+nothing to fold: the streams it reads are already settled. With `LaunchShape.expert_programs_per_sm`
+> 0 stages 8-11 leave K2 (which then ends after stage 7) for a launch of their own, K3 (`_k3`, the
+`k3` sync family: its own epoch and barriers), of that many programs a SM with their registers
+capped so that they fit (`expert_registers`); K3 reads what K2 wrote after K2 has ended. y, post and comb of the FFN site are
 owed to the next layer's K1 (or the runner's final fold). Pad rows (slot < 0) route to no expert
 (ids -1), so their y holds the shared expert's output only; nothing reads a pad row's result.
-Waits: a grid barrier after every stage but the last (11; 8 in the `ffn` variant), so a stage
-reads only what finished stages wrote; an expired wait names the stage it waited on (STAGES,
-FFN_STAGES). Rounding points: those of each stage module (bf16 where the per-op path rounds;
+Waits: a grid barrier after every stage but the last (11; 8 in the `ffn` variant; 7 and 4 without
+the expert stages, K3 3), so a stage reads only what finished stages wrote; an expired wait names
+the stage it waited on (`stage_names`). Rounding points: those of each stage module (bf16 where the per-op path rounds;
 fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
 Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`; the split
 GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
-Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`.
+Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta` (K3: the
+same `FfnArgs` with its own sync, and `K3Meta`).
 """
 
 from __future__ import annotations
@@ -51,10 +55,21 @@ from .plan import MAX_ROWS
 from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
 from .weights import Fp8Matrix
 
-_FFN_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2", "expert up",
-              "expert swiglu", "expert down", "combine"]
-STAGES = ["k2 attend", "k2 wo_a", "k2 wo_b"] + [f"k2 {name}" for name in _FFN_PARTS]
-FFN_STAGES = [f"ffn {name}" for name in _FFN_PARTS]
+_FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2"]
+_EXPERT_PARTS = ["expert up", "expert swiglu", "expert down", "combine"]
+_ATTENTION_PARTS = ["attend", "wo_a", "wo_b"]
+STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS + _EXPERT_PARTS]
+FFN_STAGES = [f"ffn {name}" for name in _FRONT_PARTS + _EXPERT_PARTS]
+K3_STAGES = [f"k3 {name}" for name in _EXPERT_PARTS]
+
+
+def stage_names(family: str, experts_in_k2: bool = True) -> list[str]:
+    """The stages of a launch of `family` ("k2", "ffn", "k3"), K2's without the expert stages when
+    they run in K3."""
+    if family == "k3":
+        return K3_STAGES
+    names = STAGES if family == "k2" else FFN_STAGES
+    return names if experts_in_k2 else names[:-len(_EXPERT_PARTS)]
 SWB = 1024  # intermediate columns of a SwiGLU task
 CBL = 1024  # hidden columns of a combine task
 
@@ -136,6 +151,7 @@ class FfnArgs(NamedTuple):
 
 class K2Meta(NamedTuple):
     ATTENTION: bool  # the attention stages run (K2), or not (the `ffn` launch)
+    EXPERTS: bool  # K2 (or `ffn`) runs the expert stages too (else K3 runs them after it)
     D: int  # head_dim
     RD: int  # rope dims of a head
     HB: int  # heads of an attend task
@@ -183,9 +199,25 @@ class K2Meta(NamedTuple):
     TIMELINE: bool
 
 
+class K3Meta(NamedTuple):
+    """K3's compile-time constants: only what the expert stages read (K2Meta's fields of the same
+    names), so that one build serves every width and both K2 and the `ffn` launch."""
+
+    SHARED: bool
+    BNE: int
+    BKE_D: int
+    BKE_I: int
+    EDIAG: bool
+    SWB: int
+    CBL: int
+    FAST: bool
+    FAST_EXPERTS: bool
+    TIMELINE: bool
+
+
 @triton.jit
-def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
-    """Stages 3..11 (the FFN part); barriers b0, b0 + 1, ... of NB in this launch."""
+def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
+    """Stages 3..7 (the FFN seam, the router and the shared expert); barriers b0 .. b0 + 3 of NB."""
     R = f.rows
     for t in range(pid, tl.cdiv(R, m.RB) * tl.cdiv(f.d, m.CHUNK), grid):
         HC.fold_task(t, R, f.d, f.residual, f.attn_out, f.d, f.attn_post, f.attn_comb, f.streams, f.hc_fn,
@@ -234,19 +266,23 @@ def _ffn_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
         gemv_stage(pid, grid, 1, f.shared_h, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
                    f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
                    m.BR, True, m.FAST, m.DENSE_STAGES)
-    barrier(f.sync, epoch, b0 + 4, NB, m.TIMELINE)
 
+
+@triton.jit
+def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
+    """Stages 8..11 (the routed experts and the combine); barriers b0, b0 + 1, b0 + 2 of NB."""
+    R = f.rows
     P = R * f.topk
     X.up_stage(pid, grid, P, f.x, f.gate_up, f.counts, f.order, f.experts, f.w1[0], f.w1[1], f.w3[0], f.w3[1],
                f.d, f.inter, f.topk, m.BNE, m.BKE_D, m.FAST_EXPERTS, m.EDIAG)
-    barrier(f.sync, epoch, b0 + 5, NB, m.TIMELINE)
+    barrier(f.sync, epoch, b0, NB, m.TIMELINE)
 
     X.swiglu_stage(pid, grid, P, f.gate_up, f.route_weights, f.h, f.inter, f.limit, m.SWB, m.FAST_EXPERTS)
-    barrier(f.sync, epoch, b0 + 6, NB, m.TIMELINE)
+    barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE)
 
     X.down_stage(pid, grid, P, f.h, f.per_pick, f.counts, f.order, f.experts, f.w2[0], f.w2[1], f.d, f.inter,
                  m.BNE, m.BKE_I, m.FAST_EXPERTS, m.EDIAG)
-    barrier(f.sync, epoch, b0 + 7, NB, m.TIMELINE)
+    barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE)
 
     for t in range(pid, R * tl.cdiv(f.d, m.CBL), grid):
         RT.combine_task(t, f.per_pick, f.ids, f.shared_out, f.y, f.d, f.topk, m.CBL, m.SHARED, m.FAST)
@@ -257,7 +293,7 @@ def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(f.sync.words)
     stamp(f.sync.timeline, 0, m.TIMELINE)
-    NB: tl.constexpr = 11 if m.ATTENTION else 8
+    NB: tl.constexpr = (3 if m.ATTENTION else 0) + (8 if m.EXPERTS else 4)
     b0 = 0
     if m.ATTENTION:
         for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * m.AP, grid):
@@ -273,8 +309,22 @@ def _k2(a, f, m):
                    0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST, m.DENSE_STAGES)
         barrier(f.sync, epoch, 2, NB, m.TIMELINE)
         b0 = 3
-    _ffn_stages(f, m, epoch, b0, NB, pid, grid)
+    _front_stages(f, m, epoch, b0, NB, pid, grid)
+    if m.EXPERTS:
+        barrier(f.sync, epoch, b0 + 4, NB, m.TIMELINE)
+        _expert_stages(f, m, epoch, b0 + 5, NB, pid, grid)
     stamp(f.sync.timeline, 2 * NB + 1, m.TIMELINE)
+    finish_launch(f.sync.words, epoch)
+
+
+@triton.jit
+def _k3(f, m):
+    """The expert stages alone (`LaunchShape.expert_programs_per_sm` > 0), after K2 or `ffn`."""
+    pid, grid = tl.program_id(0), tl.num_programs(0)
+    epoch = launch_epoch(f.sync.words)
+    stamp(f.sync.timeline, 0, m.TIMELINE)
+    _expert_stages(f, m, epoch, 0, 3, pid, grid)
+    stamp(f.sync.timeline, 2 * 3 + 1, m.TIMELINE)
     finish_launch(f.sync.words, epoch)
 
 
@@ -294,7 +344,8 @@ def dense_stages(runner, rows: int):
 
 def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     """K2 (`attention`) or its `ffn` variant of one layer on scratch `s`, the settled residual in
-    s.streams[cur]; returns the index of s.streams holding the residual the owed output folds into."""
+    s.streams[cur], and K3 after it when the expert stages have a launch of their own; returns
+    the index of s.streams holding the residual the owed output folds into."""
     c = runner.config
     residual = s.streams[cur]
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
@@ -327,7 +378,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         limit=c.swiglu_limit)
     rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows, runner.grids["k2"], runner.shape.fold_rows)
     meta = K2Meta(
-        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
+        ATTENTION=attention, EXPERTS=not shape.expert_programs_per_sm, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
         BDA=A.attend_chunk(A.BD, hd, shape.attend_parts), AP=shape.attend_parts,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
@@ -341,4 +392,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast,
         FAST_EXPERTS=runner.fast and ex.supports_fast_decode(), TIMELINE=runner.timeline)
     runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
+    if not meta.EXPERTS:  # the expert stages' own launch, after K2 in stream order
+        runner.launch(_k3, "K3", "k3", ffn._replace(sync=runner.sync_args("k3")),
+                      meta=K3Meta(**{name: getattr(meta, name) for name in K3Meta._fields}))
     return 1 - cur if attention else cur

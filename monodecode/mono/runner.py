@@ -119,20 +119,23 @@ class MonoRunner:
 
     def configure(self, shape: LaunchShape, check: bool = True) -> None:
         """Launch the kernels with `shape` from now on (each kernel's grid: its programs a SM times
-        the SMs; 1 under the interpreter). Resets the sync state (its barrier targets count programs), drops the
-        graphs and timelines captured so far and, on a GPU, checks co-residency
-        (`check_residency`: raises MonoRefused if the shape cannot be resident, and keeps the
-        shape it had)."""
+        the SMs; 1 under the interpreter). Resets the sync state (its barrier targets count
+        programs), drops the graphs and timelines captured so far and, on a GPU, checks
+        co-residency (`check_residency`: raises MonoRefused if the shape cannot be resident, and
+        keeps the shape it had)."""
         self._check_tiles(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
+        experts_in_k2 = not shape.expert_programs_per_sm
         self.grids = {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm}
+        if not experts_in_k2:
+            self.grids["k3"] = sms * shape.expert_programs_per_sm
         if interpreted():
             self.grids = dict.fromkeys(self.grids, 1)
         self.grids["ffn"] = self.grids["k2"]  # the `ffn` launch is K2 without its attention stages
         self.shape = shape
-        self.sync = {name: SyncState(self.device, stages) for name, stages in
-                     (("k1", k1.STAGES), ("k2", k2.STAGES), ("ffn", k2.FFN_STAGES))}
+        self.sync = {family: SyncState(self.device, k1.STAGES if family == "k1" else
+                                       k2.stage_names(family, experts_in_k2)) for family in self.grids}
         # The split GEMVs' slice sums and tickets: one set for every launch and width (launches
         # run in stream order, and a stage's tickets are 0 again when it ends), sized for the
         # widest step's largest stage.
@@ -252,18 +255,24 @@ class MonoRunner:
         warps = self.shape.k1_warps if family == "k1" else self.shape.k2_warps
         grid = self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
+        cap = {"maxnreg": self.registers_cap()} if family == "k3" else {}
         if interpreted():
-            kernel[(grid,)](*args, constants, num_warps=warps)
+            kernel[(grid,)](*args, constants, num_warps=warps, **cap)
             return
         try:
-            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True)
+            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True, **cap)
             if compiled is not None:  # Triton returns the compiled kernel it launched
-                self.compiled[(name, meta.BR)] = compiled
+                self.compiled[(name, getattr(meta, "BR", None))] = compiled  # K3: one build for every width
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
             raise MonoRefused([f"{name}: {grid} programs ({self.shape.spec()}: {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
+
+    def registers_cap(self) -> int:
+        """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of `k2_warps`
+        warps fit a SM's 64 K (in the allocation's steps of 8, at most 255)."""
+        return min(255, 65536 // (32 * self.shape.k2_warps * self.shape.expert_programs_per_sm) // 8 * 8)
 
     def kernel_resources(self) -> list[dict]:
         """What each compiled persistent kernel holds per program (GPU only; the kernels launched so

@@ -11,7 +11,9 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
 diagonal loop: experts.py); window attention tasks whose output covers one of `attend_parts`
 parts of a head's channels (attention.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`);
-q-heads tasks of `q_head_block` heads (0: by the step's width, `attention.q_head_block`).
+q-heads tasks of `q_head_block` heads (0: by the step's width, `attention.q_head_block`); the
+routed-expert stages inside K2 (`expert_programs_per_sm` 0) or in a launch of their own (K3) of
+that many programs a SM, their registers capped so that they fit (`MonoRunner.registers_cap`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -35,6 +37,7 @@ class LaunchShape:
     attend_parts: int = 1
     fold_rows: int = 16
     q_head_block: int = 1
+    expert_programs_per_sm: int = 0
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
