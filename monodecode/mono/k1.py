@@ -2,8 +2,9 @@
 
 Grid: `LaunchShape.k1_programs_per_sm` programs a SM (`MonoRunner.grids`), all co-resident (a
 cooperative launch: the driver refuses a grid that cannot be); under Triton's interpreter grid
-(1,), one program doing every task in order. Program p takes tasks p, p + grid, ... of each stage; a grid barrier (sync.py)
-separates consecutive stages, so a task only reads what earlier stages wrote.
+(1,), one program doing every task in order. Program p takes tasks p, p + grid, ... of each
+stage; a grid barrier (sync.py) separates consecutive stages, so a task only reads what earlier
+stages wrote.
 
 Stages (R rows; task counts)                                    reads -> writes
 0 fold      hc.fold_task       ceil(R/RB) * ceil(d/CHUNK)      residual, owed y/post/comb (the
@@ -186,7 +187,8 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
-    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"], runner.shape.fold_rows)
+    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"],
+                                       runner.shape.fold_rows)
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,

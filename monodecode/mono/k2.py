@@ -22,16 +22,18 @@ Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
 11 combine  combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
 The `ffn` variant (no `K2Attention`, for layers whose attention ran per-op) starts at stage 3 with
-nothing to fold: the streams it reads are already settled. With `LaunchShape.expert_programs_per_sm`
-> 0 stages 8-11 leave K2 (which then ends after stage 7) for a launch of their own, K3 (`_k3`, the
-`k3` sync family: its own epoch and barriers), of that many programs a SM with their registers
-capped so that they fit (`expert_registers`); K3 reads what K2 wrote after K2 has ended. y, post and comb of the FFN site are
-owed to the next layer's K1 (or the runner's final fold). Pad rows (slot < 0) route to no expert
+nothing to fold: the streams it reads are already settled. With
+`LaunchShape.expert_programs_per_sm` > 0, stages 8-11 leave K2 (which then ends after stage 7) for
+a launch of their own, K3 (`_k3`, the `k3` sync family: its own epoch and barriers), of that many
+programs a SM with their registers capped so that they fit (`MonoRunner.registers_cap`); K3 reads
+what K2 wrote after K2 has ended. y, post and comb of the FFN site are owed to the next layer's
+K1 (or the runner's final fold). Pad rows (slot < 0) route to no expert
 (ids -1), so their y holds the shared expert's output only; nothing reads a pad row's result.
 Waits: a grid barrier after every stage but the last (11; 8 in the `ffn` variant; 7 and 4 without
 the expert stages, K3 3), so a stage reads only what finished stages wrote; an expired wait names
-the stage it waited on (`stage_names`). Rounding points: those of each stage module (bf16 where the per-op path rounds;
-fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
+the stage it waited on (`stage_names`). Rounding points: those of each stage module (bf16 where
+the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert output
+rounded to bf16).
 Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`; the split
 GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
 Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta` (K3: the
@@ -70,6 +72,8 @@ def stage_names(family: str, experts_in_k2: bool = True) -> list[str]:
         return K3_STAGES
     names = STAGES if family == "k2" else FFN_STAGES
     return names if experts_in_k2 else names[:-len(_EXPERT_PARTS)]
+
+
 SWB = 1024  # intermediate columns of a SwiGLU task
 CBL = 1024  # hidden columns of a combine task
 
@@ -376,9 +380,10 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
-    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k2_warps, d, s.rows, runner.grids["k2"], runner.shape.fold_rows)
+    rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows)
     meta = K2Meta(
-        ATTENTION=attention, EXPERTS=not shape.expert_programs_per_sm, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window),
+        ATTENTION=attention, EXPERTS=not shape.expert_programs_per_sm, D=hd, RD=c.qk_rope_head_dim, HB=A.HB,
+        KW=A.window_keys(c.sliding_window),
         BDA=A.attend_chunk(A.BD, hd, shape.attend_parts), AP=shape.attend_parts,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
