@@ -155,8 +155,8 @@ class MonoRunner:
 
     def _check_tiles(self, shape: LaunchShape) -> None:
         """A shape whose expert tiles the experts' fragment order cannot serve, whose attend parts
-        or q-head blocks the heads cannot be cut into, or whose fold rows no fold task takes, is a
-        caller's error."""
+        or q-head blocks the heads cannot be cut into, whose fold rows no fold task takes, or whose
+        one-row GEMV tile is no power of two, is a caller's error."""
         c = self.config
         refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
@@ -167,6 +167,10 @@ class MonoRunner:
         refusal = HC.fold_rows_refusal(shape.fold_rows)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
+        tile = shape.single_row_tile
+        if tile and (tile < 1024 or tile & (tile - 1)):
+            raise ValueError(f"launch shape {shape.spec()}: a one-row GEMV tile is 0 (the default) or a power "
+                             f"of two of at least 1024 weight elements (here {tile})")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:
@@ -175,7 +179,8 @@ class MonoRunner:
         BN at most `group_rows` for a grouped one."""
         warps = self.shape.k1_warps if family == "k1" else self.shape.k2_warps
         bn, bk, split = kernel_blocks(self.shape.block_n, self.shape.block_k, self.shape.dense_chunk, N, K,
-                                      self.config.fp8_block[0] if fp8 else None, self.grids[family], rows, warps)
+                                      self.config.fp8_block[0] if fp8 else None, self.grids[family], rows, warps,
+                                      self.shape.single_row_tile)
         return (min(bn, group_rows) if group_rows else bn), bk, split
 
     def memory(self) -> dict[str, int]:
