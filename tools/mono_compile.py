@@ -172,9 +172,7 @@ def main(argv=None) -> int:
     runner.fast = True  # the NVIDIA code paths
     # tiles chosen by the grid (one-row GEMV blocks) as on the target GPU, not the CPU runner's grid of 1;
     # the recorded launches never run, so nothing else reads it
-    per_sm = {"k1": runner.shape.k1_programs_per_sm, "k2": runner.shape.k2_programs_per_sm,
-              "ffn": runner.shape.k2_programs_per_sm, "k3": runner.shape.expert_programs_per_sm}
-    runner.grids = {family: cli.sms * per_sm[family] for family in runner.grids}
+    runner.grids = runner_module.kernel_grids(runner.shape, cli.sms)
     runner.check = lambda: None  # nothing ran
     for rows in (int(w) for w in cli.widths.split(",")):
         cache = model.make_cache(8, 64, 8)

@@ -337,6 +337,13 @@ def single_row_blocks(N: int, K: int, SB: int | None = None, programs: int | Non
     return bn, min(tile // bn, K & -K)
 
 
+def single_row_tile_refusal(tile: int) -> str | None:
+    """Why `LaunchShape.single_row_tile` cannot be a one-row tile (None if it can)."""
+    if tile and (tile < 1024 or tile & (tile - 1)):
+        return f"a one-row GEMV tile is 0 (the default) or a power of two of at least 1024 weight elements (here {tile})"
+    return None
+
+
 def kernel_blocks(block_n: int, block_k: int, chunk: int, N: int, K: int, SB: int | None, programs: int,
                   rows: int, warps: int, single_row_tile: int = 0) -> tuple[int, int, int]:
     """(BN, BK, SPLIT) of a GEMV stage inside the persistent kernels for a step of `rows` rows, in

@@ -31,7 +31,7 @@ from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import k1, k2
-from .gemv import kernel_blocks, split_needs
+from .gemv import kernel_blocks, single_row_tile_refusal, split_needs
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
 from .shape import LaunchShape
@@ -53,6 +53,16 @@ def attention_site_compiled():
     the same assertion is reported upstream, pytorch/pytorch#197077)."""
     return torch.compile(attention_site, dynamic=True,
                          options={"emulate_precision_casts": True, "triton.coalesce_tiling_analysis": False})
+
+
+def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
+    """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1, K2, the `ffn`
+    launch (K2 without its attention stages) and, when the experts have a launch of their own, K3."""
+    grids = {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm,
+             "ffn": sms * shape.k2_programs_per_sm}
+    if shape.expert_programs_per_sm:
+        grids["k3"] = sms * shape.expert_programs_per_sm
+    return grids
 
 
 class MonoRunner:
@@ -127,12 +137,9 @@ class MonoRunner:
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
         experts_in_k2 = not shape.expert_programs_per_sm
-        self.grids = {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm}
-        if not experts_in_k2:
-            self.grids["k3"] = sms * shape.expert_programs_per_sm
+        self.grids = kernel_grids(shape, sms)
         if interpreted():
             self.grids = dict.fromkeys(self.grids, 1)
-        self.grids["ffn"] = self.grids["k2"]  # the `ffn` launch is K2 without its attention stages
         self.shape = shape
         self.sync = {family: SyncState(self.device, k1.STAGES if family == "k1" else
                                        k2.stage_names(family, experts_in_k2)) for family in self.grids}
@@ -167,20 +174,18 @@ class MonoRunner:
         refusal = HC.fold_rows_refusal(shape.fold_rows)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
-        tile = shape.single_row_tile
-        if tile and (tile < 1024 or tile & (tile - 1)):
-            raise ValueError(f"launch shape {shape.spec()}: a one-row GEMV tile is 0 (the default) or a power "
-                             f"of two of at least 1024 weight elements (here {tile})")
+        refusal = single_row_tile_refusal(shape.single_row_tile)
+        if refusal:
+            raise ValueError(f"launch shape {shape.spec()}: {refusal}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:
         """(BN, BK, SPLIT) of a dense [N, K] GEMV stage of kernel `family` ("k1", "k2") for a step
         of `rows` rows (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape);
         BN at most `group_rows` for a grouped one."""
-        warps = self.shape.k1_warps if family == "k1" else self.shape.k2_warps
         bn, bk, split = kernel_blocks(self.shape.block_n, self.shape.block_k, self.shape.dense_chunk, N, K,
-                                      self.config.fp8_block[0] if fp8 else None, self.grids[family], rows, warps,
-                                      self.shape.single_row_tile)
+                                      self.config.fp8_block[0] if fp8 else None, self.grids[family], rows,
+                                      self.warps(family), self.shape.single_row_tile)
         return (min(bn, group_rows) if group_rows else bn), bk, split
 
     def memory(self) -> dict[str, int]:
@@ -257,8 +262,7 @@ class MonoRunner:
         driver refuses a grid whose programs cannot all be resident at once (registers, shared
         memory) instead of letting their waits on each other hang; that refusal becomes
         MonoRefused."""
-        warps = self.shape.k1_warps if family == "k1" else self.shape.k2_warps
-        grid = self.grids[family]
+        warps, grid = self.warps(family), self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
         cap = {"maxnreg": self.registers_cap()} if family == "k3" else {}
         if interpreted():
@@ -273,6 +277,10 @@ class MonoRunner:
                 raise
             raise MonoRefused([f"{name}: {grid} programs ({self.shape.spec()}: {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
+
+    def warps(self, family: str) -> int:
+        """Warps a program of kernel `family` runs (K1's, or K2's for K2, `ffn` and K3)."""
+        return self.shape.k1_warps if family == "k1" else self.shape.k2_warps
 
     def registers_cap(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of `k2_warps`
