@@ -360,19 +360,17 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 
 @pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2", 6),
-                                        ("single_row_tile=2048", 1),
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,attend_parts=2", 6),
                                         ("fold_rows=64,attend_parts=4,q_head_block=0,expert_programs_per_sm=2", 48)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
-    two programs a SM and K2 at one (on a GPU: grids of their own, tiles chosen for each), one-row
-    GEMV tiles of 2048 weights (a 1-row step), dense GEMVs split along K (slices of 32: 2 to 4 a
-    block, summed by the last to arrive, in every layer of the step, so a ticket left behind would
-    spoil the next) in a shallower pipeline, attend tasks of half and of a quarter of a head's
-    channels, fold tasks of all 48 rows of a step, q-heads tasks of several heads, the expert
-    stages in a launch of their own (K3, after K2 and after the `ffn` launch), expert tiles of 32
-    and 16 rows (`experts.load_fragments`' 16-row blocks): the same result up to fp32 summation
-    order."""
+    two programs a SM and K2 at one (on a GPU: grids of their own, tiles chosen for each), dense
+    GEMVs split along K (slices of 32: 2 to 4 a block, summed by the last to arrive, in every
+    layer of the step, so a ticket left behind would spoil the next) in a shallower pipeline,
+    attend tasks of half and of a quarter of a head's channels, fold tasks of all 48 rows of a
+    step, q-heads tasks of several heads, the expert stages in a launch of their own (K3, after K2
+    and after the `ffn` launch), expert tiles of 32 and 16 rows (`experts.load_fragments`' 16-row blocks): the same
+    result up to fp32 summation order."""
     g = torch.Generator().manual_seed(21)
     caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)
     tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[width])
@@ -412,8 +410,6 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(attend_parts=3))
     with pytest.raises(ValueError, match=r"mHC fold needs fold rows a power of two from 16 to 64 \(here 24\)"):
         d.mono.configure(LaunchShape(fold_rows=24))
-    with pytest.raises(ValueError, match=r"one-row GEMV tile is 0 \(the default\) or a power of two .* \(here 3000\)"):
-        d.mono.configure(LaunchShape(single_row_tile=3000))
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts

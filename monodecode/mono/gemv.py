@@ -78,7 +78,6 @@ from .sync import arrive
 WFMT_FP8 = 0
 WFMT_BF16 = 1
 DENSE_STAGES = 4  # the standalone stage's pipeline depth (the kernels': LaunchShape.dense_stages)
-SINGLE_ROW_TILE = 16384  # weight elements of a one-row step's tile (the kernels': LaunchShape.single_row_tile)
 
 
 @triton.jit
@@ -323,39 +322,28 @@ def default_blocks(N: int, K: int, SB: int | None = None, programs: int | None =
     return bn, bk
 
 
-def single_row_blocks(N: int, K: int, SB: int | None = None, programs: int | None = None,
-                      tile: int = SINGLE_ROW_TILE) -> tuple[int, int]:
+def single_row_blocks(N: int, K: int, SB: int | None = None, programs: int | None = None) -> tuple[int, int]:
     """(BN, BK) of a one-row task: BN = 32 (16 while the stage would have fewer tasks than half
-    of `programs`; at most SB and next_pow2(N)), BK = `tile` weight elements / BN
-    (`LaunchShape.single_row_tile`), capped at the largest power of two dividing K. Why: one row
-    is a stream of weights with almost no arithmetic, so a step's load is as large as the
-    registers allow without spilling, and each step's sum across the threads is paid for fewer
-    bytes the larger it is."""
+    of `programs`; at most SB and next_pow2(N)), BK = 16384 weight elements / BN, capped at the
+    largest power of two dividing K. Why: one row is a stream of weights with almost no
+    arithmetic, so a step's load is as large as the registers allow without spilling."""
     bn = min(32, SB or 32, max(16, triton.next_power_of_2(N)))
     if programs and bn > 16 and 2 * gemv_tasks(N, bn) < programs:
         bn = 16
-    return bn, min(tile // bn, K & -K)
-
-
-def single_row_tile_refusal(tile: int) -> str | None:
-    """Why `LaunchShape.single_row_tile` cannot be a one-row tile (None if it can)."""
-    if tile and (tile < 1024 or tile & (tile - 1)):
-        return f"a one-row GEMV tile is 0 (the default) or a power of two of at least 1024 weight elements (here {tile})"
-    return None
+    return bn, min(16384 // bn, K & -K)
 
 
 def kernel_blocks(block_n: int, block_k: int, chunk: int, N: int, K: int, SB: int | None, programs: int,
-                  rows: int, warps: int, single_row_tile: int = 0) -> tuple[int, int, int]:
+                  rows: int, warps: int) -> tuple[int, int, int]:
     """(BN, BK, SPLIT) of a GEMV stage inside the persistent kernels for a step of `rows` rows, in
-    programs of `warps` warps. One row: `single_row_blocks` (tiles of `single_row_tile` weight
-    elements, 0: SINGLE_ROW_TILE), unsplit. More rows (the launch shape,
+    programs of `warps` warps. One row: `single_row_blocks`, unsplit. More rows (the launch shape,
     `LaunchShape.block_n / block_k / dense_chunk`): BN = block_n, or with block_n 0 128 in
     programs of 8 warps or more and 64 below (a dot of 64 rows a warp group); at most SB and
     next_pow2(N), at least 16; BK = block_k, at most the largest power of two dividing K, and
     half that for bf16 weights (the same bytes a step); tasks of `chunk` K elements (at least
     BK), so K splits into K / chunk slices when longer (while that divides K evenly)."""
     if rows == 1:
-        return (*single_row_blocks(N, K, SB, programs, single_row_tile or SINGLE_ROW_TILE), 1)
+        return (*single_row_blocks(N, K, SB, programs), 1)
     bn = block_n or (128 if warps >= 8 else 64)
     bn = max(16, min(bn, SB or bn, triton.next_power_of_2(N)))
     bk = min(block_k, K & -K) if SB is not None else max(16, min(block_k // 2, K & -K))

@@ -31,7 +31,7 @@ from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import k1, k2
-from .gemv import kernel_blocks, single_row_tile_refusal, split_needs
+from .gemv import kernel_blocks, split_needs
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
 from .scratch import Scratch
 from .shape import LaunchShape
@@ -162,8 +162,8 @@ class MonoRunner:
 
     def _check_tiles(self, shape: LaunchShape) -> None:
         """A shape whose expert tiles the experts' fragment order cannot serve, whose attend parts
-        or q-head blocks the heads cannot be cut into, whose fold rows no fold task takes, or whose
-        one-row GEMV tile is no power of two, is a caller's error."""
+        or q-head blocks the heads cannot be cut into, or whose fold rows no fold task takes, is a
+        caller's error."""
         c = self.config
         refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
@@ -174,9 +174,6 @@ class MonoRunner:
         refusal = HC.fold_rows_refusal(shape.fold_rows)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
-        refusal = single_row_tile_refusal(shape.single_row_tile)
-        if refusal:
-            raise ValueError(f"launch shape {shape.spec()}: {refusal}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:
@@ -185,7 +182,7 @@ class MonoRunner:
         BN at most `group_rows` for a grouped one."""
         bn, bk, split = kernel_blocks(self.shape.block_n, self.shape.block_k, self.shape.dense_chunk, N, K,
                                       self.config.fp8_block[0] if fp8 else None, self.grids[family], rows,
-                                      self.warps(family), self.shape.single_row_tile)
+                                      self.warps(family))
         return (min(bn, group_rows) if group_rows else bn), bk, split
 
     def memory(self) -> dict[str, int]:

@@ -6,15 +6,14 @@ K1, `k2_programs_per_sm` of `k2_warps` in K2 (and the `ffn` launch, and the expe
 dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8
 warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into slices summed in
 order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
-`gemv.single_row_blocks` instead, of `single_row_tile` weight elements, 0: the module's default),
-`dense_stages` K steps deep in Triton's software pipeline (every width); expert tasks of
-`expert_block_n` outputs over K steps of `expert_block_k` (a multiple of 128, the fragment order's
-column group; with 256, tasks of one or two rows take the diagonal loop: experts.py); window
-attention tasks whose output covers one of `attend_parts` parts of a head's channels
-(attention.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`); q-heads tasks of
-`q_head_block` heads (0: by the step's width, `attention.q_head_block`); the routed-expert stages
-inside K2 (`expert_programs_per_sm` 0) or in a launch of their own (K3) of that many programs a
-SM, their registers capped so that they fit (`MonoRunner.registers_cap`).
+`gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
+(every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
+multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
+diagonal loop: experts.py); window attention tasks whose output covers one of `attend_parts`
+parts of a head's channels (attention.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`);
+q-heads tasks of `q_head_block` heads (0: by the step's width, `attention.q_head_block`); the
+routed-expert stages inside K2 (`expert_programs_per_sm` 0) or in a launch of their own (K3) of
+that many programs a SM, their registers capped so that they fit (`MonoRunner.registers_cap`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -33,7 +32,6 @@ class LaunchShape:
     block_k: int = 128
     dense_chunk: int = 1024
     dense_stages: int = 4
-    single_row_tile: int = 0
     expert_block_n: int = 128
     expert_block_k: int = 256
     attend_parts: int = 1
