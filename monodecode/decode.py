@@ -1,7 +1,7 @@
 """`Decoder`: a model's steps on the per-op path or on the mono kernels, chosen step by step.
 
 The per-op model (`model.Model`) is the reference and knows nothing of the kernels; the mono
-runner (`mono.MonoRunner`) runs a decode step of 1..48 rows as two persistent kernels a layer.
+runner (`mono.MonoRunner`) runs a decode step of 1..48 rows as three persistent kernels a layer.
 A `Decoder` holds both and sends each step to one of them: to the kernels when they are in use
 and take the step (`MonoRunner.refusal` is None), to the per-op path otherwise (a prefill chunk,
 a step of more than 48 rows), counting those fallbacks by reason. Both paths read and write the

@@ -6,7 +6,7 @@ where TRITON_INTERPRET is unset (tests/test_mono_compiles.py runs it so).
 Triton's CPU interpreter accepts code that compiled Triton refuses (a non-constexpr global in a
 kernel, for one), so the CPU tests alone can pass kernels that do not build. This runs one mono
 step at each width (default 1 and 48) with the launches recorded instead of run, then compiles
-each distinct recorded launch with `triton.compile` for sm_90 (and the first K1 and K2 with the
+each distinct recorded launch with `triton.compile` for sm_90 (and the first K1, K2 and K3 with the
 timeline's stamps), and prints one line a kernel: shared memory, and registers and spills from
 ptxas -v.
 - `--dims tiny` (default): a three-layer tiny model (a `whole`, a hash-routed `ffn` and a
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
         live = min(rows, 5)
         positions, slots = list(range(live)) + [0] * (rows - live), [0] * live + [-1] * (rows - live)
         runner.step(cache, [1] * rows, positions, slots)  # its outputs are garbage: nothing ran
-    # each distinct launch once, and the first K1 and K2 launches again with the timeline's stamps
-    timed = [(kernel, with_timeline(args), kwargs) for kernel, args, kwargs in launches[:2]]
+    # each distinct launch once, and the first K1, K2 and K3 launches again with the timeline's stamps
+    timed = [(kernel, with_timeline(args), kwargs) for kernel, args, kwargs in launches[:3]]
     keys = set()
     BUILDS.clear()
     for kernel, args, kwargs in launches + timed:

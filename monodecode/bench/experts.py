@@ -1,9 +1,9 @@
-"""The routed-expert stage alone on a GPU, as K2 runs it: expert bytes a second against the copy floor.
+"""The routed-expert stage alone on a GPU, as K3 runs it: expert bytes a second against the copy floor.
 
 `python -m monodecode.bench.experts [--rows 1,6,16,48] [--steps 12] [--shapes SPEC;SPEC] [--out DIR]`
 
-The stage's three launches (`mono.expert_stage`: K2's expert task loops and tiles, a launch
-boundary where K2 has a grid barrier) at v4-flash sizes (256 experts, d 4096, I 2048, top-6),
+The stage's three launches (`mono.expert_stage`: K3's expert task loops, tiles and grid, a launch
+boundary where K3 has a grid barrier) at v4-flash sizes (256 experts, d 4096, I 2048, top-6),
 random MXFP4 weights. For each row count, `--steps` fresh random routings (top-6 of 256 a row,
 distinct within a row) are captured in one CUDA graph, so that consecutive steps mostly read
 other experts and the weights come from HBM; the graph is replayed 5 times and the median per

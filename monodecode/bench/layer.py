@@ -11,9 +11,9 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with `--compile MODE`,
   also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs; one compile a
   width), in a CUDA graph;
-- `mono`: a `whole` layer's K1 + K2, or an `ffn` layer's per-op attention (fixed shapes,
-  model/batched.py) + K2's FFN launch, in a CUDA graph (`mono kernels`: the kernels alone; of
-  them K1 timed alone in a graph of its own, K2 the rest).
+- `mono`: a `whole` layer's K1 + K2 + K3, or an `ffn` layer's per-op attention (fixed shapes,
+  model/batched.py) + K2's FFN launch + K3, in a CUDA graph (`mono kernels`: the kernels alone;
+  of them K1 timed alone in a graph of its own, K2 the rest, K3 with it).
 `--shapes` times mono once per launch shape (`mono.shape.LaunchShape`: programs a SM, warps,
 tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
@@ -172,7 +172,7 @@ class LayerBench:
         try:
             kernels()
             torch.cuda.synchronize(self.device)
-            kinds = (["k1", "k2"] if whole else ["ffn"]) + (["k3"] if "k3" in runner.grids else [])
+            kinds = ["k1", "k2", "k3"] if whole else ["ffn", "k3"]
             return {kind: stage_times(runner.timelines[kind], runner.sync[kind].stage_names) for kind in kinds}
         finally:
             runner.timeline = False
@@ -341,8 +341,8 @@ def table(report: dict) -> str:
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
                  "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; kernels: mono's "
-                 "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1; the `ffn` launch; K3 with it "
-                 "where the shape has one); shape: the "
+                 "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1, K3 with it; on `ffn` layers the "
+                 "`ffn` launch and K3); shape: the "
                  "kernels' launch shape (mono/shape.py LaunchShape); launches: GPU kernels one eager step launches "
                  "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
     resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]

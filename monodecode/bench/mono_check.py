@@ -11,10 +11,10 @@ Four checks, results printed and written as JSON (`--skip` leaves some out):
    compared. Rows whose last-layer (bias-routed) picks differ between the paths are counted with
    the reference's routing margin there (a near-tie flips on bf16 noise) and left out of the last
    layer's and the logits' agreement (`logits_all_rows` keeps them);
-2. graph: whole steps (every layer: K1 + K2, or the fixed-shape attention and K2's `ffn` launch;
-   the head) for widths 1, 6, 16, 48, 6, 1 captured in one CUDA graph, replayed 300 times; every
+2. graph: whole steps (every layer: K1 + K2 + K3, or the fixed-shape attention, K2's `ffn`
+   launch and K3; the head) for widths 1, 6, 16, 48, 6, 1 captured in one CUDA graph, replayed 300 times; every
    replay's outputs (logits, y, streams) bit-for-bit equal to the first's;
-3. timeline: per-stage times of the last layer's K1 / K2 / ffn launches, one eager step a width
+3. timeline: per-stage times of the last layer's K1 / K2 / ffn / K3 launches, one eager step a width
    (where the time goes; not a benchmark);
 4. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
    with a short poll bound: the launch ends, the host raises MonoSyncError naming the stage.
@@ -150,7 +150,7 @@ def check_graph(decoder: Decoder, base_cache, replays: int = 300) -> dict:
     g = torch.Generator().manual_seed(3)
     order = [1, 6, 16, 48, 6, 1]
 
-    def step(width):  # embed, every layer (K1 + K2, or the fixed-shape attention + K2's ffn launch), head
+    def step(width):  # embed, every layer (K1 + K2 + K3, or the fixed-shape attention + ffn + K3), head
         return runner._run(runner._scratch(width), cache, return_hidden=False)
 
     for width in WIDTHS:  # inputs of each width, fixed for the graph's life

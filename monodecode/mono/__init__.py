@@ -1,5 +1,5 @@
-"""The mono decode: each decoder layer of a decode step of 1..48 rows as two persistent Triton
-kernels (K1, K2), with the per-op path for everything else. `build` is the entry point; it
+"""The mono decode: each decoder layer of a decode step of 1..48 rows as three persistent Triton
+kernels (K1, K2, K3), with the per-op path for everything else. `build` is the entry point; it
 imports the kernels only once it knows how Triton must run them (compiled, or interpreted on a
 CPU), since Triton fixes that when a kernel module is imported."""
 

@@ -13,13 +13,11 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   ring_pos[s, p % ring_size] = p. A pad row writes nothing. The rows of one slot must have
   distinct positions mod ring_size (true while a slot has at most ring_size rows in a step),
   or two tasks of the stage write one entry.
-- `q_heads_task`, tasks (row, head block): `q_heads_tasks(R, H, HQ)` = R ceil(H / HQ),
-  t = row ceil(H / HQ) + block; heads block HQ .. block HQ + HQ - 1 (masked at H).
+- `q_heads_task`, tasks (row, head): `q_heads_tasks(R, H)` = R H, t = row H + head.
   q[r, h] = rope(rms_norm(q_raw[r, h * D:(h + 1) * D])) (no norm weight); q_raw [R, H D] (row
   stride given), q [R, H, D] contiguous. Pad rows are computed like any row.
-- `attend_task`, tasks (row, head block, part): `attend_tasks(R, H, HB, P)` = R ceil(H / HB) P,
-  t = (row ceil(H / HB) + block) P + part; heads block HB .. block HB + HB - 1 (masked at H);
-  channels part D / P .. (part + 1) D / P - 1 of the output (P = 1: the whole head).
+- `attend_task`, tasks (row, head block): `attend_tasks(R, H, HB)` = R ceil(H / HB),
+  t = row ceil(H / HB) + block; heads block HB .. block HB + HB - 1 (masked at H).
   For row r of slot s at position p, the keys (= values: one shared K=V head) are the ring
   entries of positions p - W + 1 .. p that exist: position >= 0 and ring_pos[s, index] equal to
   it (an empty entry, -1, or a stale one of another position is skipped). All keys come from the
@@ -29,14 +27,11 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   rounded to bf16; o[r, h] = inverse rope of out at p (angle negated), bf16, o [R, H, D]
   contiguous. A pad row gets o[r] = 0 (what the per-op path leaves there).
   The whole window goes at once (KW = `window_keys(W)` >= W key slots, their ring entries
-  gathered once) in two passes over D in chunks of BD (D % BD == 0): the logits over all of D,
-  then probs @ keys chunk by chunk over the task's part (each chunk rounded, de-rotated and
-  stored). So a pass's chunk loads do not wait on each other, no online softmax is needed, and
-  the registers hold [HB, KW] logits and a [KW, BD] key chunk rather than [HB, D] accumulators.
-  The keys are read twice (from L2 the second time). With P parts each part's task computes the
-  whole softmax again: P times the logits and the first pass's key reads, for P times the tasks,
-  so a step of few rows keeps more programs busy and each task's chain of chunk loads is
-  shorter. A row with no valid key gets out = 0 (the sink takes all the mass).
+  gathered once) in two passes over D in chunks of BD (D % BD == 0): the logits, then probs @
+  keys chunk by chunk (each chunk rounded, de-rotated and stored). So a pass's chunk loads do not
+  wait on each other, no online softmax is needed, and the registers hold [HB, KW] logits and a
+  [KW, BD] key chunk rather than [HB, D] accumulators. The keys are read twice (from L2 the
+  second time). A row with no valid key gets out = 0 (the sink takes all the mass).
   The ring's kv is addressed with int32 offsets: S * ring_size * D < 2^31.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then q_heads (after the wq_b GEMV that reads qr), then
@@ -67,7 +62,6 @@ from .rounding import bf16
 
 
 HB = 16  # heads of an attend task: the M side of its dots
-MAX_Q_HEAD_BLOCK = 16  # the most heads a q-heads task takes (16 heads of 512 channels: 32 KB of fp32)
 BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs @ keys
 
 
@@ -75,44 +69,12 @@ def norm_rope_kv_tasks(R: int) -> int:
     return 2 * R
 
 
-def q_heads_tasks(R: int, H: int, HQ: int = 1) -> int:
-    return R * triton.cdiv(H, HQ)
+def q_heads_tasks(R: int, H: int) -> int:
+    return R * H
 
 
-def q_head_block(q_head_block: int, R: int, H: int, programs: int) -> int:
-    """HQ: heads a q-heads task normalises, `LaunchShape.q_head_block`, or with 0 the most (a power
-    of two, at most MAX_Q_HEAD_BLOCK and H) that leaves every program a task: each task is a short
-    chain of one load, a reduction and a store, so a program with many waits on each in turn."""
-    if q_head_block:
-        return q_head_block
-    hq = 1
-    while 2 * hq <= min(MAX_Q_HEAD_BLOCK, H) and q_heads_tasks(R, H, 2 * hq) >= programs:
-        hq *= 2
-    return hq
-
-
-def attend_tasks(R: int, H: int, HB: int = HB, parts: int = 1) -> int:
-    return R * triton.cdiv(H, HB) * parts
-
-
-def parts_refusal(parts: int, D: int) -> str | None:
-    """Why an attend task cannot take a part of D / `parts` channels (None if it can): a part is
-    a power of two of at least 16 channels (a dot's N side), so `parts` is a power of two <= D / 16."""
-    if parts < 1 or parts & (parts - 1) or D % parts or D // parts < 16:
-        return f"attend parts of a power of two dividing head_dim {D} into >= 16 channels (here {parts})"
-    return None
-
-
-def q_head_block_refusal(q_head_block: int) -> str | None:
-    """Why a q-heads task cannot take `q_head_block` heads (None if it can; 0: by the width)."""
-    if q_head_block < 0 or q_head_block > MAX_Q_HEAD_BLOCK or q_head_block & (q_head_block - 1):
-        return f"q-head blocks of 0 (by the width) or a power of two up to {MAX_Q_HEAD_BLOCK} (here {q_head_block})"
-    return None
-
-
-def attend_chunk(d_chunk: int, D: int, parts: int = 1) -> int:
-    """BD: channels an attend task takes at once, at most `d_chunk` and a part's D / parts."""
-    return min(d_chunk, D // parts)
+def attend_tasks(R: int, H: int, HB: int = HB) -> int:
+    return R * triton.cdiv(H, HB)
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -184,18 +146,16 @@ def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_p
 # --- stage 2: per-head norm + rope of q -------------------------------------------------------------
 @triton.jit
 def q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps,
-                 BLOCK_D: tl.constexpr, HQ: tl.constexpr):
-    """Task (row, head block): q[row, head] = rope(rms_norm(q_raw[row, head])) for HQ heads."""
-    n_blocks = tl.cdiv(H, HQ)
-    row = t // n_blocks
-    heads = (t % n_blocks) * HQ + tl.arange(0, HQ)
+                 BLOCK_D: tl.constexpr):
+    """Task (row t // H, head t % H): q[row, head] = rope(rms_norm(q_raw[row, head]))."""
+    row = t // H
+    head = t % H
     c, pair = _pair_offsets(BLOCK_D)
-    at = heads[:, None, None] * D + c[None, :, :]  # [HQ, BLOCK_D / 2, 2]
-    mask = (heads[:, None, None] < H) & (c[None, :, :] < D)
-    x = tl.load(q_raw_ptr + row * q_raw_stride + at, mask=mask, other=0.0).to(tl.float32)
-    normed = bf16(x * tl.rsqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / D + eps)[:, None, None])  # as _rms_norm
-    q = _rope(normed, pair[None, :], tl.load(positions_ptr + row), freqs_ptr, (D - RD) // 2, RD // 2, False)
-    tl.store(q_ptr + row * H * D + at, q.to(tl.bfloat16), mask=mask)
+    mask = c < D
+    x = tl.load(q_raw_ptr + row * q_raw_stride + head * D + c, mask=mask, other=0.0).to(tl.float32)
+    q = _rope(_rms_norm(x, D, eps, None), pair, tl.load(positions_ptr + row), freqs_ptr, (D - RD) // 2,
+              RD // 2, False)
+    tl.store(q_ptr + t * D + c, q.to(tl.bfloat16), mask=mask)
 
 
 # --- stage 3: window attention with the sink, inverse rope --------------------------------------------
@@ -219,20 +179,17 @@ def _key_chunk(ring_kv_ptr, key_rows, valid, d):
 @triton.jit
 def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                 freqs_ptr, H, D, RD, W, scale,
-                HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, PARTS: tl.constexpr, FAST: tl.constexpr):
-    """Task (row, head block, part): o[row, block heads, the part's channels], the whole window in
-    two passes (module docstring)."""
+                HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+    """Task (row, head block): o[row, block heads], the whole window in two passes over D (module
+    docstring)."""
     n_blocks = tl.cdiv(H, HB)
-    block = t // PARTS  # (row, head block)
-    part = t - block * PARTS
-    row = block // n_blocks
-    heads = (block % n_blocks) * HB + tl.arange(0, HB)
-    first, last = part * (D // PARTS), (part + 1) * (D // PARTS)
+    row = t // n_blocks
+    heads = (t % n_blocks) * HB + tl.arange(0, HB)
     hmask = heads < H
     rows = (row * H + heads)[:, None] * D
     slot = tl.load(slots_ptr + row)
     if slot < 0:
-        for d0 in range(first, last, BD):
+        for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             tl.store(o_ptr + rows + d[None, :], tl.zeros((HB, BD), dtype=tl.bfloat16), mask=hmask[:, None])
     else:
@@ -256,7 +213,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
             hi = p.to(tl.bfloat16)
             lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
-        for d0 in range(first, last, BD):
+        for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
             if FAST:
@@ -282,18 +239,18 @@ def _norm_rope_kv(n_tasks, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw
 
 @triton.jit
 def _q_heads(n_tasks, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps,
-             BLOCK_D: tl.constexpr, HQ: tl.constexpr):
+             BLOCK_D: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps, BLOCK_D, HQ)
+        q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps, BLOCK_D)
 
 
 @triton.jit
 def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
             freqs_ptr, H, D, RD, W, scale,
-            HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, PARTS: tl.constexpr, FAST: tl.constexpr):
+            HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                    freqs_ptr, H, D, RD, W, scale, HB, KW, BD, PARTS, FAST)
+                    freqs_ptr, H, D, RD, W, scale, HB, KW, BD, FAST)
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -347,19 +304,17 @@ def norm_rope_kv(qr_raw: torch.Tensor, kv_raw: torch.Tensor, q_norm: torch.Tenso
 
 
 def q_heads(q_raw: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, num_heads: int, eps: float, *,
-            heads_per_task: int = 1, poison: bool = False) -> torch.Tensor:
+            poison: bool = False) -> torch.Tensor:
     """q_raw [R, H * D] bf16 (row-strided view allowed), positions int64 [R], freqs fp32 [RD / 2] ->
-    q [R, H, D] bf16, in tasks of `heads_per_task` heads (a power of two). `poison` fills q with
-    NaN first."""
+    q [R, H, D] bf16. `poison` fills q with NaN first."""
     R, width = q_raw.shape
     D = width // num_heads
     assert q_raw.dtype == torch.bfloat16 and q_raw.stride(1) == 1 and D * num_heads == width
     assert positions.shape == (R,) and positions.dtype == torch.int64
     q = _empty((R, num_heads, D), q_raw, poison)
-    assert heads_per_task >= 1 and heads_per_task & (heads_per_task - 1) == 0
-    n_tasks = q_heads_tasks(R, num_heads, heads_per_task)
+    n_tasks = q_heads_tasks(R, num_heads)
     _q_heads[_grid(n_tasks)](n_tasks, q_raw, q_raw.stride(0), q, positions.contiguous(), freqs, num_heads, D,
-                             _check_rope(D, freqs), float(eps), BLOCK_D=triton.next_power_of_2(D), HQ=heads_per_task)
+                             _check_rope(D, freqs), float(eps), BLOCK_D=triton.next_power_of_2(D))
     return q
 
 
@@ -369,26 +324,24 @@ def window_keys(window: int) -> int:
 
 
 def attend(q: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor,
-           freqs: torch.Tensor, window: int, *, heads_per_task: int = HB, d_chunk: int = BD, parts: int = 1,
+           freqs: torch.Tensor, window: int, *, heads_per_task: int = HB, d_chunk: int = BD,
            num_warps: int = 4, num_stages: int = 3, poison: bool = False) -> torch.Tensor:
     """q [R, H, D] bf16, ring the layer's window `PositionRing` (the step's rows already written),
     positions / slots int64 [R], sink fp32 [H], freqs fp32 [RD / 2] -> o [R, H, D] bf16 (the module
-    docstring's contract; pad rows 0), in tasks of `parts` parts of D. `poison` fills o with NaN
-    first. num_stages 3 pipelines the chunk loads (faster than 2 on the H200)."""
+    docstring's contract; pad rows 0). `poison` fills o with NaN first. num_stages 3 pipelines
+    the chunk loads (faster than 2 on the H200)."""
     R, H, D = q.shape
     assert q.dtype == torch.bfloat16 and q.is_contiguous() and sink.shape == (H,)
     assert positions.shape == slots.shape == (R,) and positions.dtype == slots.dtype == torch.int64
-    refusal = parts_refusal(parts, D)
-    assert not refusal, refusal
-    chunk = attend_chunk(d_chunk, D, parts)
+    chunk = min(d_chunk, D)
     assert heads_per_task >= 16 and chunk >= 16, "tl.dot needs M, N, K >= 16"
     assert D % chunk == 0 and chunk & (chunk - 1) == 0, "D must be a multiple of a power-of-two chunk"
     ring_kv, ring_pos = _check_ring(ring, D)
     assert ring_kv.numel() < 2**31, "the ring is addressed with int32 offsets"
     o = _empty((R, H, D), q, poison)
-    n_tasks = attend_tasks(R, H, heads_per_task, parts)
+    n_tasks = attend_tasks(R, H, heads_per_task)
     _attend[_grid(n_tasks)](n_tasks, q, o, positions.contiguous(), slots.contiguous(), ring_kv, ring_pos, ring.size,
                             sink.float().contiguous(), freqs, H, D, _check_rope(D, freqs), int(window),
                             float(D ** -0.5), HB=heads_per_task, KW=window_keys(window), BD=chunk,
-                            PARTS=parts, FAST=_fast(q), num_warps=num_warps, num_stages=num_stages)
+                            FAST=_fast(q), num_warps=num_warps, num_stages=num_stages)
     return o

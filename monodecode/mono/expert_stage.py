@@ -1,12 +1,12 @@
-"""The routed-expert stage on its own: K2's expert task loops as three persistent launches.
+"""The routed-expert stage on its own: K3's expert task loops as three persistent launches.
 
-`routed_experts` runs one step's experts exactly as K2 runs them (`experts.up_stage`,
-`swiglu_stage`, `down_stage`, the same tiles from the same `LaunchShape`), but with a launch
-boundary where K2 has a grid barrier, and the sum over each row's picks in top-k order on the
+`routed_experts` runs one step's experts exactly as K3 runs them (`experts.up_stage`,
+`swiglu_stage`, `down_stage`, the same tiles, grid and register cap from the same
+`LaunchShape`), but with a launch boundary where K3 has a grid barrier, and the sum over each row's picks in top-k order on the
 host side. It is what the expert tests check against the float64 reference
 (`expert_reference.py`) and what the expert benchmark times.
 
-Grid: `k2_programs_per_sm` programs a SM (grid (1,) under Triton's interpreter), program p taking
+Grid: `expert_programs_per_sm` programs a SM (grid (1,) under Triton's interpreter), program p taking
 tasks p, p + grid, ...; nothing waits inside a launch, so no launch needs to be co-resident.
 Scratch: `StageBuffers` (gate/up fp32, h bf16, per-pick outputs fp32), uninitialised unless
 poisoned with NaN (the tasks write every element anything reads).
@@ -22,7 +22,7 @@ from . import experts as X
 from .plan import interpreted
 from .shape import LaunchShape
 
-SWIGLU_BLOCK = 1024  # intermediate columns of a SwiGLU task (as K2's)
+SWIGLU_BLOCK = 1024  # intermediate columns of a SwiGLU task (as K3's)
 
 
 class StageBuffers:
@@ -84,18 +84,19 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     order, experts, counts = groups
     picks = order.numel()
     grid = (1,) if interpreted() else (torch.cuda.get_device_properties(x.device).multi_processor_count
-                                       * shape.k2_programs_per_sm,)
+                                       * shape.expert_programs_per_sm,)
+    launch = {"num_warps": shape.k2_warps, "maxnreg": shape.expert_registers()}
     (w1, s1), (w2, s2), (w3, s3) = ((codes.view(torch.int16), scales) for codes, scales in
                                     (weights.w1, weights.w2, weights.w3))
     if "up" in kernels:
         _up[grid](picks, x, buffers.gate_up, counts, order, experts, w1, s1, w3, s3, d, inter, picks // x.shape[0],
-                  BN=bn_up, BK=bk_up, FAST=fast, DIAG=diagonal, num_warps=shape.k2_warps)
+                  BN=bn_up, BK=bk_up, FAST=fast, DIAG=diagonal, **launch)
     if "swiglu" in kernels:
         _swiglu[grid](picks, buffers.gate_up, route_weights, buffers.h, inter, float(limit),
-                      BLOCK=min(SWIGLU_BLOCK, inter), FAST=fast, num_warps=shape.k2_warps)
+                      BLOCK=min(SWIGLU_BLOCK, inter), FAST=fast, **launch)
     if "down" in kernels:
         _down[grid](picks, buffers.h, buffers.per_pick, counts, order, experts, w2, s2, d, inter,
-                    BN=bn_down, BK=bk_down, FAST=fast, DIAG=diagonal, num_warps=shape.k2_warps)
+                    BN=bn_down, BK=bk_down, FAST=fast, DIAG=diagonal, **launch)
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tensor, weights: X.ExpertWeights,

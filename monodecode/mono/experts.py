@@ -1,4 +1,4 @@
-"""The routed-expert tasks that K2 runs: one step's MXFP4 expert GEMVs, all selected experts.
+"""The routed-expert tasks that K3 runs: one step's MXFP4 expert GEMVs, all selected experts.
 
 Contract
 - Inputs: x [R, d] bf16 (the FFN input of each row), the step's picks grouped by expert
@@ -6,7 +6,7 @@ Contract
   pick's gate/up [R * k, 2, I] fp32 (`up_task`), its h [R * k, I] bf16 (`swiglu_task`: h =
   silu(min(gate, limit)) * clamp(up, -limit, limit) * weight, rounded to bf16) and its output
   [R * k, d] fp32 (`down_task`: w2 h). The sum over a row's picks in top-k order is the
-  caller's (`router.combine_task` in K2), so results do not depend on task order.
+  caller's (`router.combine_task` in K3), so results do not depend on task order.
 - Weights: `ExpertWeights`, the checkpoint's MXFP4 stacked per matrix, the codes in the fragment
   order (`fragments.py`): codes [E, N, K / 2] uint8, E8M0 scale codes [E, N, K / 32] uint8. Sizes:
   N a multiple of 16 and K of 128 (every DeepSeek-V4 size); tiles as `tiles_refusal` says.
@@ -14,7 +14,7 @@ Contract
   sharing an expert read its weights once. Tasks lie on a fixed grid (one per sorted pick, times
   the N blocks); the ones that do not start a group return at once, so nothing needs a host sync.
 - Task loops: `up_stage` and `down_stage` give program p of a persistent grid the tasks p,
-  p + grid, ...; K2 runs them between grid barriers, `expert_stage.py` alone.
+  p + grid, ...; K3 runs them between grid barriers, `expert_stage.py` alone.
 
 The K loop (`fragment_matvec`): the codes of a [BN, BK] tile are loaded straight into the
 registers the tensor cores take them from (`load_fragments`), one K step ahead of the step being

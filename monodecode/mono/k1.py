@@ -18,7 +18,7 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                kv_norm, RoPE -> the KV ring (not for
                                                                pad rows, slot < 0)
 4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw
-5 heads     q_heads_task       R * ceil(H/HQ)                  q_raw -> q = RoPE(rms_norm(head))
+5 heads     q_heads_task       R * H                           q_raw -> q = RoPE(rms_norm(head))
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and `streams` is `residual`. K2 reads q, the ring and the attention site's post/comb,
 after this launch ends (stream order).
@@ -110,7 +110,6 @@ class K1Meta(NamedTuple):
     D: int  # head_dim
     RD: int  # rope dims of a head
     BQ: int  # q_lora padded to a power of two
-    HQ: int  # heads of a q-heads task (attention.q_head_block)
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
     TIMELINE: bool
 
@@ -150,9 +149,8 @@ def _k1(a, m):
                m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(a.sync, epoch, 4, BARRIERS, m.TIMELINE)
 
-    for t in range(pid, a.rows * tl.cdiv(a.heads, m.HQ), grid):
-        A.q_heads_task(t, a.q_raw, a.heads * m.D, a.q, a.positions, a.freqs, a.heads, m.D, m.RD, a.norm_eps, m.D,
-                       m.HQ)
+    for t in range(pid, a.rows * a.heads, grid):
+        A.q_heads_task(t, a.q_raw, a.heads * m.D, a.q, a.positions, a.freqs, a.heads, m.D, m.RD, a.norm_eps, m.D)
     stamp(a.sync.timeline, 2 * BARRIERS + 1, m.TIMELINE)
     finish_launch(a.sync.words, epoch)
 
@@ -187,14 +185,12 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
-    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"],
-                                       runner.shape.fold_rows)
+    chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"])
     meta = K1Meta(
-        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
+        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
-        HQ=A.q_head_block(runner.shape.q_head_block, s.rows, heads, runner.grids["k1"]),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1", "k1", args, meta=meta)

@@ -1,11 +1,16 @@
-"""K2: the attention back, the FFN seam and the MoE of a layer, one persistent launch.
+"""K2 and K3: the attention back, the FFN seam and the MoE of a layer, two persistent launches.
 
-Grid and task placement as K1 (k1.py), `LaunchShape.k2_programs_per_sm` co-resident programs a
-SM (grid (1,) under the interpreter): program p takes tasks p, p + grid, ... of each stage, a grid
-barrier between stages.
+Grid and task placement as K1 (k1.py): K2 of `LaunchShape.k2_programs_per_sm` co-resident
+programs a SM, K3 of `expert_programs_per_sm` (grid (1,) under the interpreter); program p takes
+tasks p, p + grid, ... of each stage, a grid barrier between stages. K2 runs stages 0-7; K3
+(`_k3`, the `k3` sync family: its own epoch and barriers) runs stages 8-11 after K2 has ended
+(stream order). Why two launches: K2's dense stages and attention hold 255 registers a thread, so
+one program of 8 warps fills a SM, while the expert stages fit in 128 (`LaunchShape.expert_registers`):
+K3 runs two programs a SM, twice the expert weight loads in flight.
 
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
-0 attend    attention.attend_task  R * ceil(H/HB) * AP  q, the KV ring, sinks -> o (inverse RoPE;
+K2:
+0 attend    attention.attend_task  R * ceil(H/HB)     q, the KV ring, sinks -> o (inverse RoPE;
                                                       zero for pad rows)
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
@@ -17,27 +22,24 @@ Stages (R rows, P = R * k picks; task counts)                    reads -> writes
                                    + 2 ceil(I/BN_SH) * SPLIT_D
 6 route|swiglu route_task, shared_swiglu_task   R + R*ceil(I/SWB)   -> ids, weights; shared h
 7 group|w2  group_task, gemv_stage 1 + ceil(d/BN_S2) * SPLIT_I  ids -> order/experts/counts; h -> shared_out
+K3:
 8 up        experts.up_task        P * (I/BNE) * 2    x -> gate/up of each pick
 9 swiglu    experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
 10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
 11 combine  combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
-The `ffn` variant (no `K2Attention`, for layers whose attention ran per-op) starts at stage 3 with
-nothing to fold: the streams it reads are already settled. With
-`LaunchShape.expert_programs_per_sm` > 0, stages 8-11 leave K2 (which then ends after stage 7) for
-a launch of their own, K3 (`_k3`, the `k3` sync family: its own epoch and barriers), of that many
-programs a SM with their registers capped so that they fit (`MonoRunner.registers_cap`); K3 reads
-what K2 wrote after K2 has ended. y, post and comb of the FFN site are owed to the next layer's
-K1 (or the runner's final fold). Pad rows (slot < 0) route to no expert
-(ids -1), so their y holds the shared expert's output only; nothing reads a pad row's result.
-Waits: a grid barrier after every stage but the last (11; 8 in the `ffn` variant; 7 and 4 without
-the expert stages, K3 3), so a stage reads only what finished stages wrote; an expired wait names
-the stage it waited on (`stage_names`). Rounding points: those of each stage module (bf16 where
-the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert output
-rounded to bf16).
+The `ffn` variant of K2 (no `K2Attention`, for layers whose attention ran per-op) starts at stage
+3 with nothing to fold: the streams it reads are already settled; K3 follows it as it follows K2.
+y, post and comb of the FFN site are owed to the next layer's K1 (or the runner's final fold).
+Pad rows (slot < 0) route to no expert (ids -1), so their y holds the shared expert's output only;
+nothing reads a pad row's result.
+Waits: a grid barrier after every stage of a launch but its last (K2 7, the `ffn` variant 4, K3
+3), so a stage reads only what finished stages wrote; an expired wait names the stage it waited
+on (`stage_names`). Rounding points: those of each stage module (bf16 where the per-op path
+rounds; fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
 Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`; the split
 GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
-Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta` (K3: the
-same `FfnArgs` with its own sync, and `K3Meta`).
+Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`; K3 the
+same `FfnArgs` with its own sync, and `K3Meta`.
 """
 
 from __future__ import annotations
@@ -60,18 +62,14 @@ from .weights import Fp8Matrix
 _FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2"]
 _EXPERT_PARTS = ["expert up", "expert swiglu", "expert down", "combine"]
 _ATTENTION_PARTS = ["attend", "wo_a", "wo_b"]
-STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS + _EXPERT_PARTS]
-FFN_STAGES = [f"ffn {name}" for name in _FRONT_PARTS + _EXPERT_PARTS]
+STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS]
+FFN_STAGES = [f"ffn {name}" for name in _FRONT_PARTS]
 K3_STAGES = [f"k3 {name}" for name in _EXPERT_PARTS]
 
 
-def stage_names(family: str, experts_in_k2: bool = True) -> list[str]:
-    """The stages of a launch of `family` ("k2", "ffn", "k3"), K2's without the expert stages when
-    they run in K3."""
-    if family == "k3":
-        return K3_STAGES
-    names = STAGES if family == "k2" else FFN_STAGES
-    return names if experts_in_k2 else names[:-len(_EXPERT_PARTS)]
+def stage_names(family: str) -> list[str]:
+    """The stages of a launch of `family` ("k2", "ffn", "k3")."""
+    return {"k2": STAGES, "ffn": FFN_STAGES, "k3": K3_STAGES}[family]
 
 
 SWB = 1024  # intermediate columns of a SwiGLU task
@@ -155,13 +153,11 @@ class FfnArgs(NamedTuple):
 
 class K2Meta(NamedTuple):
     ATTENTION: bool  # the attention stages run (K2), or not (the `ffn` launch)
-    EXPERTS: bool  # K2 (or `ffn`) runs the expert stages too (else K3 runs them after it)
     D: int  # head_dim
     RD: int  # rope dims of a head
     HB: int  # heads of an attend task
     KW: int  # window keys, padded to a power of two
     BDA: int  # head dims an attend task takes at once
-    AP: int  # parts of head_dim an attend task's output covers one of (LaunchShape.attend_parts)
     HC: int
     MIXP: int
     RB: int
@@ -192,6 +188,16 @@ class K2Meta(NamedTuple):
     BTOPK: int
     BP: int  # picks of the widest step, padded
     ROWS_E: int  # rows of an expert task
+    SWB: int
+    FAST: bool
+    TIMELINE: bool
+
+
+class K3Meta(NamedTuple):
+    """K3's compile-time constants: nothing that depends on the step's width, so that one build
+    serves every width and both K2 and the `ffn` launch."""
+
+    SHARED: bool
     BNE: int  # expert tiles: outputs, K steps over d and over I
     BKE_D: int
     BKE_I: int
@@ -200,22 +206,6 @@ class K2Meta(NamedTuple):
     CBL: int
     FAST: bool
     FAST_EXPERTS: bool  # FAST and the experts' scales fit the fast decode
-    TIMELINE: bool
-
-
-class K3Meta(NamedTuple):
-    """K3's compile-time constants: only what the expert stages read (K2Meta's fields of the same
-    names), so that one build serves every width and both K2 and the `ffn` launch."""
-
-    SHARED: bool
-    BNE: int
-    BKE_D: int
-    BKE_I: int
-    EDIAG: bool
-    SWB: int
-    CBL: int
-    FAST: bool
-    FAST_EXPERTS: bool
     TIMELINE: bool
 
 
@@ -297,12 +287,12 @@ def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(f.sync.words)
     stamp(f.sync.timeline, 0, m.TIMELINE)
-    NB: tl.constexpr = (3 if m.ATTENTION else 0) + (8 if m.EXPERTS else 4)
+    NB: tl.constexpr = (3 if m.ATTENTION else 0) + 4
     b0 = 0
     if m.ATTENTION:
-        for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * m.AP, grid):
+        for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
             A.attend_task(t, a.q, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink, a.freqs,
-                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.AP, m.FAST)
+                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.FAST)
         barrier(f.sync, epoch, 0, NB, m.TIMELINE)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -314,16 +304,13 @@ def _k2(a, f, m):
         barrier(f.sync, epoch, 2, NB, m.TIMELINE)
         b0 = 3
     _front_stages(f, m, epoch, b0, NB, pid, grid)
-    if m.EXPERTS:
-        barrier(f.sync, epoch, b0 + 4, NB, m.TIMELINE)
-        _expert_stages(f, m, epoch, b0 + 5, NB, pid, grid)
     stamp(f.sync.timeline, 2 * NB + 1, m.TIMELINE)
     finish_launch(f.sync.words, epoch)
 
 
 @triton.jit
 def _k3(f, m):
-    """The expert stages alone (`LaunchShape.expert_programs_per_sm` > 0), after K2 or `ffn`."""
+    """Stages 8-11 (the routed experts and the combine), after K2 or the `ffn` launch."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = launch_epoch(f.sync.words)
     stamp(f.sync.timeline, 0, m.TIMELINE)
@@ -348,8 +335,8 @@ def dense_stages(runner, rows: int):
 
 def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     """K2 (`attention`) or its `ffn` variant of one layer on scratch `s`, the settled residual in
-    s.streams[cur], and K3 after it when the expert stages have a launch of their own; returns
-    the index of s.streams holding the residual the owed output folds into."""
+    s.streams[cur], then K3; returns the index of s.streams holding the residual the owed output
+    folds into."""
     c = runner.config
     residual = s.streams[cur]
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
@@ -380,24 +367,23 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
-    rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows)
+    chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"])
     meta = K2Meta(
-        ATTENTION=attention, EXPERTS=not shape.expert_programs_per_sm, D=hd, RD=c.qk_rope_head_dim, HB=A.HB,
-        KW=A.window_keys(c.sliding_window),
-        BDA=A.attend_chunk(A.BD, hd, shape.attend_parts), AP=shape.attend_parts,
-        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
+        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
+        HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
         SPLIT_Z=split_z, DENSE_STAGES=shape.dense_stages,
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        ROWS_E=X.ROWS, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
-        BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
-        SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast,
-        FAST_EXPERTS=runner.fast and ex.supports_fast_decode(), TIMELINE=runner.timeline)
+        ROWS_E=X.ROWS, SWB=min(SWB, inter), FAST=runner.fast, TIMELINE=runner.timeline)
     runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
-    if not meta.EXPERTS:  # the expert stages' own launch, after K2 in stream order
-        runner.launch(_k3, "K3", "k3", ffn._replace(sync=runner.sync_args("k3")),
-                      meta=K3Meta(**{name: getattr(meta, name) for name in K3Meta._fields}))
+    # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
+    k3_args = ffn._replace(sync=runner.sync_args("k3"), route_bias=None, tid2eid=None)
+    runner.launch(_k3, "K3", "k3", k3_args, meta=K3Meta(
+        SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
+        BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
+        SWB=meta.SWB, CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
+        TIMELINE=runner.timeline))
     return 1 - cur if attention else cur

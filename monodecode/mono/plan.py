@@ -1,8 +1,8 @@
 """The layer plan and the refusals: which layers the mono kernels take, and why they would not.
 
-Plan (docs/ARCHITECTURE.md): a window-only layer runs `whole` (K1 + K2); a CSA or HCA layer runs
-`ffn` (its attention, compressor and indexer on the per-op path, then K2 without its attention
-part). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
+Plan (docs/ARCHITECTURE.md): a window-only layer runs `whole` (K1 + K2 + K3); a CSA or HCA layer
+runs `ffn` (its attention, compressor and indexer on the per-op path, then K2 without its
+attention part, then K3). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
 logs each and runs per-op, `mono="on"` raises them.
 """
 

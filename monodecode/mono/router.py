@@ -1,9 +1,9 @@
 """The MoE's small stages around the routed experts: route, group, shared SwiGLU, combine.
 
-Each stage is a table of independent tasks (device functions that K2 calls from its own task
-loop); `_route`, `_group`, `_shared_swiglu` and `_combine` are standalone launches of the same
-tasks, one program looping over tasks t = pid, pid + grid, ... (grid (1,) under the
-interpreter). Rows: a step has R <= 48 rows; k = top-k, E = routed experts, P = R * k picks.
+Each stage is a table of independent tasks (device functions that K2, and for combine K3, call
+from their task loops); `_route`, `_group`, `_shared_swiglu` and `_combine` are standalone
+launches of the same tasks, one program looping over tasks t = pid, pid + grid, ... (grid (1,)
+under the interpreter). Rows: a step has R <= 48 rows; k = top-k, E = routed experts, P = R * k picks.
 
 Stages
 - route (`route_task`, `route_tasks(R) = R`, one task a row): reads logits [R, E] fp32 (the

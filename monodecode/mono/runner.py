@@ -1,4 +1,4 @@
-"""`MonoRunner`: decode steps of 1..48 rows with each layer as two persistent kernels.
+"""`MonoRunner`: decode steps of 1..48 rows with each layer as three persistent kernels.
 
 Owns, for one model: the kernel views of the weights (checked at build), the device sync state of
 each kernel family (epochs advanced on the device), one `Scratch` per step width, and one CUDA
@@ -27,9 +27,7 @@ import triton.language as tl
 
 from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
-from . import attention as A
 from . import experts as X
-from . import hc as HC
 from . import k1, k2
 from .gemv import kernel_blocks, split_needs
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
@@ -57,12 +55,9 @@ def attention_site_compiled():
 
 def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
     """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1, K2, the `ffn`
-    launch (K2 without its attention stages) and, when the experts have a launch of their own, K3."""
-    grids = {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm,
-             "ffn": sms * shape.k2_programs_per_sm}
-    if shape.expert_programs_per_sm:
-        grids["k3"] = sms * shape.expert_programs_per_sm
-    return grids
+    launch (K2 without its attention stages) and K3 (the routed experts)."""
+    return {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm,
+            "ffn": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
 
 
 class MonoRunner:
@@ -133,16 +128,15 @@ class MonoRunner:
         programs), drops the graphs and timelines captured so far and, on a GPU, checks
         co-residency (`check_residency`: raises MonoRefused if the shape cannot be resident, and
         keeps the shape it had)."""
-        self._check_tiles(shape)
+        self._check_experts(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
-        experts_in_k2 = not shape.expert_programs_per_sm
         self.grids = kernel_grids(shape, sms)
         if interpreted():
             self.grids = dict.fromkeys(self.grids, 1)
         self.shape = shape
         self.sync = {family: SyncState(self.device, k1.STAGES if family == "k1" else
-                                       k2.stage_names(family, experts_in_k2)) for family in self.grids}
+                                       k2.stage_names(family)) for family in self.grids}
         # The split GEMVs' slice sums and tickets: one set for every launch and width (launches
         # run in stream order, and a stage's tickets are 0 again when it ends), sized for the
         # widest step's largest stage.
@@ -160,20 +154,16 @@ class MonoRunner:
                 self.configure(previous, check=False)
                 raise
 
-    def _check_tiles(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve, whose attend parts
-        or q-head blocks the heads cannot be cut into, or whose fold rows no fold task takes, is a
-        caller's error."""
+    def _check_experts(self, shape: LaunchShape) -> None:
+        """A shape whose expert tiles the experts' fragment order cannot serve, or without K3
+        programs, is a caller's error."""
         c = self.config
+        if shape.expert_programs_per_sm < 1:
+            raise ValueError(f"launch shape {shape.spec()}: K3 (the routed experts) needs at least one program a "
+                             f"SM (expert_programs_per_sm {shape.expert_programs_per_sm})")
         refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
-        refusal = A.parts_refusal(shape.attend_parts, c.head_dim) or A.q_head_block_refusal(shape.q_head_block)
-        if refusal:
-            raise ValueError(f"launch shape {shape.spec()}: the window attention needs {refusal}")
-        refusal = HC.fold_rows_refusal(shape.fold_rows)
-        if refusal:
-            raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:
@@ -261,7 +251,7 @@ class MonoRunner:
         MonoRefused."""
         warps, grid = self.warps(family), self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
-        cap = {"maxnreg": self.registers_cap()} if family == "k3" else {}
+        cap = {"maxnreg": self.shape.expert_registers()} if family == "k3" else {}
         if interpreted():
             kernel[(grid,)](*args, constants, num_warps=warps, **cap)
             return
@@ -278,11 +268,6 @@ class MonoRunner:
     def warps(self, family: str) -> int:
         """Warps a program of kernel `family` runs (K1's, or K2's for K2, `ffn` and K3)."""
         return self.shape.k1_warps if family == "k1" else self.shape.k2_warps
-
-    def registers_cap(self) -> int:
-        """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of `k2_warps`
-        warps fit a SM's 64 K (in the allocation's steps of 8, at most 255)."""
-        return min(255, 65536 // (32 * self.shape.k2_warps * self.shape.expert_programs_per_sm) // 8 * 8)
 
     def kernel_resources(self) -> list[dict]:
         """What each compiled persistent kernel holds per program (GPU only; the kernels launched so

@@ -2,7 +2,7 @@
 
 One `Scratch` per width R (rows of a step), allocated before the width's first launch and never
 shared with another width: a CUDA graph of width R captures these pointers.
-Buffers are reused layer after layer (a layer's K1 and K2 run in stream order, so a buffer is
+Buffers are reused layer after layer (a layer's K1, K2 and K3 run in stream order, so a buffer is
 free again once the stage that reads it has run); the residual streams ping-pong between two
 buffers because a fold reads one and writes the other.
 Activations bf16, mixes and accumulators fp32, as the stages' docstrings state.

@@ -2,18 +2,16 @@
 
 Results do not depend on it beyond fp32 summation order (tests check each shape they use against
 the same reference). `k1_programs_per_sm` co-resident programs on every SM of `k1_warps` warps in
-K1, `k2_programs_per_sm` of `k2_warps` in K2 (and the `ffn` launch, and the expert stage alone);
+K1, `k2_programs_per_sm` of `k2_warps` in K2 (and the `ffn` launch), `expert_programs_per_sm` of
+`k2_warps` in K3 (the routed experts; and the expert stage alone), their registers capped so
+that they fit (`expert_registers`);
 dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8
 warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into slices summed in
 order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
-diagonal loop: experts.py); window attention tasks whose output covers one of `attend_parts`
-parts of a head's channels (attention.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`);
-q-heads tasks of `q_head_block` heads (0: by the step's width, `attention.q_head_block`); the
-routed-expert stages inside K2 (`expert_programs_per_sm` 0) or in a launch of their own (K3) of
-that many programs a SM, their registers capped so that they fit (`MonoRunner.registers_cap`).
+diagonal loop: experts.py).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -34,10 +32,12 @@ class LaunchShape:
     dense_stages: int = 4
     expert_block_n: int = 128
     expert_block_k: int = 256
-    attend_parts: int = 1
-    fold_rows: int = 16
-    q_head_block: int = 1
-    expert_programs_per_sm: int = 0
+    expert_programs_per_sm: int = 2
+
+    def expert_registers(self) -> int:
+        """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of `k2_warps`
+        warps fit a SM's 64 K (in the allocation's steps of 8, at most 255)."""
+        return min(255, 65536 // (32 * self.k2_warps * self.expert_programs_per_sm) // 8 * 8)
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
