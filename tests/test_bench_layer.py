@@ -34,7 +34,7 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
         if device == "cpu":
             assert launches == {"per_op_eager": None, "per_op_graph": None, "mono": None}
         else:
-            assert launches["mono"] == 2 if r["plan"] == "whole" else launches["mono"] > 1  # K1 + K2
+            assert launches["mono"] == 3 if r["plan"] == "whole" else launches["mono"] > 2  # K1 + K2 + K3
             assert launches["per_op_eager"] > launches["mono"] and launches["per_op_graph"] > launches["mono"]
         assert r["per_op_graph_s"] > 0  # the batched per-op layer, every kind
     wider = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 3}
@@ -61,6 +61,20 @@ def test_bench_layer_times_each_launch_shape(device, tmp_path):
         ("window", 2, "default"), ("window", 2, "block_n=32,expert_block_n=32")]
     assert rows[0]["per_op_eager_s"] == rows[1]["per_op_eager_s"]  # the per-op path is timed once
     assert all(r["mono_kernels_s"] > 0 for r in rows)
+
+
+def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):
+    """`--shapes 'default;X;default'` (the default again: a control for run order) and `--widths
+    6,1`: one mono line a place in --shapes, each over the widths in order."""
+    from monodecode.bench.layer import mono_runs, write_plot
+
+    shapes = ["default", "block_n=32", "default"]
+    rows = [{"kind": "window", "width": width, "shape": shape, "shape_run": run, "floor_s": 1e-5 * width,
+             "per_op_eager_s": 1e-3, "per_op_graph_s": 5e-4, "per_op_compiled_s": None, "mono_s": 1e-4 * (run + 1)}
+            for width in (6, 1) for run, shape in enumerate(shapes)]
+    assert mono_runs(rows) == {0: "default, #1", 1: "block_n=32", 2: "default, #3"}
+    write_plot({"device": "cpu", "preset": "tiny", "layers": rows}, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_launch_shapes_parse_and_name_bad_fields():

@@ -246,12 +246,13 @@ def run(args) -> int:
         if KINDS[ratio] not in kinds:
             continue
         for width in widths:
-            for m in bench.measure(layer, width, g, shapes, args.timeline):
+            for run_index, m in enumerate(bench.measure(layer, width, g, shapes, args.timeline)):
                 floor_s = m["floor_bytes"] / bandwidth
                 best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
                                   if t is not None)
                 mono = m["mono_s"]
                 rows.append({"kind": KINDS[ratio], "plan": decoder.mono.plan[layer], "width": width, **m,
+                             "shape_run": run_index,  # the shape's place in --shapes: a shape may come twice
                              "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
                              "mono_of_floor": floor_s / mono if mono else None,
                              "speedup": best_per_op / mono if mono else None})
@@ -295,14 +296,16 @@ def write_plot(report: dict, path: Path) -> None:
     kinds = list(dict.fromkeys(r["kind"] for r in report["layers"]))
     figure = Figure(figsize=(4 * len(kinds), 7), layout="constrained")
     axes = figure.subplots(2, len(kinds), squeeze=False)
-    shapes = list(dict.fromkeys(r["shape"] for r in report["layers"]))
+    layers = _with_runs(report["layers"])
+    runs = mono_runs(layers)
     for col, kind in enumerate(kinds):
-        rows = [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shapes[0]]
+        series_of = {run: sorted((r for r in layers if r["kind"] == kind and r["shape_run"] == run),
+                                 key=lambda r: r["width"]) for run in runs}
+        rows = series_of[next(iter(runs))]
         widths = [r["width"] for r in rows]
         lines = [(key, label, color, rows) for key, (label, color) in PATHS.items() if key != "mono_s"]
-        lines += [("mono_s", "mono" if len(shapes) == 1 else f"mono ({shape})", MONO_COLORS[i % len(MONO_COLORS)],
-                   [r for r in report["layers"] if r["kind"] == kind and r["shape"] == shape])
-                  for i, shape in enumerate(shapes)]
+        lines += [("mono_s", "mono" if len(runs) == 1 else f"mono ({label})", MONO_COLORS[i % len(MONO_COLORS)],
+                   series_of[run]) for i, (run, label) in enumerate(runs.items())]
         for key, label, color, series in lines:
             if all(r[key] is None for r in series):
                 continue
@@ -319,6 +322,28 @@ def write_plot(report: dict, path: Path) -> None:
     figure.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="small")
     figure.suptitle(f"{report['device']}, {report['preset']}: one decoder layer a step")
     figure.savefig(path, dpi=120)
+
+
+def _with_runs(rows: list[dict]) -> list[dict]:
+    """Rows with their place in --shapes (`shape_run`); a report saved before that field gets it
+    from the order of the rows of each (kind, width), which is --shapes order."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for row in rows:
+        run = seen.setdefault((row["kind"], row["width"]), 0)
+        seen[(row["kind"], row["width"])] += 1
+        out.append({"shape_run": run, **row})
+    return out
+
+
+def mono_runs(rows: list[dict]) -> dict:
+    """The mono lines of a report, in --shapes order: run -> label (the shape, and its place in
+    --shapes when it came more than once, as a control for run order)."""
+    shapes = {}
+    for row in _with_runs(rows):
+        shapes.setdefault(row["shape_run"], row["shape"])
+    twice = {shape for shape in shapes.values() if list(shapes.values()).count(shape) > 1}
+    return {run: f"{shape}, #{run + 1}" if shape in twice else shape for run, shape in shapes.items()}
 
 
 def table(report: dict) -> str:
