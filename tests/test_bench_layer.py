@@ -87,6 +87,10 @@ def test_launch_shapes_parse_and_name_bad_fields():
         LaunchShape.parse("warps=8")
     with pytest.raises(ValueError, match="k2_warps must be a whole number"):
         LaunchShape.parse("k2_warps=eight")
+    # K3's register cap: its programs a SM fit 64 K registers, in steps of 8, at most 255
+    assert LaunchShape().expert_registers() == 128  # 2 programs of 8 warps
+    assert LaunchShape(expert_warps=4, expert_programs_per_sm=3).expert_registers() == 168
+    assert LaunchShape(expert_warps=4, expert_programs_per_sm=1).expert_registers() == 255
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 16])

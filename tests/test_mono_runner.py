@@ -360,11 +360,12 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 
 @pytest.mark.parametrize("spec", ["block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2",
-                                  "block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,expert_programs_per_sm=1"])
+                                  "block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,expert_programs_per_sm=1,"
+                                  "expert_warps=4"])
 def test_another_launch_shape_gives_the_same_step(decoder, spec):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
-    two programs a SM and K2 at one, K3 at one (on a GPU: grids of their own, tiles chosen for
-    each), dense GEMVs split along K (slices of 32: 2 to 4 a block, summed by the last to arrive,
+    two programs a SM and K2 at one, K3 at one of 4 warps (on a GPU: grids of their own, tiles
+    chosen for each), dense GEMVs split along K (slices of 32: 2 to 4 a block, summed by the last to arrive,
     in every layer of the step, so a ticket left behind would spoil the next) in a shallower
     pipeline, expert tiles of 32 and 16 rows (`experts.load_fragments`' 16-row blocks): the same
     result up to fp32 summation order."""

@@ -3,10 +3,10 @@
 `python tools/expert_sass.py [--block-n 128 --block-k 256 --warps 8] [--down] [--top 12]
 [--ttgir FILE]`, in a process where TRITON_INTERPRET is unset (the installed Triton compiles: put
 the GPU's version first on PYTHONPATH to see what it builds). Records one gate/up (`--down`:
-down) launch of `expert_stage.launch_stages` (K2's expert task loops) at v4-flash sizes (hidden
-4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with `triton.compile` (the
-JIT's divisibility hints: tools/mono_compile.py), disassembles the cubin with Triton's bundled
-`nvdisasm`, and prints the kernel's registers a thread and spills (ptxas -v), then, for every
+down) launch of `expert_stage.launch_stages` (K3's expert task loops, warps and register cap) at
+v4-flash sizes (hidden 4096, intermediate 2048, 6 rows, top-6 of 8 experts), compiles it with
+`triton.compile` (the JIT's divisibility hints: tools/mono_compile.py), disassembles the cubin
+with Triton's bundled `nvdisasm`, and prints the kernel's registers a thread and spills (ptxas -v), then, for every
 loop (a label and the branch back to it), its length and its most frequent opcodes. The K loop
 is the long one: its length over the weights a thread decodes a K step (BN * BK / (32 * warps))
 is the instructions a weight.
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="the expert K loop's SASS instruction mix, for sm_90")
     parser.add_argument("--block-n", type=int, default=LaunchShape.expert_block_n)
     parser.add_argument("--block-k", type=int, default=LaunchShape.expert_block_k)
-    parser.add_argument("--warps", type=int, default=LaunchShape.k2_warps)
+    parser.add_argument("--warps", type=int, default=LaunchShape.expert_warps)
     parser.add_argument("--down", action="store_true", help="the down kernel instead of gate/up")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed a loop, the most frequent first")
     parser.add_argument("--ttgir", help="also write the kernel's TTGIR (Triton's layouts) to this file")
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     recorded = "_down" if args.down else "_up"
     for name in ("_up", "_swiglu", "_down"):
         setattr(stage, name, Recorder(getattr(stage, name), launches if name == recorded else others))
-    shape = LaunchShape(k2_warps=args.warps, expert_block_n=args.block_n, expert_block_k=args.block_k)
+    shape = LaunchShape(expert_warps=args.warps, expert_block_n=args.block_n, expert_block_k=args.block_k)
     ids = torch.randint(0, E, (ROWS, TOPK))
     stage.interpreted = lambda: True  # grid (1,): no GPU to ask for its SM count
     stage.launch_stages(torch.randn(ROWS, D).to(torch.bfloat16), X.group_picks(ids), torch.rand(ROWS * TOPK),
@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     values = list(launch_args) + [tl.constexpr(kwargs.pop(name)) for name in kernel.arg_names[len(launch_args):]]
     types, constants, attrs = signature(kernel, values)
     compiled = triton.compile(ASTSource(kernel, types, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": kwargs["num_warps"]})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": kwargs["num_warps"], "maxnreg": kwargs["maxnreg"]})
     if args.ttgir:
         with open(args.ttgir, "w") as f:
             f.write(compiled.asm["ttgir"])

@@ -85,7 +85,7 @@ def launch_stages(x: torch.Tensor, groups, route_weights: torch.Tensor, weights:
     picks = order.numel()
     grid = (1,) if interpreted() else (torch.cuda.get_device_properties(x.device).multi_processor_count
                                        * shape.expert_programs_per_sm,)
-    launch = {"num_warps": shape.k2_warps, "maxnreg": shape.expert_registers()}
+    launch = {"num_warps": shape.expert_warps, "maxnreg": shape.expert_registers()}
     (w1, s1), (w2, s2), (w3, s3) = ((codes.view(torch.int16), scales) for codes, scales in
                                     (weights.w1, weights.w2, weights.w3))
     if "up" in kernels:

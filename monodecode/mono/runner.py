@@ -266,8 +266,8 @@ class MonoRunner:
                                f"cannot all be resident at once: {e}"]) from e
 
     def warps(self, family: str) -> int:
-        """Warps a program of kernel `family` runs (K1's, or K2's for K2, `ffn` and K3)."""
-        return self.shape.k1_warps if family == "k1" else self.shape.k2_warps
+        """Warps a program of kernel `family` runs (K1's; K2's for K2 and `ffn`; K3's)."""
+        return {"k1": self.shape.k1_warps, "k3": self.shape.expert_warps}.get(family, self.shape.k2_warps)
 
     def kernel_resources(self) -> list[dict]:
         """What each compiled persistent kernel holds per program (GPU only; the kernels launched so

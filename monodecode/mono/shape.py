@@ -3,7 +3,7 @@
 Results do not depend on it beyond fp32 summation order (tests check each shape they use against
 the same reference). `k1_programs_per_sm` co-resident programs on every SM of `k1_warps` warps in
 K1, `k2_programs_per_sm` of `k2_warps` in K2 (and the `ffn` launch), `expert_programs_per_sm` of
-`k2_warps` in K3 (the routed experts; and the expert stage alone), their registers capped so
+`expert_warps` in K3 (the routed experts; and the expert stage alone), their registers capped so
 that they fit (`expert_registers`);
 dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8
 warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into slices summed in
@@ -33,11 +33,12 @@ class LaunchShape:
     expert_block_n: int = 128
     expert_block_k: int = 256
     expert_programs_per_sm: int = 2
+    expert_warps: int = 8
 
     def expert_registers(self) -> int:
-        """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of `k2_warps`
-        warps fit a SM's 64 K (in the allocation's steps of 8, at most 255)."""
-        return min(255, 65536 // (32 * self.k2_warps * self.expert_programs_per_sm) // 8 * 8)
+        """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
+        `expert_warps` warps fit a SM's 64 K (in the allocation's steps of 8, at most 255)."""
+        return min(255, 65536 // (32 * self.expert_warps * self.expert_programs_per_sm) // 8 * 8)
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
