@@ -11,7 +11,8 @@
 #                 16 cores); $OUT/shard_i.txt each; IDS names a file of test ids (one a line) to
 #                 run instead
 #   check         python -m monodecode.bench.mono_check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
-#                 shape; SKIP=graph,timeline,error_path (say) runs only the rest
+#                 shape; SKIP=graph,timeline,error_path (say) runs only the rest. Give it a call of its own: on a
+#                 fresh machine 330 s were not enough (torch.compile of the CSA / HCA attention at every width)
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
 #   ab            bench layer of baseline/ (a `git archive` of main, carried) and of this tree, in the order
@@ -23,7 +24,7 @@
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
 #   bench-decode  monodecode bench decode on 4 layers
-#   experts       the routed-expert stage alone, as K2 runs it (python -m monodecode.bench.experts), the
+#   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
 # (TIMELINE= , empty, leaves its per-stage timeline out).
