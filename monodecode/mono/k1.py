@@ -40,7 +40,7 @@ import triton.language as tl
 from . import attention as A
 from . import hc as HC
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
-from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
+from .sync import SyncArgs, barrier, finish_launch, follow_previous, launch_epoch, stamp
 from .weights import Fp8Matrix
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
@@ -111,12 +111,14 @@ class K1Meta(NamedTuple):
     RD: int  # rope dims of a head
     BQ: int  # q_lora padded to a power of two
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
+    DEPENDENT: bool  # a programmatic dependent launch (sync.follow_previous)
     TIMELINE: bool
 
 
 @triton.jit
 def _k1(a, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
+    follow_previous(m.DEPENDENT)
     epoch = launch_epoch(a.sync.words)
     stamp(a.sync.timeline, 0, m.TIMELINE)
 
@@ -191,7 +193,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
-        FAST=runner.fast, TIMELINE=runner.timeline,
+        FAST=runner.fast, DEPENDENT=runner.dependent_launches(), TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1", "k1", args, meta=meta)
     return 1 - cur if owed else cur

@@ -56,7 +56,7 @@ from . import hc as HC
 from . import router as RT
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .plan import MAX_ROWS
-from .sync import SyncArgs, barrier, finish_launch, launch_epoch, stamp
+from .sync import SyncArgs, barrier, finish_launch, follow_previous, launch_epoch, stamp
 from .weights import Fp8Matrix
 
 _FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2"]
@@ -190,6 +190,7 @@ class K2Meta(NamedTuple):
     ROWS_E: int  # rows of an expert task
     SWB: int
     FAST: bool
+    DEPENDENT: bool  # a programmatic dependent launch (sync.follow_previous)
     TIMELINE: bool
 
 
@@ -206,6 +207,7 @@ class K3Meta(NamedTuple):
     CBL: int
     FAST: bool
     FAST_EXPERTS: bool  # FAST and the experts' scales fit the fast decode
+    DEPENDENT: bool
     TIMELINE: bool
 
 
@@ -285,6 +287,7 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 @triton.jit
 def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
+    follow_previous(m.DEPENDENT)
     epoch = launch_epoch(f.sync.words)
     stamp(f.sync.timeline, 0, m.TIMELINE)
     NB: tl.constexpr = (3 if m.ATTENTION else 0) + 4
@@ -312,6 +315,7 @@ def _k2(a, f, m):
 def _k3(f, m):
     """Stages 8-11 (the routed experts and the combine), after K2 or the `ffn` launch."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
+    follow_previous(m.DEPENDENT)
     epoch = launch_epoch(f.sync.words)
     stamp(f.sync.timeline, 0, m.TIMELINE)
     _expert_stages(f, m, epoch, 0, 3, pid, grid)
@@ -377,7 +381,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        ROWS_E=X.ROWS, SWB=min(SWB, inter), FAST=runner.fast, TIMELINE=runner.timeline)
+        ROWS_E=X.ROWS, SWB=min(SWB, inter), FAST=runner.fast, DEPENDENT=runner.dependent_launches(),
+        TIMELINE=runner.timeline)
     runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
     k3_args = ffn._replace(sync=runner.sync_args("k3"), route_bias=None, tid2eid=None)
@@ -385,5 +390,5 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=meta.SWB, CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
-        TIMELINE=runner.timeline))
+        DEPENDENT=meta.DEPENDENT, TIMELINE=runner.timeline))
     return 1 - cur if attention else cur

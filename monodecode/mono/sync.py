@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LINE = 32  # int32 words per 128-byte line
 EPOCH, ERROR, EXIT, BARRIER = 0, LINE, 2 * LINE, 3 * LINE
@@ -151,6 +152,18 @@ def stamp(timeline_ptr, slot, TIMELINE: tl.constexpr):
     2B + 1 the end of a launch with B barriers."""
     if TIMELINE:
         tl.store(timeline_ptr + tl.program_id(0) * _TIMELINE_SLOTS + slot, clock_ns())
+
+
+@triton.jit
+def follow_previous(DEPENDENT: tl.constexpr):
+    """First in a launch made a programmatic dependent of the one before it
+    (`LaunchShape.dependent_launches`, NVIDIA): let the next launch start placing its programs,
+    then wait until the launch before this one has ended, its writes visible. Nothing else of
+    the launch runs before the wait (not even the epoch read), so what overlaps is the launching
+    itself: a program takes a SM only as the previous kernel's leave it. No-op without DEPENDENT."""
+    if DEPENDENT:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
