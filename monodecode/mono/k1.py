@@ -40,7 +40,7 @@ import triton.language as tl
 from . import attention as A
 from . import hc as HC
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
-from .sync import SyncArgs, barrier, finish_launch, follow_previous, launch_epoch, stamp
+from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
@@ -111,16 +111,14 @@ class K1Meta(NamedTuple):
     RD: int  # rope dims of a head
     BQ: int  # q_lora padded to a power of two
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
-    DEPENDENT: bool  # a programmatic dependent launch (sync.follow_previous)
+    DEPENDENT: bool  # a programmatic dependent launch (sync.begin_launch)
     TIMELINE: bool
 
 
 @triton.jit
 def _k1(a, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    follow_previous(m.DEPENDENT)
-    epoch = launch_epoch(a.sync.words)
-    stamp(a.sync.timeline, 0, m.TIMELINE)
+    epoch = begin_launch(a.sync, m.DEPENDENT, m.TIMELINE)
 
     for t in range(pid, tl.cdiv(a.rows, m.RB) * tl.cdiv(a.d, m.CHUNK), grid):
         HC.fold_task(t, a.rows, a.d, a.residual, a.owed_y, a.d, a.owed_post, a.owed_comb, a.streams, a.hc_fn,
@@ -153,8 +151,7 @@ def _k1(a, m):
 
     for t in range(pid, a.rows * a.heads, grid):
         A.q_heads_task(t, a.q_raw, a.heads * m.D, a.q, a.positions, a.freqs, a.heads, m.D, m.RD, a.norm_eps, m.D)
-    stamp(a.sync.timeline, 2 * BARRIERS + 1, m.TIMELINE)
-    finish_launch(a.sync.words, epoch)
+    end_launch(a.sync, epoch, BARRIERS, m.TIMELINE)
 
 
 def dense_stages(runner, rows: int):

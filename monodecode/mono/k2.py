@@ -56,7 +56,7 @@ from . import hc as HC
 from . import router as RT
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .plan import MAX_ROWS
-from .sync import SyncArgs, barrier, finish_launch, follow_previous, launch_epoch, stamp
+from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix
 
 _FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2"]
@@ -190,7 +190,7 @@ class K2Meta(NamedTuple):
     ROWS_E: int  # rows of an expert task
     SWB: int
     FAST: bool
-    DEPENDENT: bool  # a programmatic dependent launch (sync.follow_previous)
+    DEPENDENT: bool  # a programmatic dependent launch (sync.begin_launch)
     TIMELINE: bool
 
 
@@ -287,9 +287,7 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 @triton.jit
 def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    follow_previous(m.DEPENDENT)
-    epoch = launch_epoch(f.sync.words)
-    stamp(f.sync.timeline, 0, m.TIMELINE)
+    epoch = begin_launch(f.sync, m.DEPENDENT, m.TIMELINE)
     NB: tl.constexpr = (3 if m.ATTENTION else 0) + 4
     b0 = 0
     if m.ATTENTION:
@@ -307,20 +305,16 @@ def _k2(a, f, m):
         barrier(f.sync, epoch, 2, NB, m.TIMELINE)
         b0 = 3
     _front_stages(f, m, epoch, b0, NB, pid, grid)
-    stamp(f.sync.timeline, 2 * NB + 1, m.TIMELINE)
-    finish_launch(f.sync.words, epoch)
+    end_launch(f.sync, epoch, NB, m.TIMELINE)
 
 
 @triton.jit
 def _k3(f, m):
     """Stages 8-11 (the routed experts and the combine), after K2 or the `ffn` launch."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    follow_previous(m.DEPENDENT)
-    epoch = launch_epoch(f.sync.words)
-    stamp(f.sync.timeline, 0, m.TIMELINE)
+    epoch = begin_launch(f.sync, m.DEPENDENT, m.TIMELINE)
     _expert_stages(f, m, epoch, 0, 3, pid, grid)
-    stamp(f.sync.timeline, 2 * 3 + 1, m.TIMELINE)
-    finish_launch(f.sync.words, epoch)
+    end_launch(f.sync, epoch, 3, m.TIMELINE)
 
 
 def dense_stages(runner, rows: int):

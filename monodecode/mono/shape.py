@@ -13,7 +13,7 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
 diagonal loop: experts.py); with `dependent_launches` 1 every launch a programmatic dependent
 of the one before it (NVIDIA: it is launched while that one ends, and waits for it:
-`sync.follow_previous`).
+`sync.begin_launch`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 

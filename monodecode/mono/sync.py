@@ -155,15 +155,26 @@ def stamp(timeline_ptr, slot, TIMELINE: tl.constexpr):
 
 
 @triton.jit
-def follow_previous(DEPENDENT: tl.constexpr):
-    """First in a launch made a programmatic dependent of the one before it
-    (`LaunchShape.dependent_launches`, NVIDIA): let the next launch start placing its programs,
-    then wait until the launch before this one has ended, its writes visible. Nothing else of
-    the launch runs before the wait (not even the epoch read), so what overlaps is the launching
-    itself: a program takes a SM only as the previous kernel's leave it. No-op without DEPENDENT."""
+def begin_launch(sync, DEPENDENT: tl.constexpr, TIMELINE: tl.constexpr):
+    """A persistent launch's first step (`sync`: its SyncArgs); returns its epoch. With
+    DEPENDENT (a programmatic dependent of the launch before it, `LaunchShape.dependent_launches`,
+    NVIDIA) it first lets the next launch start placing its programs, then waits until the launch
+    before this one has ended, its writes visible: nothing else of the launch runs before that
+    wait (not even the epoch read), so what overlaps is the launching itself, and a program
+    takes a SM only as the previous kernel's programs leave it."""
     if DEPENDENT:
         gdc_launch_dependents()
         gdc_wait()
+    epoch = launch_epoch(sync.words)
+    stamp(sync.timeline, 0, TIMELINE)
+    return epoch
+
+
+@triton.jit
+def end_launch(sync, epoch, BARRIERS: tl.constexpr, TIMELINE: tl.constexpr):
+    """A persistent launch's last step, after its last stage (it has BARRIERS barriers)."""
+    stamp(sync.timeline, 2 * BARRIERS + 1, TIMELINE)
+    finish_launch(sync.words, epoch)
 
 
 @triton.jit
