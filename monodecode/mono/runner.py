@@ -253,14 +253,14 @@ class MonoRunner:
         MonoRefused."""
         warps, grid = self.warps(family), self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
-        cap = {"maxnreg": self.shape.expert_registers()} if family == "k3" else {}
+        options = {"maxnreg": self.shape.expert_registers()} if family == "k3" else {}
         if meta.DEPENDENT:
-            cap["launch_pdl"] = True
+            options["launch_pdl"] = True
         if interpreted():
-            kernel[(grid,)](*args, constants, num_warps=warps, **cap)
+            kernel[(grid,)](*args, constants, num_warps=warps, **options)
             return
         try:
-            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True, **cap)
+            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True, **options)
             if compiled is not None:  # Triton returns the compiled kernel it launched
                 self.compiled[(name, getattr(meta, "BR", None))] = compiled  # K3: one build for every width
         except RuntimeError as e:
