@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from monodecode.config import preset
 from monodecode.mono import attention as A
 from monodecode.model.attention import Attention, RequestRows
-from monodecode.model.cache import LayerCache
+from monodecode.model.cache import LayerCache, PositionRing
 from monodecode.model.rope import apply_rope
 
 MAX_STEP_ROWS = 8
@@ -199,3 +199,41 @@ def test_stages_in_sequence(device, rows):
     assert_close(cache.window.data["kv"], ref_cache.window.data["kv"], differ=0.001, rel=1e-3)
     # observed: ring bit-exact; o as in test_attend (rel <= 6e-6 CPU, 3e-5 H200)
     assert_close(o, ref, differ=0.02, rel=5e-4)
+
+
+@pytest.mark.parametrize("requests", [1, 6])
+def test_attend_over_draft_blocks(device, requests):
+    """DSpark draft blocks (`block` > 0; model/draft.py's DraftAttention): every row of a request's
+    block sees the context ring before its anchor and the whole block, its keys written into a ring
+    of context + block entries as the step's kv write puts them; one pad block (slot -1). The
+    reference is DraftAttention's key assembly over a ring read of the context alone."""
+    block, window = 5, 16
+    config, attn, *_ = setup(device, 1, seed=400 + requests, sliding_window=window)
+    g = torch.Generator().manual_seed(requests)
+    D, heads = config.head_dim, config.num_attention_heads
+    ring = PositionRing(NUM_SLOTS, window + block, {"kv": D}, device, torch.bfloat16)
+    ring.data["kv"].copy_(torch.randn(ring.data["kv"].shape, generator=g).to(torch.bfloat16))  # foreign rows
+    rows = (requests + 1) * block
+    positions, slots = torch.zeros(rows, dtype=torch.long), torch.full((rows,), -1, dtype=torch.long)
+    q = torch.randn(rows, heads, D, generator=g).to(torch.bfloat16).to(device)
+    kv = torch.randn(rows, D, generator=g).to(torch.bfloat16).to(device)  # the blocks' own keys
+    ref = torch.zeros_like(q)
+    for i, slot in enumerate(torch.randperm(NUM_SLOTS, generator=g)[:requests].tolist()):
+        index = torch.arange(i * block, (i + 1) * block)
+        anchor = [2, window - 3, 1000][i % 3]  # a context shorter than the window, and full ones
+        history = torch.arange(max(0, anchor - window - 3), anchor, device=device)
+        ring.write(slot, history, {"kv": torch.randn(len(history), D, generator=g).to(torch.bfloat16)})
+        if anchor > 4:  # a hole in the context
+            ring.pos[slot, (anchor - 3) % ring.size] = -1
+        context, valid = ring.read(slot, torch.arange(anchor - window, anchor, device=device))
+        keys = torch.cat([context["kv"], kv[index]])
+        mask = torch.cat([valid, torch.ones(block, dtype=torch.bool, device=device)])
+        ref[index] = attn.attend(q[index], keys, mask.expand(block, -1))
+        positions[index], slots[index] = torch.arange(anchor, anchor + block), slot
+        ring.write(slot, positions[index].to(device), {"kv": kv[index]})  # the step's kv write
+    positions, slots = positions.to(device), slots.to(device)
+    ref = apply_rope(ref, positions, attn.freqs.to(device), inverse=True)
+    o = A.attend(q, ring, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window + block,
+                 block=block, poison=True)
+    assert_close(o, ref, differ=0.02, rel=5e-4)
+    assert (o[slots < 0] == 0).all()

@@ -46,7 +46,7 @@ class DraftAttention(Attention):
         out = torch.zeros_like(q)
         for g in groups:
             anchor = int(g.positions[0])
-            context, valid = ring.read(g.slot, torch.arange(anchor - ring.size, anchor, device=x.device))
+            context, valid = ring.read(g.slot, torch.arange(anchor - self.c.sliding_window, anchor, device=x.device))
             keys = torch.cat([context["kv"], kv[g.index]])
             mask = torch.cat([valid, torch.ones_like(g.positions, dtype=torch.bool)])
             out[g.index] = self.attend(q[g.index], keys, mask.expand(len(g.index), -1))

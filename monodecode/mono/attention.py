@@ -26,6 +26,13 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   sink logit (attn_sink fp32 [H], probability mass with no value); out = probs @ keys in fp32,
   rounded to bf16; o[r, h] = inverse rope of out at p (angle negated), bf16, o [R, H, D]
   contiguous. A pad row gets o[r] = 0 (what the per-op path leaves there).
+  A draft block (BLOCK = B > 0, the DSpark draft's stages: model/draft.py): the step's rows are
+  blocks of B consecutive rows of one request each (row r in block r // B), and every row of a
+  block sees the whole block, so its window ends at the block's last position instead of its
+  own: positions e - W + 1 .. e with e = p - r % B + B - 1 (W = the context window + B). The
+  block's own keys come from the ring like any others, so its ring holds W keys a slot: the
+  block's entries lie past the context and are overwritten when those positions are committed.
+  The output's inverse rope is at the row's own position p.
   The whole window goes at once (KW = `window_keys(W)` >= W key slots, their ring entries
   gathered once) in two passes over D in chunks of BD (D % BD == 0): the logits, then probs @
   keys chunk by chunk (each chunk rounded, de-rotated and stored). So a pass's chunk loads do not
@@ -160,11 +167,11 @@ def q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H,
 
 # --- stage 3: window attention with the sink, inverse rope --------------------------------------------
 @triton.jit
-def _window(position, slot, ring_pos_ptr, ring_size, W, D, KW: tl.constexpr):
-    """The window's keys (positions p - W + 1 + k, k < KW): (offset of each key's row in the ring's
-    kv, int32 [KW]; valid [KW])."""
+def _window(end, slot, ring_pos_ptr, ring_size, W, D, KW: tl.constexpr):
+    """The window's keys (positions end - W + 1 + k, k < KW): (offset of each key's row in the
+    ring's kv, int32 [KW]; valid [KW])."""
     k = tl.arange(0, KW)
-    key_pos = position - (W - 1) + k
+    key_pos = end - (W - 1) + k
     live = (k < W) & (key_pos >= 0)
     entry = (slot * ring_size + tl.where(live, key_pos % ring_size, 0)).to(tl.int32)
     return entry * D, live & (tl.load(ring_pos_ptr + entry, mask=live, other=-1) == key_pos)
@@ -179,7 +186,7 @@ def _key_chunk(ring_kv_ptr, key_rows, valid, d):
 @triton.jit
 def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                 freqs_ptr, H, D, RD, W, scale,
-                HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+                HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """Task (row, head block): o[row, block heads], the whole window in two passes over D (module
     docstring)."""
     n_blocks = tl.cdiv(H, HB)
@@ -194,7 +201,8 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
             tl.store(o_ptr + rows + d[None, :], tl.zeros((HB, BD), dtype=tl.bfloat16), mask=hmask[:, None])
     else:
         position = tl.load(positions_ptr + row)
-        key_rows, valid = _window(position, slot, ring_pos_ptr, ring_size, W, D, KW)
+        end = position if BLOCK == 0 else position - row % BLOCK + BLOCK - 1  # the window's last key
+        key_rows, valid = _window(end, slot, ring_pos_ptr, ring_size, W, D, KW)
         logits = tl.zeros((HB, KW), dtype=tl.float32)
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
@@ -247,10 +255,10 @@ def _q_heads(n_tasks, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, 
 @triton.jit
 def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
             freqs_ptr, H, D, RD, W, scale,
-            HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr):
+            HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                    freqs_ptr, H, D, RD, W, scale, HB, KW, BD, FAST)
+                    freqs_ptr, H, D, RD, W, scale, HB, KW, BD, BLOCK, FAST)
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -324,13 +332,16 @@ def window_keys(window: int) -> int:
 
 
 def attend(q: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor,
-           freqs: torch.Tensor, window: int, *, heads_per_task: int = HB, d_chunk: int = BD,
+           freqs: torch.Tensor, window: int, *, block: int = 0, heads_per_task: int = HB, d_chunk: int = BD,
            num_warps: int = 4, num_stages: int = 3, poison: bool = False) -> torch.Tensor:
     """q [R, H, D] bf16, ring the layer's window `PositionRing` (the step's rows already written),
     positions / slots int64 [R], sink fp32 [H], freqs fp32 [RD / 2] -> o [R, H, D] bf16 (the module
-    docstring's contract; pad rows 0). `poison` fills o with NaN first. num_stages 3 pipelines
-    the chunk loads (faster than 2 on the H200)."""
+    docstring's contract; pad rows 0); `block` > 0: the rows are draft blocks of that many rows,
+    `window` counting the block. `poison` fills o with NaN first. num_stages 3 pipelines the chunk
+    loads (faster than 2 on the H200)."""
     R, H, D = q.shape
+    assert block >= 0 and (block == 0 or (R % block == 0 and window > block)), \
+        f"draft blocks of {block} rows: the step's {R} rows are whole blocks, the window {window} counts one"
     assert q.dtype == torch.bfloat16 and q.is_contiguous() and sink.shape == (H,)
     assert positions.shape == slots.shape == (R,) and positions.dtype == slots.dtype == torch.int64
     chunk = min(d_chunk, D)
@@ -342,6 +353,6 @@ def attend(q: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, 
     n_tasks = attend_tasks(R, H, heads_per_task)
     _attend[_grid(n_tasks)](n_tasks, q, o, positions.contiguous(), slots.contiguous(), ring_kv, ring_pos, ring.size,
                             sink.float().contiguous(), freqs, H, D, _check_rope(D, freqs), int(window),
-                            float(D ** -0.5), HB=heads_per_task, KW=window_keys(window), BD=chunk,
+                            float(D ** -0.5), HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
                             FAST=_fast(q), num_warps=num_warps, num_stages=num_stages)
     return o

@@ -293,7 +293,7 @@ def _k2(a, f, m):
     if m.ATTENTION:
         for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
             A.attend_task(t, a.q, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink, a.freqs,
-                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.FAST)
+                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, 0, m.FAST)  # 0: causal
         barrier(f.sync, epoch, 0, NB, m.TIMELINE)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
