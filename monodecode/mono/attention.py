@@ -30,7 +30,7 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   blocks of B consecutive rows of one request each (row r in block r // B), and every row of a
   block sees the whole block, so its window ends at the block's last position instead of its
   own: positions e - W + 1 .. e with e = p - r % B + B - 1 (W = the context window + B). The
-  block's own keys come from the ring like any others, so its ring holds W keys a slot: the
+  block's own keys come from the ring like any others, so its ring holds >= W entries a slot: the
   block's entries lie past the context and are overwritten when those positions are committed.
   The output's inverse rope is at the row's own position p.
   The whole window goes at once (KW = `window_keys(W)` >= W key slots, their ring entries
