@@ -6,11 +6,13 @@ A `Decoder` holds both and sends each step to one of them: to the kernels when t
 and take the step (`MonoRunner.refusal` is None), to the per-op path otherwise (a prefill chunk,
 a step of more than 48 rows), counting those fallbacks by reason. Both paths read and write the
 same caches, so they interleave freely. It offers the model's own interface (`config`, `device`,
-`make_cache`, `draft`, `score`), so the engine and the speculative decoder take it as the model.
+`make_cache`, `draft`, `score`), so the engine and the speculative decoder take it as the model;
+with the kernels in use its `draft` runs the DSpark draft's stages on them too (`KernelDraft`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import torch
@@ -18,12 +20,15 @@ import torch
 from .model import Model, load_model
 from .mono import build
 
+log = logging.getLogger("monodecode")
+
 
 class Decoder:
     def __init__(self, model: Model, mono: str = "off"):
         """`mono`: "off", "auto" (refusals logged, per-op then) or "on" (refusals raised). Given a
         Decoder, it decodes the same model with this `mono`."""
         self.model = model.model if isinstance(model, Decoder) else model
+        self.mono_mode = mono
         self.mono = build(self.model, mono)  # a MonoRunner, or None
         self.fallbacks: Counter[str] = Counter()  # steps the kernels did not take, by reason
         self.last_path: str | None = None  # "mono" or "per-op": the path the last step took
@@ -44,7 +49,22 @@ class Decoder:
         return self.model.make_cache(num_slots, max_context, max_step_rows)
 
     def draft(self):
-        return self.model.draft()
+        """The model's DSpark draft; with the kernels in use, its stages run on them
+        (`KernelDraft`; "auto": per-op if they refuse the draft, the reasons logged)."""
+        draft = self.model.draft()
+        if self.mono is None:
+            return draft
+        from .mono import MonoRefused
+        from .mono.draft_runner import DraftRunner  # the kernels are imported (build) by now
+
+        try:
+            return KernelDraft(draft, DraftRunner(self.model, draft))
+        except MonoRefused as refused:
+            if self.mono_mode == "on":
+                raise
+            for reason in refused.reasons:
+                log.warning("mono auto: the draft runs per-op: %s", reason)
+            return draft
 
     def close(self) -> None:
         self.model.close()
@@ -64,6 +84,26 @@ class Decoder:
             self.fallbacks[reason] += 1
         self.last_path = "per-op"
         return self.model.step(cache, tokens, positions, slots, return_hidden=return_hidden)
+
+
+class KernelDraft:
+    """A `Draft` whose stages run on the kernels (`mono.DraftRunner`) for every block they take
+    (the rest, and the draft's head, on the per-op path)."""
+
+    def __init__(self, draft, runner):
+        self.draft, self.runner = draft, runner
+        self.block_size = draft.block_size
+
+    def make_cache(self, num_slots: int):
+        return self.draft.make_cache(num_slots)
+
+    def commit(self, cache, slot: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.draft.commit(cache, slot, positions, hidden)
+
+    def propose(self, cache, anchors, anchor_positions, slots, sampling):
+        takes = self.runner.rows_refusal(len(slots) * self.block_size) is None
+        return self.draft.propose(cache, anchors, anchor_positions, slots, sampling,
+                                  stages=self.runner.stages(cache) if takes else None)
 
 
 def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off",

@@ -19,6 +19,8 @@ ptxas -v.
 - `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
 - `--sms`: the target's multiprocessor count (default 132, an H100 SXM / H200): the grid the
   tile choices that depend on it assume (a CPU runner's own grid is 1).
+- `--draft`: the DSpark draft's runner (`mono.DraftRunner`: its stages, draft blocks in K2's
+  attend) instead of the target's; widths are then whole blocks, one a request.
 - `--widths`: rows a step, comma-separated: one request of up to 5 rows (a draft block), the rest
   pad rows. Each build takes seconds (a K2 at 48 rows about 10 s on a 2-core machine).
 - `--dump DIR`: also write each build's TTGIR there (its `ttg.local_alloc`s and their
@@ -46,6 +48,7 @@ from monodecode.config import preset
 from monodecode.model import Model
 from monodecode.mono import k1, k2, plan
 from monodecode.mono import runner as runner_module
+from monodecode.mono.draft_runner import DraftRunner
 from monodecode.mono.shape import LaunchShape
 from monodecode.mono.sync import TIMELINE_SLOTS, SyncArgs
 
@@ -108,11 +111,11 @@ def with_timeline(args):
     return [swap(a) for a in tensors] + [meta._replace(TIMELINE=tl.constexpr(True))]
 
 
-def model_config(dims: str):
+def model_config(dims: str, draft: bool):
     if dims == "tiny":
         return preset("tiny", num_hidden_layers=3, compress_ratios=(0, 4, 16), dspark_target_layer_ids=(0, 1, 2))
     return preset("v4-flash", num_hidden_layers=2, compress_ratios=(0, 4), num_hash_layers=1,
-                  dspark_target_layer_ids=(0, 1), num_nextn_predict_layers=0, vocab_size=1024,
+                  dspark_target_layer_ids=(0, 1), num_nextn_predict_layers=int(draft), vocab_size=1024,
                   dspark_noise_token_id=1000)
 
 
@@ -163,21 +166,29 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", default="1,48", help="rows a step, comma-separated")
     parser.add_argument("--sms", type=int, default=132, help="the target GPU's SMs (an H200's 132): the grid "
                                                             "that the launch shape's tile choices assume")
+    parser.add_argument("--draft", action="store_true", help="the DSpark draft's runner instead of the "
+                        "target's (widths: whole blocks of the draft's block size)")
     cli = parser.parse_args(argv)
     launches = []
     k1._k1, k2._k2, k2._k3 = (Recorder(kernel, launches) for kernel in (k1._k1, k2._k2, k2._k3))
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
-    model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims), seed=1), "cpu", torch.bfloat16)
-    runner = runner_module.MonoRunner(model, shape=LaunchShape.parse(cli.shape))
+    model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims, cli.draft), seed=1), "cpu",
+                                  torch.bfloat16)
+    shape = LaunchShape.parse(cli.shape)
+    runner = DraftRunner(model, model.draft(), shape=shape) if cli.draft else runner_module.MonoRunner(model,
+                                                                                                      shape=shape)
     runner.fast = True  # the NVIDIA code paths
     # tiles chosen by the grid (one-row GEMV blocks) as on the target GPU, not the CPU runner's grid of 1;
     # the recorded launches never run, so nothing else reads it
     runner.grids = runner_module.kernel_grids(runner.shape, cli.sms)
     runner.check = lambda: None  # nothing ran
     for rows in (int(w) for w in cli.widths.split(",")):
-        cache = model.make_cache(8, 64, 8)
-        live = min(rows, 5)
-        positions, slots = list(range(live)) + [0] * (rows - live), [0] * live + [-1] * (rows - live)
+        if cli.draft:  # a block a request
+            cache, block = runner.draft.make_cache(8), runner.draft_block
+            positions, slots = [8 + i % block for i in range(rows)], [i // block for i in range(rows)]
+        else:
+            cache, live = model.make_cache(8, 64, 8), min(rows, 5)
+            positions, slots = list(range(live)) + [0] * (rows - live), [0] * live + [-1] * (rows - live)
         runner.step(cache, [1] * rows, positions, slots)  # its outputs are garbage: nothing ran
     # each distinct launch once, and the first K1, K2 and K3 launches again with the timeline's stamps
     timed = [(kernel, with_timeline(args), kwargs) for kernel, args, kwargs in launches[:3]]

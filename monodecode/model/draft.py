@@ -60,12 +60,26 @@ class Proposal:
     confidence: torch.Tensor  # [R, B] estimated survival of each draft token
 
 
+@dataclass
+class DraftStageCache:
+    """A stage's cache, shaped as a target layer's (`window`): its context ring."""
+
+    window: PositionRing
+
+
 class DraftCache:
-    """One context ring a stage, `sliding_window` keys a slot."""
+    """One context ring a stage, `sliding_window + dspark_block_size` keys a slot: the context a
+    block reads, and room past it for the block's own keys where the kernels write them
+    (mono/attention.py); `commit` overwrites those positions before they are context."""
 
     def __init__(self, config, num_slots: int, device, dtype):
-        self.rings = [PositionRing(num_slots, config.sliding_window, {"kv": config.head_dim}, device, dtype)
-                      for _ in range(config.num_nextn_predict_layers)]
+        size = config.sliding_window + config.dspark_block_size
+        self.layers = [DraftStageCache(PositionRing(num_slots, size, {"kv": config.head_dim}, device, dtype))
+                       for _ in range(config.num_nextn_predict_layers)]
+
+    @property
+    def rings(self) -> list[PositionRing]:
+        return [layer.window for layer in self.layers]
 
     def clear(self, slot: int) -> None:
         for ring in self.rings:
@@ -86,6 +100,10 @@ class Draft:
         ]
         self.last = f"mtp.{c.num_nextn_predict_layers - 1}."
 
+    def replace_experts(self, stage: int, experts) -> None:
+        """Serve the stage's routed experts from `experts` (as `Model.replace_experts`)."""
+        self.stages[stage].moe.experts = experts
+
     def make_cache(self, num_slots: int) -> DraftCache:
         return DraftCache(self.c, num_slots, self.model.device, self.model.dtype)
 
@@ -100,9 +118,12 @@ class Draft:
 
     @torch.no_grad()
     def propose(self, cache: DraftCache, anchors: torch.Tensor, anchor_positions: torch.Tensor,
-                slots: list[int], sampling: list[tuple[float, float, int, torch.Generator | None]]) -> Proposal:
+                slots: list[int], sampling: list[tuple[float, float, int, torch.Generator | None]], *,
+                stages=None) -> Proposal:
         """One block for each of R requests: anchors, anchor_positions [R], their slots, and
-        per request (temperature, top_p, top_k, generator)."""
+        per request (temperature, top_p, top_k, generator). `stages`: a callable (tokens,
+        positions, slots of the R * B rows) -> the streams after the last stage, run instead of
+        the per-op stages (the kernels: `mono.DraftRunner.stages`)."""
         c, w, b = self.c, self.w, self.block_size
         r = anchors.shape[0]
         device = self.model.device
@@ -112,9 +133,12 @@ class Draft:
         groups = [RequestRows(s, torch.arange(i * b, (i + 1) * b, device=device), positions[i])
                   for i, s in enumerate(slots)]
         tokens, positions = tokens.flatten(), positions.flatten()
-        streams = self.model.embed(tokens)
-        for stage, ring in zip(self.stages, cache.rings):
-            streams = stage(streams, tokens, positions, groups, ring)
+        if stages is None:
+            streams = self.model.embed(tokens)
+            for stage, ring in zip(self.stages, cache.rings):
+                streams = stage(streams, tokens, positions, groups, ring)
+        else:
+            streams = stages(tokens, positions, torch.tensor(slots).repeat_interleave(b))
         hb = hc_head(streams, w[f"{self.last}hc_head_fn"], w[f"{self.last}hc_head_base"],
                      w[f"{self.last}hc_head_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
         base = self.model.lm_head(hb, w[f"{self.last}norm"]).view(r, b, -1)

@@ -158,6 +158,7 @@ class K2Meta(NamedTuple):
     HB: int  # heads of an attend task
     KW: int  # window keys, padded to a power of two
     BDA: int  # head dims an attend task takes at once
+    BLOCK: int  # the DSpark draft's block rows (attention.attend_task), 0 for a causal window
     HC: int
     MIXP: int
     RB: int
@@ -293,7 +294,7 @@ def _k2(a, f, m):
     if m.ATTENTION:
         for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
             A.attend_task(t, a.q, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink, a.freqs,
-                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, 0, m.FAST)  # 0: causal
+                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.BLOCK, m.FAST)
         barrier(f.sync, epoch, 0, NB, m.TIMELINE)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -343,12 +344,13 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
      [(_, (bn_g, bk_g, split_g)), (_, (bn_sh, bk_d, split_d)), _], [(_, (bn_s2, bk_i, split_i))]] = \
         dense_stages(runner, rows)
     shape, ex = runner.shape, lw.experts
+    window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
     attn = None
     if attention:
         ring = cache.window
         attn = K2Attention(
             q=s.q, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
-            freqs=lw.rope_freqs, window=c.sliding_window, scale=hd ** -0.5, wo_a=lw.wo_a, z=s.z, wo_b=lw.wo_b,
+            freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, wo_a=lw.wo_a, z=s.z, wo_b=lw.wo_b,
             heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank)
     kind = "k2" if attention else "ffn"
     ffn = FfnArgs(
@@ -367,7 +369,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         limit=c.swiglu_limit)
     chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"])
     meta = K2Meta(
-        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(c.sliding_window), BDA=A.BD,
+        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
+        BLOCK=runner.draft_block,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=HC.RB, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,

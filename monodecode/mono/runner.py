@@ -19,12 +19,15 @@ at build, `check_residency` launches each kernel at its widest build once, so a 
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
 
+from ..config import ModelConfig
 from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
 from . import experts as X
@@ -60,24 +63,49 @@ def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
             "ffn": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
 
 
+class LayerStack(NamedTuple):
+    """The layers a runner runs: their sizes (`config`), plan, checkpoint prefixes, per-op blocks,
+    and for each a callable that hands the per-op path the kernels' stacked experts."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # the per-op weights by checkpoint name
+    plan: list[str]
+    prefixes: list[str]
+    blocks: list
+    replace_experts: list
+
+
+def target_stack(model) -> LayerStack:
+    """The model's decoder layers."""
+    n = model.config.num_hidden_layers
+    return LayerStack(model.config, model.w, layer_plan(model.config), [f"layers.{i}." for i in range(n)], model.blocks,
+                      [functools.partial(model.replace_experts, i) for i in range(n)])
+
+
 class MonoRunner:
+    draft_block = 0  # rows of a draft block (DraftRunner); the target's attention is causal
+
     def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False,
-                 shape: LaunchShape = LaunchShape(), compile_attention: bool | None = None):
+                 shape: LaunchShape = LaunchShape(), compile_attention: bool | None = None,
+                 stack: LayerStack | None = None):
         """`compile_attention`: the `ffn` layers' per-op attention sub-block under torch.compile
         (`attention_site_compiled`); None (the default): compiled on a GPU, eager under Triton's
         interpreter (where inductor's CPU build would cost minutes and the interpreted kernels
-        dominate anyway)."""
-        self.model, self.config = model, model.config
+        dominate anyway). `stack`: the layers to run (default: the model's, `target_stack`)."""
+        stack = stack or target_stack(model)
+        self.model, self.config = model, stack.config
         reasons = refusals(self.config, model.device, model.dtype)
         if model.tp.size > 1:
             reasons.append(f"the kernels do not run under tensor parallelism yet (tensor parallel size {model.tp.size})")
         if reasons:
             raise MonoRefused(reasons)
-        self.plan = layer_plan(self.config)
+        self.plan = stack.plan
         shared = bool(self.config.n_shared_experts)
-        names = [n for i, kind in enumerate(self.plan) for n in fp8_names(f"layers.{i}.", kind == WHOLE, shared)]
+        names = [n for p, kind in zip(stack.prefixes, self.plan) for n in fp8_names(p, kind == WHOLE, shared)]
         fp8 = read_fp8(model.checkpoint, names, model.device)
-        self.layers = [layer_weights(model, i, kind == WHOLE, fp8) for i, kind in enumerate(self.plan)]
+        self.layers = [layer_weights(stack.weights, self.config, p, block, replace, kind == WHOLE, fp8)
+                       for p, block, replace, kind in zip(stack.prefixes, stack.blocks, stack.replace_experts,
+                                                           self.plan)]
         self.device = model.device
         self.fast = not interpreted()  # the NVIDIA paths (PTX decode, bf16 dots); refusals() ruled out others
         for lw in self.layers:
@@ -91,7 +119,7 @@ class MonoRunner:
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only, eager steps only
         self.graphs_enabled = graphs and self.device.type == "cuda"
-        self.attention = {i: BatchedAttention(model.blocks[i].attention, self.device)
+        self.attention = {i: BatchedAttention(stack.blocks[i].attention, self.device)
                           for i, kind in enumerate(self.plan) if kind != WHOLE}  # of the `ffn` layers
         self.scratch: dict[int, Scratch] = {}
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
@@ -108,7 +136,7 @@ class MonoRunner:
         also compiles those builds. The outputs are discarded."""
         requests = 8
         rows = MAX_ROWS // requests
-        cache = self.model.make_cache(requests, 2 * rows, rows)
+        cache = self._residency_cache(requests, rows)
         s = self._scratch(MAX_ROWS)
         s.tokens.zero_()
         s.positions.copy_(torch.arange(rows).repeat(requests))
@@ -121,6 +149,10 @@ class MonoRunner:
         finally:
             self.attention_site = site
         self.check()  # a host sync
+
+    def _residency_cache(self, requests: int, rows: int):
+        """A private cache for `check_residency`: `requests` slots, steps of `rows` rows."""
+        return self.model.make_cache(requests, 2 * rows, rows)
 
     def configure(self, shape: LaunchShape, check: bool = True) -> None:
         """Launch the kernels with `shape` from now on (each kernel's grid: its programs a SM times

@@ -106,21 +106,24 @@ class StackedExperts:
         return tuple(formats.dequantize_mxfp4(*m, dtype=self.dtype) for m in self.stack.checkpoint_tensors(e))
 
 
-def stack_experts(model, layer: int) -> X.ExpertWeights:
-    """Stack layer's MXFP4 experts for the kernels, in the fragment order, and serve the per-op
-    path's experts from the stack from now on (`Model.replace_experts`), so the bytes are held
-    once. A layer stacked before (by an earlier runner of the same model) keeps its stack."""
-    bank = model.blocks[layer].moe.experts
+def stack_experts(bank, replace) -> X.ExpertWeights:
+    """Stack a block's MXFP4 experts (`bank`) for the kernels, in the fragment order, and serve
+    the per-op path's experts from the stack from now on (`replace`: `Model.replace_experts` or
+    `Draft.replace_experts` for that block), so the bytes are held once. A block stacked before
+    (by an earlier runner of the same model) keeps its stack."""
     if isinstance(bank, StackedExperts):
         return bank.stack
     stack = X.stack(list(zip(bank.w1, bank.w2, bank.w3)))
-    model.replace_experts(layer, StackedExperts(stack, bank.dtype))
+    replace(StackedExperts(stack, bank.dtype))
     return stack
 
 
-def layer_weights(model, layer: int, whole: bool, fp8: dict[str, Fp8Matrix]) -> LayerWeights:
-    c, w, p = model.config, model.w, f"layers.{layer}."
-    block = model.blocks[layer]
+def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replace_experts, whole: bool,
+                  fp8: dict[str, Fp8Matrix]) -> LayerWeights:
+    """Kernel views of the block whose names start with `prefix` (`layers.{i}.`, or a draft
+    stage's `mtp.{k}.`) in the per-op weights `w`, `config` its sizes (a draft stage's: its own
+    experts); `replace_experts` hands the per-op path the stacked experts (`stack_experts`)."""
+    c, p = config, prefix
     shared = None
     if c.n_shared_experts:
         shared = tuple(fp8[f"{p}ffn.shared_experts.{m}"] for m in ("w1", "w2", "w3"))
@@ -130,25 +133,25 @@ def layer_weights(model, layer: int, whole: bool, fp8: dict[str, Fp8Matrix]) -> 
         attn_norm=w[f"{p}attn_norm"], ffn_norm=w[f"{p}ffn_norm"],
         gate=w[f"{p}ffn.gate"].to(torch.bfloat16).contiguous(),
         route_bias=block.moe.bias, tid2eid=block.moe.tid2eid,
-        shared=shared, experts=stack_experts(model, layer),
+        shared=shared, experts=stack_experts(block.moe.experts, replace_experts),
     )
     if whole:
         a = f"{p}attn."
         lw.wq_a, lw.wkv, lw.wq_b, lw.wo_a, lw.wo_b = (fp8[f"{a}{m}"] for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b"))
         lw.q_norm, lw.kv_norm, lw.attn_sink = w[f"{a}q_norm"], w[f"{a}kv_norm"], w[f"{a}attn_sink"]
-        lw.rope_freqs = layer_frequencies(c, compressed=False).to(model.device).contiguous()
-    check_layer(model.config, layer, lw)
+        lw.rope_freqs = layer_frequencies(c, compressed=False).to(lw.attn_norm.device).contiguous()
+    check_layer(c, p, lw)
     return lw
 
 
-def check_layer(config, layer: int, lw: LayerWeights) -> None:
+def check_layer(config, prefix: str, lw: LayerWeights) -> None:
     """Shape, dtype, contiguity and alignment of every tensor the kernels read."""
     c = config
     d, hc, heads, hd = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim
     mix = (2 + hc) * hc
     inter, n_exp = c.moe_intermediate_size, c.n_routed_experts
     block = c.fp8_block or (128, 128)
-    p = f"layers.{layer}."
+    p = prefix
     expect = {
         "hc_attn_fn": (lw.hc_attn[0], (mix, hc * d), torch.float32),
         "hc_attn_base": (lw.hc_attn[1], (mix,), torch.float32),

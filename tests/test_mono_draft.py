@@ -1,0 +1,140 @@
+"""The DSpark draft's stages on the kernels (mono/draft_runner.py) against the per-op draft, on
+the same model, context and block rows. On the CPU the kernels run under Triton's interpreter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from monodecode.checkpoint import SyntheticCheckpoint
+from monodecode.config import preset
+from monodecode.model import Model
+from monodecode.model.attention import RequestRows
+from monodecode.mono.draft_runner import DraftRunner
+
+SLOTS = 6
+# A row whose routed experts sit at a near-tie in some stage (the k-th and (k+1)-th biased scores
+# closer than this) may pick another expert from bf16 noise and then legitimately differ; as in
+# tests/test_mono_runner.py, such rows are set aside, at most a quarter of them.
+ROUTING_NEAR_TIE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def model(device):
+    return Model.from_checkpoint(SyntheticCheckpoint(preset("tiny"), seed=9), device, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return DraftRunner(model, model.draft(), poison=True)  # poison: an unwritten scratch element shows
+
+
+def context(model, draft, g, lengths, device):
+    """Two draft caches holding the same committed context, a request a slot; the slots."""
+    c = model.config
+    caches = [draft.make_cache(SLOTS) for _ in range(2)]
+    slots = torch.randperm(SLOTS, generator=g)[:len(lengths)].tolist()
+    for slot, n in zip(slots, lengths):
+        hidden = torch.randn(n, len(c.dspark_target_layer_ids) * c.hidden_size, generator=g).to(device)
+        for cache in caches:
+            draft.commit(cache, slot, torch.arange(n, device=device), hidden)
+    return caches, slots
+
+
+def per_op_stages(draft, cache, tokens, positions, slots, margins):
+    """The draft's stages per-op (as Draft.propose runs them), recording each row's smallest
+    routing margin over the stages in `margins`."""
+    b = draft.block_size
+    groups = [RequestRows(s, torch.arange(i * b, (i + 1) * b, device=tokens.device), positions[i * b:(i + 1) * b])
+              for i, s in enumerate(slots)]
+    streams = draft.model.embed(tokens)
+    for stage, ring in zip(draft.stages, cache.rings):
+        route = stage.moe.route
+
+        def recording(x, row_tokens, moe=stage.moe, route=route):
+            margins.append(moe.margin(x).cpu())
+            return route(x, row_tokens)
+
+        stage.moe.route = recording
+        try:
+            streams = stage(streams, tokens, positions, groups, ring)
+        finally:
+            del stage.moe.route  # the instance attribute: back to the class's method
+    return streams
+
+
+# Requests whose context is shorter than the window, fills it, and runs past it (the ring of
+# window + block keys wraps)
+@pytest.mark.parametrize("lengths", [[3], [3, 16, 25, 9]], ids=["1_request", "4_requests"])
+def test_the_draft_stages_on_the_kernels_match_the_per_op_stages(model, runner, device, lengths):
+    """The streams after the last stage, row by row, and the context each block reads left as it
+    was (the kernels write only the blocks' own keys, past it)."""
+    c, draft = model.config, runner.draft
+    g = torch.Generator().manual_seed(len(lengths))
+    caches, slots = context(model, draft, g, lengths, device)
+    before = [ring.pos.clone() for ring in caches[1].rings]
+    b = draft.block_size
+    tokens = torch.full((len(lengths), b), c.dspark_noise_token_id)
+    tokens[:, 0] = torch.randint(0, c.vocab_size, (len(lengths),), generator=g)
+    positions = (torch.tensor(lengths)[:, None] + torch.arange(b)).flatten().to(device)
+    tokens, row_slots = tokens.flatten().to(device), torch.tensor(slots).repeat_interleave(b)
+    margins = []
+    ref = per_op_stages(draft, caches[0], tokens, positions, slots, margins)
+    out = runner.stages(caches[1])(tokens, positions, row_slots)
+    cos = F.cosine_similarity(out.double().flatten(1), ref.double().flatten(1), dim=1).cpu()
+    near_tie = torch.stack(margins).min(dim=0).values < ROUTING_NEAR_TIE
+    off = cos < 0.9999
+    assert not (off & ~near_tie).any(), (cos, torch.stack(margins).min(dim=0).values)
+    assert off.sum() <= len(cos) // 4, cos
+    for ring, pos in zip(caches[1].rings, before):
+        for slot, n in zip(slots, lengths):
+            read = (pos[slot] >= max(0, n - c.sliding_window)) & (pos[slot] < n)
+            assert read.sum() == min(n, c.sliding_window)
+            assert torch.equal(ring.pos[slot][read], pos[slot][read])
+
+
+def test_a_proposal_on_the_kernels(model, runner, device):
+    """`Draft.propose` with the runner's stages: a block of draft tokens a request, its
+    distributions and confidences, as the per-op draft gives them (up to a token chosen at a
+    near-tie)."""
+    draft, c = runner.draft, model.config
+    g = torch.Generator().manual_seed(7)
+    lengths = [20, 4]
+    caches, slots = context(model, draft, g, lengths, device)
+    anchors = torch.randint(0, c.vocab_size, (len(lengths),), generator=g)
+    greedy = [(0.0, 1.0, 0, None)] * len(lengths)
+    ref = draft.propose(caches[0], anchors, torch.tensor(lengths), slots, greedy)
+    out = draft.propose(caches[1], anchors, torch.tensor(lengths), slots, greedy, stages=runner.stages(caches[1]))
+    assert out.tokens.shape == ref.tokens.shape == (len(lengths), draft.block_size)
+    assert (out.tokens[:, 0] == ref.tokens[:, 0]).all()  # the first token, from the anchor's row
+    assert torch.isfinite(out.confidence).all() and ((0 < out.confidence) & (out.confidence < 1)).all()
+
+
+def test_the_draft_runner_takes_whole_blocks_only(model, runner):
+    cache = runner.draft.make_cache(SLOTS)
+    assert runner.refusal(cache, [1] * 7, list(range(7)), [0] * 7) == "7 rows are not whole draft blocks of 5"
+    with pytest.raises(ValueError, match="not whole draft blocks"):
+        runner.step(cache, [1] * 7, list(range(7)), [0] * 7)
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(16, marks=pytest.mark.slow), 6])
+def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(device, tokens):
+    """A decoder with the kernels on runs the draft's stages on them (`Decoder.draft`): greedy
+    speculation still gives plain greedy decoding's tokens (16 tokens are `slow`: the whole model
+    runs interpreted)."""
+    from monodecode.decode import Decoder, KernelDraft
+    from monodecode.generate import generate
+    from monodecode.spec.config import SpeculativeConfig
+    from monodecode.spec.decoder import SpeculativeDecoder
+
+    decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(preset("tiny"), seed=21), device, torch.bfloat16),
+                      "on")
+    spec = SpeculativeDecoder(decoder, SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5}))
+    assert isinstance(spec.draft, KernelDraft)
+    caches = spec.make_caches(num_slots=1, max_context=64)
+    prompt = [7, 70, 300, 12]
+    request = spec.prefill(caches, 0, prompt, 0.0, 1.0, None)
+    out = [request.anchor]
+    while len(out) < tokens:
+        out += spec.step(caches, [request])[0]
+    assert spec.draft.runner.sync["k1"].epoch > 0  # the draft ran on the kernels
+    assert out[:tokens] == generate(decoder, prompt, tokens)
