@@ -92,13 +92,13 @@ class MonoRunner:
         (`attention_site_compiled`); None (the default): compiled on a GPU, eager under Triton's
         interpreter (where inductor's CPU build would cost minutes and the interpreted kernels
         dominate anyway). `stack`: the layers to run (default: the model's, `target_stack`)."""
-        stack = stack or target_stack(model)
-        self.model, self.config = model, stack.config
+        self.model, self.config = model, stack.config if stack else model.config
         reasons = refusals(self.config, model.device, model.dtype)
         if model.tp.size > 1:
             reasons.append(f"the kernels do not run under tensor parallelism yet (tensor parallel size {model.tp.size})")
         if reasons:
             raise MonoRefused(reasons)
+        stack = stack or target_stack(model)  # after the refusals: a model over ranks has no blocks here
         self.plan = stack.plan
         shared = bool(self.config.n_shared_experts)
         names = [n for p, kind in zip(stack.prefixes, self.plan) for n in fp8_names(p, kind == WHOLE, shared)]
