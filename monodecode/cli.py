@@ -295,8 +295,8 @@ def add_bench_commands(commands) -> None:
     decode = bench_commands.add_parser(
         "decode", help="whole speculative decode steps of an N-layer model, per-op graph and mono",
         description="Times speculative decode steps (DSpark draft, synthetic acceptance) of the first N layers "
-                    "of --preset at each request count, the target's verify step per-op in a CUDA graph and on "
-                    "the mono kernels: step time split into draft, verify (head) and host work, tokens/s per "
+                    "of --preset at each request count, per-op (the verify step in a CUDA graph, the draft eager) "
+                    "and on the mono kernels (the verify step and the draft's stages): step time split into draft, verify (head) and host work, tokens/s per "
                     "user (monodecode/bench/decode.py).")
     decode.add_argument("--preset", default="v4-flash", help="model sizes (default: v4-flash)")
     decode.add_argument("--layers", default="fit", help="target layers: a number, or `fit` (as many as the GPU "

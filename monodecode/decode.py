@@ -32,6 +32,7 @@ class Decoder:
         self.mono = build(self.model, mono)  # a MonoRunner, or None
         self.fallbacks: Counter[str] = Counter()  # steps the kernels did not take, by reason
         self.last_path: str | None = None  # "mono" or "per-op": the path the last step took
+        self._draft = None  # built on first use: a draft on the kernels compiles and graphs its own
 
     @property
     def config(self):
@@ -49,8 +50,13 @@ class Decoder:
         return self.model.make_cache(num_slots, max_context, max_step_rows)
 
     def draft(self):
-        """The model's DSpark draft; with the kernels in use, its stages run on them
-        (`KernelDraft`; "auto": per-op if they refuse the draft, the reasons logged)."""
+        """The model's DSpark draft, built on first use; with the kernels in use, its stages run
+        on them (`KernelDraft`; "auto": per-op if they refuse the draft, the reasons logged)."""
+        if self._draft is None:
+            self._draft = self._build_draft()
+        return self._draft
+
+    def _build_draft(self):
         draft = self.model.draft()
         if self.mono is None:
             return draft

@@ -120,7 +120,7 @@ def test_the_draft_runner_takes_whole_blocks_only(model, runner):
 def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(device, tokens):
     """A decoder with the kernels on runs the draft's stages on them (`Decoder.draft`): greedy
     speculation still gives plain greedy decoding's tokens (16 tokens are `slow`: the whole model
-    runs interpreted)."""
+    runs interpreted); the decoder builds that draft once and gives it to every caller."""
     from monodecode.decode import Decoder, KernelDraft
     from monodecode.generate import generate
     from monodecode.spec.config import SpeculativeConfig
@@ -129,7 +129,7 @@ def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(device, to
     decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(preset("tiny"), seed=21), device, torch.bfloat16),
                       "on")
     spec = SpeculativeDecoder(decoder, SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5}))
-    assert isinstance(spec.draft, KernelDraft)
+    assert isinstance(spec.draft, KernelDraft) and decoder.draft() is spec.draft
     caches = spec.make_caches(num_slots=1, max_context=64)
     prompt = [7, 70, 300, 12]
     request = spec.prefill(caches, 0, prompt, 0.0, 1.0, None)

@@ -361,11 +361,11 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 @pytest.mark.parametrize("spec", ["block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2",
                                   "block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,expert_programs_per_sm=1,"
-                                  "expert_warps=4,dependent_launches=1"])
+                                  "expert_warps=4"])
 def test_another_launch_shape_gives_the_same_step(decoder, spec):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
     two programs a SM and K2 at one, K3 at one of 4 warps (on a GPU: grids of their own, tiles
-    chosen for each; each launch a programmatic dependent of the one before), dense GEMVs split
+    chosen for each), dense GEMVs split
     along K (slices of 32: 2 to 4 a block, summed by the last to arrive, in every layer of the
     step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of
     32 and 16 rows (`experts.load_fragments`' 16-row blocks): the same result up to fp32
@@ -388,7 +388,7 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
     """The runner stacks the experts in the fragment order once and hands the stack to the per-op
     path (`Model.replace_experts`: no second copy), which decodes the order back to the same
     weights; a second runner of the same model keeps that stack; a shape whose tiles that order
-    cannot serve, without K3 programs or with a flag neither 0 nor 1, is refused with the reason,
+    cannot serve, or without K3 programs, is refused with the reason,
     the old shape kept."""
     m = Model.from_checkpoint(SyntheticCheckpoint(tiny(num_hidden_layers=1, compress_ratios=(0,),
                                                        dspark_target_layer_ids=(0,)), seed=6), device, torch.bfloat16)
@@ -406,8 +406,6 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(expert_block_n=8))
     with pytest.raises(ValueError, match=r"K3 \(the routed experts\) needs at least one program a SM"):
         d.mono.configure(LaunchShape(expert_programs_per_sm=0))
-    with pytest.raises(ValueError, match=r"dependent_launches is 0 or 1"):
-        d.mono.configure(LaunchShape(dependent_launches=2))
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts
@@ -522,3 +520,16 @@ def test_the_gpu_check_reports_agreement_and_routing_flips(decoder):
     assert flips["rows"] == 1 and flips["margins"] == [float(margins[4])]
     reference[5, 0] = reference[4, 0]  # a pad row's picks are not compared
     assert check.routing_flips(decoder, 6, (reference, margins), live)[1]["rows"] == 1
+
+
+def test_the_gpu_check_gives_the_top_two_gap_of_a_row_whose_greedy_token_differs():
+    from monodecode.bench.mono_check import greedy_agreement
+
+    ref = torch.randn(4, 50)
+    ref[2, 7], ref[2, 9] = 10.0, 9.75  # row 2: a near-tie between tokens 7 and 9
+    mono = ref + 1e-3 * torch.randn(4, 50)
+    mono[2, 9] = 10.5  # the kernels' path picks the runner-up
+    report = greedy_agreement(mono, ref)
+    assert report["greedy_equal"] == 0.75
+    assert report["greedy_differs_top2_gaps"] == [pytest.approx(0.25)]
+    assert greedy_agreement(ref, ref) == {"greedy_equal": 1.0, "greedy_differs_top2_gaps": []}

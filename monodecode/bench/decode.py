@@ -8,11 +8,12 @@ a step), the target verifying B x (1 + block) rows a step, through
 - `per-op graph`: the per-op layers in fixed shapes (`bench/batched.py` BatchedLayer: the routed
   experts dequantized to bf16 once, about 12.9 GB a v4-flash layer, so only when they fit) and
   the head, captured in a CUDA graph per width;
-- `mono`: the mono runner (K1/K2 per layer, its CUDA graph per width).
+- `mono`: the mono runner (K1, K2, K3 a layer, its CUDA graph per width).
 Per path and B: the median step time, split into the draft's proposal, the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
 commits to the draft's rings: host work); tokens committed a step a request; tokens/s per user.
-The draft is the same on both paths: per-op and eager (not on K1/K2 yet).
+The draft follows its path: per-op and eager with the per-op graph, its stages on the kernels
+(`Decoder.draft`) with mono.
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
 interpreter: the code paths, not the numbers.
 """
@@ -123,8 +124,10 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
-def measure(model: Decoder, target_step, caches, requests, steps: int, acceptance: float) -> dict:
-    """`steps` timed speculative steps (after two warm-up steps, which capture the graphs)."""
+def measure(model, target_step, caches, requests, steps: int, acceptance: float) -> dict:
+    """`steps` timed speculative steps (after two warm-up steps, which capture the graphs) of
+    `model` (a Model: the draft per-op; a Decoder: the draft as it gives it) verifying with
+    `target_step`."""
     block = model.draft().block_size
     config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": block,
                                           "rejection_sample_method": "synthetic",
@@ -183,10 +186,10 @@ def run(args) -> int:
         requests = [base.prefill(caches, slot, torch.randint(0, model.config.vocab_size, (args.context,),
                                                                generator=g).tolist()) for slot in range(count)]
         head = head_seconds(model.model, count * (block + 1), args.reps)
-        for path, step in (("per-op graph", per_op), ("mono", model.step)):
+        for path, decoder, step in (("per-op graph", model.model, per_op), ("mono", model, model.step)):
             if step is None:
                 continue
-            m = measure(model, step, copy.deepcopy(caches), seeded(requests, model.device), args.steps, args.acceptance)
+            m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device), args.steps, args.acceptance)
             rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
                          "other_s": m["step_s"] - m["draft_s"] - m["verify_s"]})
             print(line(rows[-1]), flush=True)

@@ -141,8 +141,18 @@ def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
                           "worst_row_rel_l2": worst_row, "last_layer_routing_flips": flips,
                           "logits_all_rows": agreement(logits[live], ref_logits[live]), "rings": rings,
                           "ring_positions_equal": same_positions,
-                          "greedy_equal": float((logits[live].argmax(-1) == ref_logits[live].argmax(-1)).float().mean())}
+                          **greedy_agreement(logits[live], ref_logits[live])}
     return results
+
+
+def greedy_agreement(logits: torch.Tensor, ref_logits: torch.Tensor) -> dict:
+    """The share of rows whose greedy token matches the per-op path's, and for each row that does
+    not, the per-op logits' gap between their top two tokens (a near-tie shows as a gap far below
+    the logits' typical differences between the paths)."""
+    differs = logits.argmax(-1) != ref_logits.argmax(-1)
+    top2 = ref_logits[differs].float().topk(2, dim=-1).values
+    return {"greedy_equal": float((~differs).float().mean()),
+            "greedy_differs_top2_gaps": [float(gap) for gap in top2[:, 0] - top2[:, 1]]}
 
 
 def check_graph(decoder: Decoder, base_cache, replays: int = 300) -> dict:

@@ -111,14 +111,13 @@ class K1Meta(NamedTuple):
     RD: int  # rope dims of a head
     BQ: int  # q_lora padded to a power of two
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
-    DEPENDENT: bool  # a programmatic dependent launch (sync.begin_launch)
     TIMELINE: bool
 
 
 @triton.jit
 def _k1(a, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    epoch = begin_launch(a.sync, m.DEPENDENT, m.TIMELINE)
+    epoch = begin_launch(a.sync, m.TIMELINE)
 
     for t in range(pid, tl.cdiv(a.rows, m.RB) * tl.cdiv(a.d, m.CHUNK), grid):
         HC.fold_task(t, a.rows, a.d, a.residual, a.owed_y, a.d, a.owed_post, a.owed_comb, a.streams, a.hc_fn,
@@ -190,7 +189,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
-        FAST=runner.fast, DEPENDENT=runner.dependent_launches(), TIMELINE=runner.timeline,
+        FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1", "k1", args, meta=meta)
     return 1 - cur if owed else cur

@@ -191,7 +191,6 @@ class K2Meta(NamedTuple):
     ROWS_E: int  # rows of an expert task
     SWB: int
     FAST: bool
-    DEPENDENT: bool  # a programmatic dependent launch (sync.begin_launch)
     TIMELINE: bool
 
 
@@ -208,7 +207,6 @@ class K3Meta(NamedTuple):
     CBL: int
     FAST: bool
     FAST_EXPERTS: bool  # FAST and the experts' scales fit the fast decode
-    DEPENDENT: bool
     TIMELINE: bool
 
 
@@ -288,7 +286,7 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 @triton.jit
 def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    epoch = begin_launch(f.sync, m.DEPENDENT, m.TIMELINE)
+    epoch = begin_launch(f.sync, m.TIMELINE)
     NB: tl.constexpr = (3 if m.ATTENTION else 0) + 4
     b0 = 0
     if m.ATTENTION:
@@ -313,7 +311,7 @@ def _k2(a, f, m):
 def _k3(f, m):
     """Stages 8-11 (the routed experts and the combine), after K2 or the `ffn` launch."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
-    epoch = begin_launch(f.sync, m.DEPENDENT, m.TIMELINE)
+    epoch = begin_launch(f.sync, m.TIMELINE)
     _expert_stages(f, m, epoch, 0, 3, pid, grid)
     end_launch(f.sync, epoch, 3, m.TIMELINE)
 
@@ -378,7 +376,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        ROWS_E=X.ROWS, SWB=min(SWB, inter), FAST=runner.fast, DEPENDENT=runner.dependent_launches(),
+        ROWS_E=X.ROWS, SWB=min(SWB, inter), FAST=runner.fast,
         TIMELINE=runner.timeline)
     runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
@@ -387,5 +385,5 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=meta.SWB, CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
-        DEPENDENT=meta.DEPENDENT, TIMELINE=runner.timeline))
+        TIMELINE=runner.timeline))
     return 1 - cur if attention else cur

@@ -187,11 +187,9 @@ class MonoRunner:
                 raise
 
     def _check_shape(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve, without K3
-        programs, or with a flag other than 0 or 1, is a caller's error."""
+        """A shape whose expert tiles the experts' fragment order cannot serve, or without K3
+        programs, is a caller's error."""
         c = self.config
-        if shape.dependent_launches not in (0, 1):
-            raise ValueError(f"launch shape {shape.spec()}: dependent_launches is 0 or 1")
         if shape.expert_programs_per_sm < 1:
             raise ValueError(f"launch shape {shape.spec()}: K3 (the routed experts) needs at least one program a "
                              f"SM (expert_programs_per_sm {shape.expert_programs_per_sm})")
@@ -286,8 +284,6 @@ class MonoRunner:
         warps, grid = self.warps(family), self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
         options = {"maxnreg": self.shape.expert_registers()} if family == "k3" else {}
-        if meta.DEPENDENT:
-            options["launch_pdl"] = True
         if interpreted():
             kernel[(grid,)](*args, constants, num_warps=warps, **options)
             return
@@ -300,11 +296,6 @@ class MonoRunner:
                 raise
             raise MonoRefused([f"{name}: {grid} programs ({self.shape.spec()}: {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
-
-    def dependent_launches(self) -> bool:
-        """Whether each launch is a programmatic dependent of the one before it
-        (`LaunchShape.dependent_launches`; NVIDIA only: not under the interpreter)."""
-        return bool(self.shape.dependent_launches) and self.fast
 
     def warps(self, family: str) -> int:
         """Warps a program of kernel `family` runs (K1's; K2's for K2 and `ffn`; K3's)."""

@@ -11,9 +11,7 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
-diagonal loop: experts.py); with `dependent_launches` 1 every launch a programmatic dependent
-of the one before it (NVIDIA: it is launched while that one ends, and waits for it:
-`sync.begin_launch`).
+diagonal loop: experts.py).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -36,7 +34,6 @@ class LaunchShape:
     expert_block_k: int = 256
     expert_programs_per_sm: int = 2
     expert_warps: int = 8
-    dependent_launches: int = 0
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LINE = 32  # int32 words per 128-byte line
 EPOCH, ERROR, EXIT, BARRIER = 0, LINE, 2 * LINE, 3 * LINE
@@ -155,16 +154,8 @@ def stamp(timeline_ptr, slot, TIMELINE: tl.constexpr):
 
 
 @triton.jit
-def begin_launch(sync, DEPENDENT: tl.constexpr, TIMELINE: tl.constexpr):
-    """A persistent launch's first step (`sync`: its SyncArgs); returns its epoch. With
-    DEPENDENT (a programmatic dependent of the launch before it, `LaunchShape.dependent_launches`,
-    NVIDIA) it first lets the next launch start placing its programs, then waits until the launch
-    before this one has ended, its writes visible: nothing else of the launch runs before that
-    wait (not even the epoch read), so what overlaps is the launching itself, and a program
-    takes a SM only as the previous kernel's programs leave it."""
-    if DEPENDENT:
-        gdc_launch_dependents()
-        gdc_wait()
+def begin_launch(sync, TIMELINE: tl.constexpr):
+    """A persistent launch's first step (`sync`: its SyncArgs); returns its epoch."""
     epoch = launch_epoch(sync.words)
     stamp(sync.timeline, 0, TIMELINE)
     return epoch
