@@ -165,6 +165,10 @@ def test_bench_decode_times_both_paths_at_each_request_count(device, tmp_path, r
         assert r["rows"] == r["requests"] * (report["block"] + 1)
         assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > r["head_s"] > 0
         assert 1 <= r["tokens_per_step"] <= report["block"] + 1 and r["tokens_per_s_per_user"] > 0
+        if r["path"] == "mono":  # the draft's stages ran on the kernels, inside its proposal
+            assert 0 < r["draft_stages_s"] < r["draft_s"]
+        else:
+            assert r["draft_stages_s"] is None
     per_op, mono = report["rows"][0::2], report["rows"][1::2]  # the same synthetic acceptances on both paths
     assert [r["tokens_per_step"] for r in per_op] == [r["tokens_per_step"] for r in mono]
 

@@ -9,7 +9,8 @@ a step), the target verifying B x (1 + block) rows a step, through
   experts dequantized to bf16 once, about 12.9 GB a v4-flash layer, so only when they fit) and
   the head, captured in a CUDA graph per width;
 - `mono`: the mono runner (K1, K2, K3 a layer, its CUDA graph per width).
-Per path and B: the median step time, split into the draft's proposal, the target's verify step
+Per path and B: the median step time, split into the draft's proposal (of which, on the mono path,
+its stages on the kernels: the draft runner's steps), the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
 commits to the draft's rings: host work); tokens committed a step a request; tokens/s per user.
 The draft follows its path: per-op and eager with the per-op graph, its stages on the kernels
@@ -137,17 +138,25 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float)
     draft = decoder.draft
     propose = Timer(draft.propose, model.device)
     draft.propose = propose
+    runner = getattr(draft, "runner", None)  # a KernelDraft's: its stages on the kernels
+    stages = Timer(runner.step, model.device) if runner else None
+    if runner:
+        runner.step = stages
     step = Timer(decoder.step, model.device)
     try:
         for _ in range(2):
             step(caches, requests)
-        for timer in (verify, propose, step):
-            timer.seconds.clear()
+        for timer in (verify, propose, step, stages):
+            if timer:
+                timer.seconds.clear()
         committed = sum(len(tokens) for _ in range(steps) for tokens in step(caches, requests))
     finally:
-        del draft.propose  # the instance attribute: back to the class's method
+        del draft.propose  # the instance attributes: back to the classes' methods
+        if runner:
+            del runner.step
     median = statistics.median
-    return {"step_s": median(step.seconds), "draft_s": median(propose.seconds), "verify_s": median(verify.seconds),
+    return {"step_s": median(step.seconds), "draft_s": median(propose.seconds),
+            "draft_stages_s": median(stages.seconds) if stages else None, "verify_s": median(verify.seconds),
             "tokens_per_step": committed / steps / len(requests),
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds)}
 
@@ -209,6 +218,7 @@ def run(args) -> int:
 
 def line(r: dict) -> str:
     ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    stages = f" (stages {ms(r['draft_stages_s']).strip()})" if r["draft_stages_s"] is not None else ""
     return (f"{r['path']:<13}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = draft "
-            f"{ms(r['draft_s'])} + verify {ms(r['verify_s'])} (head {ms(r['head_s'])}) + other {ms(r['other_s'])}; "
+            f"{ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])} (head {ms(r['head_s'])}) + other {ms(r['other_s'])}; "
             f"{r['tokens_per_step']:.2f} tokens a step, {r['tokens_per_s_per_user']:.1f} tokens/s/user")
