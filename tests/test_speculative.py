@@ -100,6 +100,33 @@ def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):
         assert torch.equal(b, ring.pos)  # block keys never enter the ring
 
 
+def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
+    """With every request at temperature 0 the draft's head takes its batched greedy path (a CUDA
+    graph a request count on a GPU, replayed here a second time): the tokens, one-hot
+    distributions and confidences of the sampling path at temperature 0, and no generator drawn."""
+    decoder = SpeculativeDecoder(model, spec("greedy"))
+    caches = decoder.make_caches(num_slots=3, max_context=64)
+    requests = [decoder.prefill(caches, s, [s + 3, 1, 4, 1, 5][:s + 3]) for s in range(3)]
+    draft, r = decoder.draft, len(requests)
+    anchors = torch.tensor([q.anchor for q in requests])
+    args = (caches.draft, anchors, torch.tensor([q.position for q in requests]), [q.slot for q in requests])
+    generators = [torch.Generator(model.device).manual_seed(s) for s in range(r)]
+    states = [g.get_state() for g in generators]
+    for _ in range(2):
+        greedy = draft.propose(*args, [(0.0, 0.9, 5, g) for g in generators])
+    assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
+    streams = draft.model.embed(torch.full((r * draft.block_size,), 7, device=model.device))
+    hb, base = draft._head(streams, r)
+    assert torch.equal(draft._greedy_markov(streams, anchors.to(model.device)).tokens,
+                       draft._markov_sample(base, hb, anchors.to(model.device), [(0.0, 1.0, 0, None)] * r).tokens)
+    # the whole proposal against the sampling path, which a request above temperature 0 forces
+    mixed = draft.propose(*args, [(0.0, 1.0, 0, None)] * (r - 1) + [(1e-6, 1.0, 0, torch.Generator(model.device))])
+    assert torch.equal(mixed.tokens[:r - 1], greedy.tokens[:r - 1])
+    assert torch.equal(mixed.probs[:r - 1], greedy.probs[:r - 1])
+    assert torch.equal(mixed.confidence, greedy.confidence)
+    assert torch.equal(greedy.probs.argmax(-1), greedy.tokens) and torch.equal(greedy.probs.sum(-1), torch.ones(r, 5).to(greedy.probs))
+
+
 def test_synthetic_mode_hits_its_acceptance_length(model):
     """The verify-level test checks 2% over 20k draws; here the whole loop, with 8 requests a
     step, checks that the decoder counts what the synthetic verifier does."""

@@ -18,6 +18,11 @@ The Markov head then samples left to right: with prev = anchor, for k = 0..B-1,
 `logits_k = U_k + markov_w2 @ markov_w1[prev]`, d_k ~ probabilities(logits_k), and the confidence
 `c_k = sigmoid(w_conf . [hb_k ; markov_w1[prev]])` (hb: the pre-norm hc_head output) estimates
 the chance that d_k survives verification.
+
+When every request of a proposal is greedy (temperature 0), d_k is the argmax of logits_k and
+its distribution the one-hot there: no generator is drawn from, and on a GPU the whole head
+(hc_head, norm, lm_head, the Markov and confidence heads) replays as one CUDA graph per request
+count (`_greedy_head`; the same operations as eagerly, so the same tokens).
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class Draft:
             for k in range(c.num_nextn_predict_layers)
         ]
         self.last = f"mtp.{c.num_nextn_predict_layers - 1}."
+        self._greedy_graphs: dict[int, tuple] = {}  # requests -> (inputs, outputs, graph)
 
     def replace_experts(self, stage: int, experts) -> None:
         """Serve the stage's routed experts from `experts` (as `Model.replace_experts`)."""
@@ -139,22 +145,77 @@ class Draft:
                 streams = stage(streams, tokens, positions, groups, ring)
         else:
             streams = stages(tokens, positions, torch.tensor(slots).repeat_interleave(b))
+        anchors = anchors.to(device)
+        if all(temperature == 0 for temperature, *_ in sampling):
+            return self._greedy_head(streams, anchors)
+        hb, base = self._head(streams, r)
+        return self._markov_sample(base, hb, anchors, sampling)
+
+    def _head(self, streams: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's hc_head output hb [R, B, d] and the base logits [R, B, vocab] (fp32)."""
+        w, c, b = self.w, self.c, self.block_size
         hb = hc_head(streams, w[f"{self.last}hc_head_fn"], w[f"{self.last}hc_head_base"],
                      w[f"{self.last}hc_head_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
-        base = self.model.lm_head(hb, w[f"{self.last}norm"]).view(r, b, -1)
-        return self._markov_sample(base, hb.view(r, b, -1), anchors.to(device), sampling)
+        return hb.view(r, b, -1), self.model.lm_head(hb, w[f"{self.last}norm"]).view(r, b, -1)
+
+    def _markov_step(self, base_k, hb_k, prev):
+        """Position k's Markov logits and confidence from the previous token `prev` [R]."""
+        w, last = self.w, self.last
+        e = F.embedding(prev, w[f"{last}markov_head.markov_w1"])
+        logits = base_k + self.model.fp32_linear(e, w[f"{last}markov_head.markov_w2"])
+        features = torch.cat([hb_k.float(), e.float()], dim=-1)
+        confidence = torch.sigmoid(F.linear(features, w[f"{last}confidence_head.proj"].float())).squeeze(-1)
+        return logits, confidence
 
     def _markov_sample(self, base, hb, anchors, sampling) -> Proposal:
-        w, last = self.w, self.last
         prev = anchors
         drafted, dists, confidence = [], [], []
         for k in range(self.block_size):
-            e = F.embedding(prev, w[f"{last}markov_head.markov_w1"]).float()
-            logits = base[:, k] + F.linear(e, w[f"{last}markov_head.markov_w2"].float())
-            probs = torch.stack([probabilities(logits[i], t, p, k) for i, (t, p, k, _) in enumerate(sampling)])
+            logits, sure = self._markov_step(base[:, k], hb[:, k], prev)
+            probs = torch.stack([probabilities(logits[i], t, p, top_k) for i, (t, p, top_k, _) in enumerate(sampling)])
             prev = torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)])
-            features = torch.cat([hb[:, k].float(), e], dim=-1)
-            confidence.append(torch.sigmoid(F.linear(features, w[f"{last}confidence_head.proj"].float())).squeeze(-1))
             drafted.append(prev)
             dists.append(probs)
+            confidence.append(sure)
         return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))
+
+    def _greedy_markov(self, streams: torch.Tensor, anchors: torch.Tensor) -> Proposal:
+        """The head of an all-greedy proposal: `_markov_sample`'s tokens and one-hot distributions
+        at temperature 0 (the argmax, which is what sampling a one-hot gives), batched over the
+        requests, with no host sync."""
+        hb, base = self._head(streams, anchors.shape[0])
+        prev = anchors
+        drafted, dists, confidence = [], [], []
+        for k in range(self.block_size):
+            logits, sure = self._markov_step(base[:, k], hb[:, k], prev)
+            prev = logits.argmax(dim=-1)
+            drafted.append(prev)
+            dists.append(torch.zeros_like(logits).scatter_(-1, prev[:, None], 1.0))
+            confidence.append(sure)
+        return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))
+
+    def _greedy_head(self, streams: torch.Tensor, anchors: torch.Tensor) -> Proposal:
+        """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
+        use; not under tensor parallelism, whose gathers are collectives)."""
+        if streams.device.type != "cuda" or self.model.tp.size > 1 or torch.cuda.is_current_stream_capturing():
+            return self._greedy_markov(streams, anchors)
+        r = anchors.shape[0]
+        if r not in self._greedy_graphs:
+            self._greedy_graphs[r] = self._capture_greedy(streams, anchors)
+        inputs, outputs, graph = self._greedy_graphs[r]
+        for buffer, value in zip(inputs, (streams, anchors)):
+            buffer.copy_(value)
+        graph.replay()
+        return Proposal(*(t.clone() for t in outputs))
+
+    def _capture_greedy(self, streams: torch.Tensor, anchors: torch.Tensor):
+        inputs = (streams.clone(), anchors.clone())
+        side = torch.cuda.Stream(streams.device)  # the warm-up sets up the GEMMs' workspaces outside the capture
+        side.wait_stream(torch.cuda.current_stream(streams.device))
+        with torch.cuda.stream(side):
+            self._greedy_markov(*inputs)
+        torch.cuda.current_stream(streams.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            proposal = self._greedy_markov(*inputs)
+        return inputs, (proposal.tokens, proposal.probs, proposal.confidence), graph

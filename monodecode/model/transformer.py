@@ -118,12 +118,15 @@ class Model:
     def lm_head(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Final RMSNorm (the model's, or a draft stage's) and the shared lm_head, in fp32."""
         x = rms_norm(x, self.w["norm"] if norm_weight is None else norm_weight, self.config.rms_norm_eps)
-        head = self.w["head"]
-        if self._fp32_output_gemm:  # the same exact products and fp32 sums, without an fp32 copy of the head
-            logits = torch.mm(x.reshape(-1, x.shape[-1]), head.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        else:
-            logits = F.linear(x.float(), head.float())
-        return self.tp.gather(logits)  # this rank's vocabulary rows, then every rank's
+        return self.tp.gather(self.fp32_linear(x, self.w["head"]))  # this rank's vocabulary rows, then every rank's
+
+    def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """F.linear(x.float(), weight.float()) for x and weight in the model's dtype: with an fp32-output
+        GEMM, the same exact products and fp32 sums without an fp32 copy of the weight (the
+        lm_head's is 2 GB at v4-flash sizes)."""
+        if self._fp32_output_gemm and x.dtype == weight.dtype == self.dtype:
+            return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        return F.linear(x.float(), weight.float())
 
     def score(self, token_ids) -> torch.Tensor:
         """fp32 logits [T, vocab] of a full prefill of one sequence."""
