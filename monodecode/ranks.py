@@ -139,7 +139,7 @@ class LeadingDraft:
         self._leader.send("draft_make_cache", cache_id, num_slots)
         return MirroredCache(self.draft.make_cache(num_slots), cache_id, self._leader)
 
-    def commit(self, cache: MirroredCache, slot: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+    def commit(self, cache: MirroredCache, slot: int | list[int], positions: torch.Tensor, hidden: torch.Tensor) -> None:
         self._leader.send("draft_commit", cache.id, slot, _plain(positions), hidden.cpu())
         self.draft.commit(cache.local, slot, positions, hidden)
 

@@ -53,7 +53,8 @@ def test_top_k_reaches_draft_and_verification(model, method):
 def test_batched_requests_commit_consistent_caches(model):
     """Three requests decoded together at temperature 1 (standard verification): afterwards the
     target's logits for each committed sequence equal its prefill, and each draft ring holds
-    exactly the context keys a prefill of the committed sequence gives."""
+    exactly the context keys a prefill of the committed sequence gives (a step commits every
+    request's rows to the draft's rings in one call, each row into its request's slot)."""
     decoder = SpeculativeDecoder(model, spec("standard"))
     caches = decoder.make_caches(num_slots=4, max_context=96)
     prompts = [[5, 9, 14], list(range(40, 61)), [300] * 2 + [7]]

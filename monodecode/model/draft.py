@@ -114,9 +114,10 @@ class Draft:
         return DraftCache(self.c, num_slots, self.model.device, self.model.dtype)
 
     @torch.no_grad()
-    def commit(self, cache: DraftCache, slot: int, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+    def commit(self, cache: DraftCache, slot: int | list[int], positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Add committed target positions [n] with their features `hidden` [n, T * d] to the
-        context rings of `slot`."""
+        context rings of `slot`, or of each row's slot (`slot` a list: several requests' rows
+        of a verify step at once)."""
         main_x = rms_norm(F.linear(hidden.to(self.model.dtype), self.w["mtp.0.main_proj"]),
                           self.w["mtp.0.main_norm"], self.c.rms_norm_eps)
         for stage, ring in zip(self.stages, cache.rings):

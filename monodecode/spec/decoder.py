@@ -116,17 +116,20 @@ class SpeculativeDecoder:
         slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
         logits, hidden = self.target_step(caches.target, tokens, positions, slots, return_hidden=True)
         logits, hidden = logits.view(len(requests), b + 1, -1), hidden.view(len(requests), b + 1, -1)
-        committed = []
+        committed, kept_rows, row_slots = [], [], []
         for i, r in enumerate(requests):
             verdict = verify(self.config.rejection_sample_method, logits[i], proposal.tokens[i],
                              proposal.probs[i], temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                              generator=r.generator, acceptance_length=self.config.synthetic_acceptance_length)
             kept = verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
-            self.draft.commit(caches.draft, r.slot, positions.view(-1, b + 1)[i, :kept], hidden[i, :kept])
+            kept_rows += range(i * (b + 1), i * (b + 1) + kept)
+            row_slots += [r.slot] * kept
             r.position += kept
             r.anchor = verdict.tokens[-1]
             self._count(verdict.accepted)
             committed.append(verdict.tokens)
+        rows = torch.tensor(kept_rows, device=device)  # every request's committed rows in one commit
+        self.draft.commit(caches.draft, row_slots, positions[rows], hidden.flatten(0, 1)[rows])
         if return_logits:
             return committed, [logits[i, :len(tokens)] for i, tokens in enumerate(committed)]
         return committed
