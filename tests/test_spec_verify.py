@@ -21,7 +21,7 @@ from monodecode.sampling import probabilities, sample, sample_from
 from monodecode.spec import verify as verify_module
 from monodecode.spec.config import SpeculativeConfig
 from monodecode.spec.verify import (Verdict, synthetic_acceptance_rate, verify, verify_block, verify_greedy,
-                                    verify_standard, verify_synthetic)
+                                    verify_greedy_batch, verify_standard, verify_synthetic)
 
 V, K = 6, 3
 TRIALS = 15_000
@@ -147,6 +147,14 @@ def test_greedy_hand_built(drafts, accepted, tokens):
     assert verify_greedy(logits, torch.tensor(drafts)) == Verdict(accepted, tokens)
     assert verify("greedy", logits, torch.tensor(drafts), None, temperature=0.8, top_p=1.0,
                   generator=None) == Verdict(accepted, tokens)
+
+
+def test_greedy_verifies_requests_together_as_one_by_one():
+    """The four hand-built cases above as one batch of four requests: each its own verdict."""
+    cases = [([2, 0, 3], 3, [2, 0, 3, 1]), ([4, 0, 3], 0, [2]), ([2, 1, 3], 1, [2, 0]), ([2, 0, 4], 2, [2, 0, 3])]
+    logits = torch.stack([greedy_logits([2, 0, 3, 1], vocab=5, seed=10 + i) for i in range(len(cases))])
+    verdicts = verify_greedy_batch(logits, torch.tensor([drafts for drafts, _, _ in cases]))
+    assert verdicts == [Verdict(accepted, tokens) for _, accepted, tokens in cases]
 
 
 @pytest.mark.parametrize("method", ["standard", "block"])

@@ -24,7 +24,7 @@ from ..model.cache import DecodeCache
 from ..model.draft import DraftCache
 from ..sampling import check_sampling, sample
 from .config import SpeculativeConfig
-from .verify import verify
+from .verify import verify, verify_greedy_batch
 
 
 @dataclass
@@ -116,11 +116,13 @@ class SpeculativeDecoder:
         slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
         logits, hidden = self.target_step(caches.target, tokens, positions, slots, return_hidden=True)
         logits, hidden = logits.view(len(requests), b + 1, -1), hidden.view(len(requests), b + 1, -1)
+        method = self.config.rejection_sample_method
+        verdicts = verify_greedy_batch(logits, proposal.tokens) if method == "greedy" else [
+            verify(method, logits[i], proposal.tokens[i], proposal.probs[i], temperature=r.temperature,
+                   top_p=r.top_p, top_k=r.top_k, generator=r.generator,
+                   acceptance_length=self.config.synthetic_acceptance_length) for i, r in enumerate(requests)]
         committed, kept_rows, row_slots = [], [], []
-        for i, r in enumerate(requests):
-            verdict = verify(self.config.rejection_sample_method, logits[i], proposal.tokens[i],
-                             proposal.probs[i], temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                             generator=r.generator, acceptance_length=self.config.synthetic_acceptance_length)
+        for i, (r, verdict) in enumerate(zip(requests, verdicts)):
             kept = verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
             kept_rows += range(i * (b + 1), i * (b + 1) + kept)
             row_slots += [r.slot] * kept

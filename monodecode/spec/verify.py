@@ -78,10 +78,18 @@ def verify(method: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor,
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
-    k = _check_rows(target_logits, draft_tokens)
+    _check_rows(target_logits, draft_tokens)
+    return verify_greedy_batch(target_logits[None], draft_tokens[None])[0]
+
+
+def verify_greedy_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> list[Verdict]:
+    """`verify_greedy` for R requests at once: target_logits [R, k + 1, V], draft_tokens [R, k];
+    one read of the device's results for all of them."""
+    k = draft_tokens.shape[-1]
     best = target_logits.argmax(dim=-1)
-    accepted = int((best[:k] == draft_tokens).cumprod(dim=0).sum())
-    return _verdict(draft_tokens, accepted, best[accepted])
+    accepted = (best[:, :k] == draft_tokens).cumprod(dim=1).sum(dim=1)
+    drafts, accepted, best = draft_tokens.tolist(), accepted.tolist(), best.tolist()
+    return [Verdict(a, d[:a] + [b[a]]) for d, a, b in zip(drafts, accepted, best)]
 
 
 def verify_standard(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
