@@ -158,15 +158,19 @@ def test_task_counts():
 
 
 def test_seam_blocks():
-    """Fold tasks as large as leave none to a second round (one a program), from MIN_CHUNK (which
-    sizes the partials buffers) to MAX_CHUNK; the settle sums a row's partials in one go and
-    takes 512 columns a warp."""
-    assert H.seam_blocks(4, 4096, 1, 132) == (32, 128, 2048)  # 128 tasks
-    assert H.seam_blocks(8, 4096, 16, 132) == (32, 128, 4096)  # one row block
-    assert H.seam_blocks(8, 4096, 48, 132) == (64, 64, 4096)  # 3 row blocks: 192 tasks at the cap
-    assert H.seam_blocks(8, 4096, 1, 264) == (16, 256, 4096)
-    assert H.seam_blocks(8, 256, 1, 1) == (64, 4, 256)
+    """Fold tasks of 16 rows (or of the step's rows padded, up to `fold_rows`) as large as leave
+    none to a second round (one a program), from MIN_CHUNK (which sizes the partials buffers) to
+    MAX_CHUNK; the settle sums a row's partials in one go and takes 512 columns a warp."""
+    assert H.seam_blocks(4, 4096, 1, 132) == (16, 32, 128, 2048)  # 128 tasks
+    assert H.seam_blocks(8, 4096, 16, 132) == (16, 32, 128, 4096)  # one row block
+    assert H.seam_blocks(8, 4096, 48, 132) == (16, 64, 64, 4096)  # 3 row blocks: 192 tasks at the cap
+    assert H.seam_blocks(8, 4096, 1, 264) == (16, 16, 256, 4096)
+    assert H.seam_blocks(8, 256, 1, 1) == (16, 64, 4, 256)
+    assert H.seam_blocks(8, 4096, 48, 132, fold_rows=64) == (64, 32, 128, 4096)  # one row block: 128 tasks
+    assert H.seam_blocks(8, 4096, 20, 132, fold_rows=64) == (32, 32, 128, 4096)
+    assert H.seam_blocks(8, 4096, 6, 132, fold_rows=64) == (16, 32, 128, 4096)
+    assert H.fold_rows_refusal(32) is None and H.fold_rows_refusal(128) and H.fold_rows_refusal(24)
     for rows in (1, 6, 48):
-        chunk = H.seam_blocks(4, 7168, rows, 132)[0]
+        _, chunk, _, _ = H.seam_blocks(4, 7168, rows, 132)
         assert H.MIN_CHUNK <= chunk <= H.MAX_CHUNK
         assert H.fold_tasks(rows, 7168, chunk) <= 132 or chunk == H.MAX_CHUNK

@@ -54,23 +54,35 @@ from .rounding import bf16
 CHUNK = 64  # columns a fold task covers in the standalone launch (a power of two >= 16: the K side of its dot)
 MIN_CHUNK = 16  # the smallest CHUNK: partials buffers sized for it serve every chunk
 MAX_CHUNK = 64  # the largest the kernels take: a task holds hc x CHUNK x MIXP of fn (32 KB at 64) at once
-RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot)
+RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot), and the fewest
+MAX_FOLD_ROWS = 64  # the most (a step's 48 rows padded)
 BD = 1024  # columns of a settle tile in the standalone launch
 CB = 16  # chunks of partials the standalone settle reduces at a time
 
 
-def seam_blocks(warps: int, d: int, rows: int, programs: int) -> tuple[int, int, int]:
-    """(CHUNK, CB, BD) of the kernels' fold and settle for `programs` programs of `warps` warps and
-    a step of `rows` rows. A fold task waits on memory once, so its tasks are as large as leave
-    none to a second round: CHUNK is the smallest power of two from MIN_CHUNK to MAX_CHUNK with
-    at most one task a program. The settle sums all of a row's partials at once (CB, up to 256
-    chunks) and collapses the row in tiles of 512 x warps columns (BD: 16 values a thread and a
-    stream), in registers when one tile holds the row."""
+def seam_blocks(warps: int, d: int, rows: int, programs: int, fold_rows: int = RB) -> tuple[int, int, int, int]:
+    """(RB, CHUNK, CB, BD) of the kernels' fold and settle for `programs` programs of `warps` warps
+    and a step of `rows` rows. A fold task covers the step's rows padded to a power of two, at
+    least 16 (its dot's M side) and at most `fold_rows` (`LaunchShape.fold_rows`): RB; the fewer
+    row blocks, the fewer times the tasks read fn. A fold task waits on memory once, so its tasks
+    are as large as leave none to a second round: CHUNK is the smallest power of two from
+    MIN_CHUNK to MAX_CHUNK with at most one task a program. The settle sums all of a row's
+    partials at once (CB, up to 256 chunks) and collapses the row in tiles of 512 x warps columns
+    (BD: 16 values a thread and a stream), in registers when one tile holds the row."""
+    rb = max(RB, min(fold_rows, triton.next_power_of_2(rows)))
     chunk = MIN_CHUNK
-    while chunk < MAX_CHUNK and fold_tasks(rows, d, chunk) > programs:
+    while chunk < MAX_CHUNK and fold_tasks(rows, d, chunk, rb) > programs:
         chunk *= 2
     cb = min(256, triton.next_power_of_2(triton.cdiv(d, chunk)))
-    return chunk, cb, min(512 * warps, triton.next_power_of_2(d))
+    return rb, chunk, cb, min(512 * warps, triton.next_power_of_2(d))
+
+
+def fold_rows_refusal(fold_rows: int) -> str | None:
+    """Why a fold task cannot cover `fold_rows` rows (None if it can): a power of two from RB
+    (the dot's M side) to MAX_FOLD_ROWS."""
+    if fold_rows < RB or fold_rows > MAX_FOLD_ROWS or fold_rows & (fold_rows - 1):
+        return f"fold rows a power of two from {RB} to {MAX_FOLD_ROWS} (here {fold_rows})"
+    return None
 
 
 def fold_tasks(R: int, d: int, CHUNK: int = CHUNK, RB: int = RB) -> int:

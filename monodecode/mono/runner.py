@@ -31,6 +31,7 @@ from ..config import ModelConfig
 from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
 from . import experts as X
+from . import hc as HC
 from . import k1, k2
 from .gemv import kernel_blocks, split_needs
 from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
@@ -187,8 +188,8 @@ class MonoRunner:
                 raise
 
     def _check_shape(self, shape: LaunchShape) -> None:
-        """A shape whose expert tiles the experts' fragment order cannot serve, or without K3
-        programs, is a caller's error."""
+        """A shape whose expert tiles the experts' fragment order cannot serve, without K3
+        programs, or whose fold rows no fold task takes, is a caller's error."""
         c = self.config
         if shape.expert_programs_per_sm < 1:
             raise ValueError(f"launch shape {shape.spec()}: K3 (the routed experts) needs at least one program a "
@@ -196,6 +197,9 @@ class MonoRunner:
         refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
+        refusal = HC.fold_rows_refusal(shape.fold_rows)
+        if refusal:
+            raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

@@ -11,7 +11,7 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
-diagonal loop: experts.py).
+diagonal loop: experts.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -34,6 +34,7 @@ class LaunchShape:
     expert_block_k: int = 256
     expert_programs_per_sm: int = 2
     expert_warps: int = 8
+    fold_rows: int = 16
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
