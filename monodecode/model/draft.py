@@ -131,21 +131,20 @@ class Draft:
         per request (temperature, top_p, top_k, generator). `stages`: a callable (tokens,
         positions, slots of the R * B rows) -> the streams after the last stage, run instead of
         the per-op stages (the kernels: `mono.DraftRunner.stages`)."""
-        c, w, b = self.c, self.w, self.block_size
-        r = anchors.shape[0]
+        r, b = anchors.shape[0], self.block_size
         device = self.model.device
-        tokens = torch.full((r, b), c.dspark_noise_token_id, dtype=torch.long, device=device)
+        tokens = torch.full((r, b), self.c.dspark_noise_token_id, dtype=torch.long, device=device)
         tokens[:, 0] = anchors
         positions = anchor_positions.to(device)[:, None] + torch.arange(b, device=device)
-        groups = [RequestRows(s, torch.arange(i * b, (i + 1) * b, device=device), positions[i])
-                  for i, s in enumerate(slots)]
-        tokens, positions = tokens.flatten(), positions.flatten()
         if stages is None:
+            groups = [RequestRows(s, torch.arange(i * b, (i + 1) * b, device=device), positions[i])
+                      for i, s in enumerate(slots)]
+            tokens, positions = tokens.flatten(), positions.flatten()
             streams = self.model.embed(tokens)
             for stage, ring in zip(self.stages, cache.rings):
                 streams = stage(streams, tokens, positions, groups, ring)
         else:
-            streams = stages(tokens, positions, torch.tensor(slots).repeat_interleave(b))
+            streams = stages(tokens.flatten(), positions.flatten(), torch.tensor(slots).repeat_interleave(b))
         anchors = anchors.to(device)
         if all(temperature == 0 for temperature, *_ in sampling):
             return self._greedy_head(streams, anchors)
