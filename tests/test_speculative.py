@@ -1,6 +1,7 @@
 """DSpark speculative decoding on the per-op path: lossless greedy, cache consistency, errors."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from monodecode.cli import main
 from monodecode.config import preset
 from monodecode.generate import generate, generate_speculative
 from monodecode.model import load_model
+from monodecode.model.draft import _sampled as sampled
 from monodecode.spec.config import SpeculativeConfig
 from monodecode.spec.decoder import SpeculativeDecoder
 
@@ -119,7 +121,8 @@ def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
     streams = draft.model.embed(torch.full((r * draft.block_size,), 7, device=model.device))
     hb, base = draft._head(streams, r)
     assert torch.equal(draft._greedy_markov(streams, anchors.to(model.device)).tokens,
-                       draft._markov_sample(base, hb, anchors.to(model.device), [(0.0, 1.0, 0, None)] * r).tokens)
+                       draft._markov_sample(base, hb, anchors.to(model.device),
+                                           partial(sampled, sampling=[(0.0, 1.0, 0, None)] * r)).tokens)
     # the whole proposal against the sampling path, which a request above temperature 0 forces
     mixed = draft.propose(*args, [(0.0, 1.0, 0, None)] * (r - 1) + [(1e-6, 1.0, 0, torch.Generator(model.device))])
     assert torch.equal(mixed.tokens[:r - 1], greedy.tokens[:r - 1])

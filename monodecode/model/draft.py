@@ -27,6 +27,7 @@ count (`_greedy_head`; the same operations as eagerly, so the same tokens).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +150,7 @@ class Draft:
         if all(temperature == 0 for temperature, *_ in sampling):
             return self._greedy_head(streams, anchors)
         hb, base = self._head(streams, r)
-        return self._markov_sample(base, hb, anchors, sampling)
+        return self._markov_sample(base, hb, anchors, functools.partial(_sampled, sampling=sampling))
 
     def _head(self, streams: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's hc_head output hb [R, B, d] and the base logits [R, B, vocab] (fp32)."""
@@ -167,32 +168,25 @@ class Draft:
         confidence = torch.sigmoid(F.linear(features, w[f"{last}confidence_head.proj"].float())).squeeze(-1)
         return logits, confidence
 
-    def _markov_sample(self, base, hb, anchors, sampling) -> Proposal:
+    def _markov_sample(self, base, hb, anchors, pick) -> Proposal:
+        """Left to right from the anchors: position k's logits, then `pick(logits)` -> (the
+        tokens [R], the distributions [R, vocab] they came from)."""
         prev = anchors
         drafted, dists, confidence = [], [], []
         for k in range(self.block_size):
             logits, sure = self._markov_step(base[:, k], hb[:, k], prev)
-            probs = torch.stack([probabilities(logits[i], t, p, top_k) for i, (t, p, top_k, _) in enumerate(sampling)])
-            prev = torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)])
+            prev, probs = pick(logits)
             drafted.append(prev)
             dists.append(probs)
             confidence.append(sure)
         return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))
 
     def _greedy_markov(self, streams: torch.Tensor, anchors: torch.Tensor) -> Proposal:
-        """The head of an all-greedy proposal: `_markov_sample`'s tokens and one-hot distributions
+        """The head of an all-greedy proposal: the sampling path's tokens and one-hot distributions
         at temperature 0 (the argmax, which is what sampling a one-hot gives), batched over the
         requests, with no host sync."""
         hb, base = self._head(streams, anchors.shape[0])
-        prev = anchors
-        drafted, dists, confidence = [], [], []
-        for k in range(self.block_size):
-            logits, sure = self._markov_step(base[:, k], hb[:, k], prev)
-            prev = logits.argmax(dim=-1)
-            drafted.append(prev)
-            dists.append(torch.zeros_like(logits).scatter_(-1, prev[:, None], 1.0))
-            confidence.append(sure)
-        return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))
+        return self._markov_sample(base, hb, anchors, _argmax_and_one_hot)
 
     def _greedy_head(self, streams: torch.Tensor, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
@@ -219,3 +213,14 @@ class Draft:
         with torch.cuda.graph(graph):
             proposal = self._greedy_markov(*inputs)
         return inputs, (proposal.tokens, proposal.probs, proposal.confidence), graph
+
+
+def _sampled(logits: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's token drawn from its distribution (its temperature, top_p, top_k, generator)."""
+    probs = torch.stack([probabilities(logits[i], t, p, top_k) for i, (t, p, top_k, _) in enumerate(sampling)])
+    return torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)]), probs
+
+
+def _argmax_and_one_hot(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    best = logits.argmax(dim=-1)
+    return best, torch.zeros_like(logits).scatter_(-1, best[:, None], 1.0)
