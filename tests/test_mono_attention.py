@@ -15,6 +15,7 @@ from monodecode.config import preset
 from monodecode.mono import attention as A
 from monodecode.model.attention import Attention, RequestRows
 from monodecode.model.cache import LayerCache, PositionRing
+from monodecode.model.norm import rms_norm
 from monodecode.model.rope import apply_rope
 
 MAX_STEP_ROWS = 8
@@ -136,16 +137,9 @@ def test_norm_rope_kv(device, rows):
     assert_close(ring.data["kv"][written], expected.data["kv"][written], differ=0.02, rel=1e-3)
 
 
-@pytest.mark.parametrize("rows", ROWS)
-def test_q_heads(device, rows):
-    config, attn, positions, _, _, _, x = setup(device, rows, seed=100 + rows)
-    qr_ref, q_ref, _ = attn.project(x, positions)
-    q_raw = torch.cat([F.linear(qr_ref, attn.w["wq_b"]), x], dim=1)[:, :q_ref[0].numel()]  # a strided view
-    q = A.q_heads(q_raw, positions, attn.freqs.to(device), config.num_attention_heads, config.rms_norm_eps,
-                  poison=True)
-    # observed: CPU 1 element of 48 * 256 one bf16 ulp off (rel 3e-8), else bit-exact; H200 bit-exact
-    # (and at 64 heads x 512, positions to 180000: 1e-5 rel, 8e-6 of elements)
-    assert_close(q, q_ref, differ=0.02, rel=1e-3)
+def heads(attn, q_raw, positions):
+    """The queries of the raw heads q_raw [R, H, D], as `Attention.project` makes them."""
+    return apply_rope(rms_norm(q_raw, None, attn.c.rms_norm_eps), positions, attn.freqs.to(q_raw.device))
 
 
 def reference_attention(attn, q, kv, positions, groups, cache):
@@ -166,16 +160,16 @@ SHAPES = [(4, 16, 64), (40, 40, 16)]
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("heads,window,chunk", SHAPES)
-def test_attend(device, rows, heads, window, chunk):
-    config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=200 + rows + heads,
-                                                               num_attention_heads=heads, sliding_window=window)
+@pytest.mark.parametrize("n_heads,window,chunk", SHAPES)
+def test_attend(device, rows, n_heads, window, chunk):
+    config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=200 + rows + n_heads,
+                                                               num_attention_heads=n_heads, sliding_window=window)
     g = torch.Generator().manual_seed(rows)
-    q = torch.randn(rows, heads, config.head_dim, generator=g).to(torch.bfloat16).to(device)
+    q_raw = (3 * torch.randn(rows, n_heads, config.head_dim, generator=g)).to(torch.bfloat16).to(device)
     kv = torch.randn(rows, config.head_dim, generator=g).to(torch.bfloat16).to(device)  # the step's rows
-    ref = reference_attention(attn, q, kv, positions, groups, cache)  # also writes the rows to the ring
-    o = A.attend(q, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window,
-                 d_chunk=chunk, poison=True)
+    ref = reference_attention(attn, heads(attn, q_raw, positions), kv, positions, groups, cache)  # writes the rows
+    o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window,
+                 config.rms_norm_eps, d_chunk=chunk, poison=True)
     # observed: up to 0.02 % (CPU) / 0.4 % (H200) of elements differ by a bf16 ulp (fp32 summation
     # order before the rounding), rel L2 <= 4.4e-5 (CPU) / 8.1e-5 (H200; 1e-4 at 64 heads x 512, W 128)
     assert_close(o, ref, differ=0.02, rel=5e-4)
@@ -184,8 +178,8 @@ def test_attend(device, rows, heads, window, chunk):
 
 @pytest.mark.parametrize("rows", [5, 48])
 def test_stages_in_sequence(device, rows):
-    """Stage 1 writes the step's rows into the ring, stage 2 (after the wq_b GEMV) the queries,
-    stage 3 attends over the ring: against Attention.__call__'s own path, ring included."""
+    """Stage 1 writes the step's rows into the ring, stage 2 (after the wq_b GEMV) attends over
+    it from the raw heads: against Attention.__call__'s own path, ring included."""
     config, attn, positions, slots, groups, cache, x = setup(device, rows, seed=300 + rows)
     ref_cache = copy.deepcopy(cache)
     qr_ref, q_ref, kv_ref = attn.project(x, positions)
@@ -193,8 +187,9 @@ def test_stages_in_sequence(device, rows):
     freqs, eps = attn.freqs.to(device), config.rms_norm_eps
     qr = A.norm_rope_kv(*fused_raw(attn, x), attn.w["q_norm"], attn.w["kv_norm"], positions, slots, freqs,
                         cache.window, eps, poison=True)
-    q = A.q_heads(F.linear(qr, attn.w["wq_b"]), positions, freqs, config.num_attention_heads, eps, poison=True)
-    o = A.attend(q, cache.window, positions, slots, attn.w["attn_sink"], freqs, config.sliding_window, poison=True)
+    q_raw = F.linear(qr, attn.w["wq_b"]).unflatten(-1, (config.num_attention_heads, config.head_dim))
+    o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], freqs, config.sliding_window, eps,
+                 poison=True)
     assert torch.equal(cache.window.pos, ref_cache.window.pos)
     assert_close(cache.window.data["kv"], ref_cache.window.data["kv"], differ=0.001, rel=1e-3)
     # observed: ring bit-exact; o as in test_attend (rel <= 6e-6 CPU, 3e-5 H200)
@@ -210,30 +205,30 @@ def test_attend_over_draft_blocks(device, requests):
     block, window = 5, 16
     config, attn, *_ = setup(device, 1, seed=400 + requests, sliding_window=window)
     g = torch.Generator().manual_seed(requests)
-    D, heads = config.head_dim, config.num_attention_heads
+    D, n_heads = config.head_dim, config.num_attention_heads
     ring = PositionRing(NUM_SLOTS, window + block, {"kv": D}, device, torch.bfloat16)
     ring.data["kv"].copy_(torch.randn(ring.data["kv"].shape, generator=g).to(torch.bfloat16))  # foreign rows
     rows = (requests + 1) * block
     positions, slots = torch.zeros(rows, dtype=torch.long), torch.full((rows,), -1, dtype=torch.long)
-    q = torch.randn(rows, heads, D, generator=g).to(torch.bfloat16).to(device)
+    q_raw = (3 * torch.randn(rows, n_heads, D, generator=g)).to(torch.bfloat16).to(device)
     kv = torch.randn(rows, D, generator=g).to(torch.bfloat16).to(device)  # the blocks' own keys
-    ref = torch.zeros_like(q)
+    ref = torch.zeros_like(q_raw)
     for i, slot in enumerate(torch.randperm(NUM_SLOTS, generator=g)[:requests].tolist()):
         index = torch.arange(i * block, (i + 1) * block)
         anchor = [2, window - 3, 1000][i % 3]  # a context shorter than the window, and full ones
         history = torch.arange(max(0, anchor - window - 3), anchor, device=device)
-        ring.write(slot, history, {"kv": torch.randn(len(history), D, generator=g).to(torch.bfloat16)})
+        ring.write(slot, history, {"kv": torch.randn(len(history), D, generator=g).to(torch.bfloat16).to(device)})
         if anchor > 4:  # a hole in the context
             ring.pos[slot, (anchor - 3) % ring.size] = -1
         context, valid = ring.read(slot, torch.arange(anchor - window, anchor, device=device))
         keys = torch.cat([context["kv"], kv[index]])
         mask = torch.cat([valid, torch.ones(block, dtype=torch.bool, device=device)])
-        ref[index] = attn.attend(q[index], keys, mask.expand(block, -1))
         positions[index], slots[index] = torch.arange(anchor, anchor + block), slot
+        ref[index] = attn.attend(heads(attn, q_raw[index], positions[index].to(device)), keys, mask.expand(block, -1))
         ring.write(slot, positions[index].to(device), {"kv": kv[index]})  # the step's kv write
     positions, slots = positions.to(device), slots.to(device)
     ref = apply_rope(ref, positions, attn.freqs.to(device), inverse=True)
-    o = A.attend(q, ring, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window + block,
-                 block=block, poison=True)
+    o = A.attend(q_raw, ring, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window + block,
+                 config.rms_norm_eps, block=block, poison=True)
     assert_close(o, ref, differ=0.02, rel=5e-4)
     assert (o[slots < 0] == 0).all()

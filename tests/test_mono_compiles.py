@@ -68,11 +68,13 @@ from monodecode.mono.gemv import _gemv_stage
 
 rows, bn, bk, split = (int(a) for a in sys.argv[1:5])
 sig = {"x_ptr": "*bf16", "x_stride": "i32", "R": "i32", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16",
-       "y_stride": "i32", "N": "i32", "K": "i32", "group_rows": "i32", "sums_ptr": "*fp32", "tickets_ptr": "*i32"}
-aligned = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in sig if name not in ("K", "R")}
-sig.update(dict.fromkeys(["WFMT", "SB", "BN", "BK", "SPLIT", "BR", "OUT_BF16", "FAST", "STAGES"], "constexpr"))
+       "y_stride": "i32", "N": "i32", "K": "i32", "group_rows": "i32", "sums_ptr": "*fp32", "tickets_ptr": "*i32",
+       "up_ptr": "*bf16", "limit": "fp32"}
+aligned = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in sig if name not in ("K", "R", "limit")}
+sig.update(dict.fromkeys(["WFMT", "SB", "BN", "BK", "SPLIT", "BR", "OUT_BF16", "FAST", "STAGES", "SWIGLU"],
+                         "constexpr"))
 constants = {"WFMT": 0, "SB": 128, "BN": bn, "BK": bk, "SPLIT": split, "BR": 1 if rows == 1 else 16,
-             "OUT_BF16": True, "FAST": True, "STAGES": 4}
+             "OUT_BF16": True, "FAST": True, "STAGES": 4, "SWIGLU": False}
 built = triton.compile(ASTSource(fn=_gemv_stage, signature=sig, constexprs=constants, attrs=aligned),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 ir = built.asm["ttgir"]

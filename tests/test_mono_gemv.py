@@ -153,6 +153,31 @@ def test_router_gate_bf16_weights_fp32_out(device, rows):
     assert rel_l2(y.cpu(), ref) <= 1e-6
 
 
+@pytest.mark.parametrize("rows", ROWS)
+def test_swiglu_of_gate_and_up_as_x_matches_shared_expert(device, rows):
+    """The shared expert's w2 reading the SwiGLU of its gate and up (`up`, `limit`) against
+    `MoE._swiglu` (gate and up from bf16 GEMVs, h rounded to bf16, then w2): gate and up are the
+    halves of one [R, 2I] buffer, as in the kernels; values up to ~±20 exercise the clamp at 10.
+    The CPU's h is the reference's bit for bit; the GPU's exp may tip an h a bf16 ulp."""
+    g = torch.Generator().manual_seed(400 + rows)
+    d, inter, limit = 64, 128, 10.0
+    x = activations(g, rows, d)
+    w1, w3 = ((torch.randn(inter, d, generator=g) * 0.8).to(torch.bfloat16) for _ in range(2))
+    q, s, w2 = fp8_weight(g, d, inter, 32)
+    gate, up = F.linear(x, w1), F.linear(x, w3)
+    assert (torch.cat([gate, up]).float().abs() > limit).any()
+    h = (F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)).to(torch.bfloat16)
+    ref = F.linear(h, w2)
+    gate_up = torch.cat([gate, up], dim=1).to(device)
+    y = G.gemv(gate_up[:, :inter], q.to(device), s.to(device), up=gate_up[:, inter:], limit=limit, poison=True)
+    if device == "cpu":
+        assert_matches_bf16(y, ref, h.double() @ w2.double().T, h.double().abs() @ w2.double().abs().T)
+    else:
+        assert F.cosine_similarity(y.cpu().double().flatten(), ref.double().flatten(), dim=0) >= 0.9999
+    with pytest.raises(ValueError, match="up must be bf16"):
+        G.gemv(gate_up[:, :inter], q.to(device), s.to(device), up=gate_up[:, inter:].float())
+
+
 @pytest.mark.parametrize("rows", [5, 48])
 def test_strided_x_slice(device, rows):
     """x a column slice of a wider buffer (row stride 200, offset 24), bf16 weights and output."""
@@ -231,10 +256,11 @@ def test_blocks_and_tasks():
     assert G.split_needs([[(1024, (64, 128, 4)), (512, (64, 128, 4))], [(8192, (64, 128, 1))]], 6) == (
         (1024 + 512) * 4 * 16, 24)
     assert G.single_row_blocks(1536, 4096, 128, programs=132) == (16, 1024)  # 48 tasks at BN 32: too few
-    assert G.single_row_blocks(256, 4096, None, programs=132) == (16, 1024)  # bf16
+    assert G.single_row_blocks(256, 4096, None, programs=132) == (8, 2048)  # bf16: 32 tasks, not 16 of 16 rows
+    assert G.single_row_blocks(2048, 4096, 128, programs=132) == (16, 1024)  # 256 tasks of 8: no fewer rows a program
     assert G.single_row_blocks(32768, 1024, 128, programs=132) == (32, 512)
     assert G.single_row_blocks(64, 64, 32, programs=1) == (32, 64)  # BN <= SB, BK <= K
-    assert G.single_row_blocks(8, 64) == (16, 64)
+    assert G.single_row_blocks(8, 64) == (8, 64)
     assert G.row_block(1) == 1 and G.row_block(2) == 16 and G.row_block(17) == 32 and G.row_block(48) == 64
     assert G.scale_block(256, 4096, (2, 32)) == 128
     assert G.scale_block(1, 256, (1, 2)) == 128
@@ -257,3 +283,5 @@ def test_invalid_tilings_raise():
         G.gemv(x, q, s, block=(32, 64), split=4)  # 4 slices of 64 do not make K 128
     with pytest.raises(ValueError, match="not split"):
         G.gemv(x[:1], q, s, block=(32, 64), split=2)
+    with pytest.raises(ValueError, match="BN=8 must be a power of two >= 16"):
+        G.gemv(x, q, s, block=(8, 32))  # tasks of 8 rows are for one-row steps only

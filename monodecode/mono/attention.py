@@ -1,4 +1,4 @@
-"""The window attention of a DeepSeek-V4 layer between and after its GEMVs: three stages of tasks
+"""The window attention of a DeepSeek-V4 layer between and after its GEMVs: two stages of tasks
 for K1 / K2 (the GEMVs wq_a|wkv, wq_b and wo_a / wo_b are other stages' tasks).
 
 Contract (rows r < R; H heads of D = head_dim channels; the rope dims are the LAST RD channels of
@@ -13,11 +13,13 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   ring_pos[s, p % ring_size] = p. A pad row writes nothing. The rows of one slot must have
   distinct positions mod ring_size (true while a slot has at most ring_size rows in a step),
   or two tasks of the stage write one entry.
-- `q_heads_task`, tasks (row, head): `q_heads_tasks(R, H)` = R H, t = row H + head.
-  q[r, h] = rope(rms_norm(q_raw[r, h * D:(h + 1) * D])) (no norm weight); q_raw [R, H D] (row
-  stride given), q [R, H, D] contiguous. Pad rows are computed like any row.
 - `attend_task`, tasks (row, head block): `attend_tasks(R, H, HB)` = R ceil(H / HB),
   t = row ceil(H / HB) + block; heads block HB .. block HB + HB - 1 (masked at H).
+  The queries: q[r, h] = rope(rms_norm(q_raw[r, h])) (no norm weight) at the row's position,
+  from q_raw [R, H, D] (the wq_b GEMV's output), computed by the task as it loads them: first
+  the heads' sums of squares (every chunk load issued at once), then each chunk normalised,
+  rounded, rotated and rounded again as the logits pass reads it; the per-op path's rounding
+  points, its sum of squares in another fp32 order.
   For row r of slot s at position p, the keys (= values: one shared K=V head) are the ring
   entries of positions p - W + 1 .. p that exist: position >= 0 and ring_pos[s, index] equal to
   it (an empty entry, -1, or a stale one of another position is skipped). All keys come from the
@@ -41,8 +43,8 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   second time). A row with no valid key gets out = 0 (the sink takes all the mass).
   The ring's kv is addressed with int32 offsets: S * ring_size * D < 2^31.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
-  contiguous. Stage order: norm_rope_kv, then q_heads (after the wq_b GEMV that reads qr), then
-  attend; attend reads what both wrote, so a grid barrier must separate them.
+  contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
+  reads what both wrote, so grid barriers (or the end of a launch) must separate them.
 - Rounding points are the reference's (`model/attention.py`, `model/norm.py`, `model/rope.py`):
   rms_norm in fp32 (x * rsqrt(mean(x^2) + eps), then * weight), rounded to bf16; the rotation in
   fp32 from those bf16 values, rounded to bf16; attention in fp32, rounded to bf16 before the
@@ -74,10 +76,6 @@ BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs
 
 def norm_rope_kv_tasks(R: int) -> int:
     return 2 * R
-
-
-def q_heads_tasks(R: int, H: int) -> int:
-    return R * H
 
 
 def attend_tasks(R: int, H: int, HB: int = HB) -> int:
@@ -150,22 +148,7 @@ def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_p
             tl.store(ring_pos_ptr + entry, position)
 
 
-# --- stage 2: per-head norm + rope of q -------------------------------------------------------------
-@triton.jit
-def q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps,
-                 BLOCK_D: tl.constexpr):
-    """Task (row t // H, head t % H): q[row, head] = rope(rms_norm(q_raw[row, head]))."""
-    row = t // H
-    head = t % H
-    c, pair = _pair_offsets(BLOCK_D)
-    mask = c < D
-    x = tl.load(q_raw_ptr + row * q_raw_stride + head * D + c, mask=mask, other=0.0).to(tl.float32)
-    q = _rope(_rms_norm(x, D, eps, None), pair, tl.load(positions_ptr + row), freqs_ptr, (D - RD) // 2,
-              RD // 2, False)
-    tl.store(q_ptr + t * D + c, q.to(tl.bfloat16), mask=mask)
-
-
-# --- stage 3: window attention with the sink, inverse rope --------------------------------------------
+# --- stage 2: the heads' norm and rope, the window attention, the inverse rope ---------------------
 @triton.jit
 def _window(end, slot, ring_pos_ptr, ring_size, W, D, KW: tl.constexpr):
     """The window's keys (positions end - W + 1 + k, k < KW): (offset of each key's row in the
@@ -184,11 +167,34 @@ def _key_chunk(ring_kv_ptr, key_rows, valid, d):
 
 
 @triton.jit
+def _heads_inverse_rms(q_ptr, rows, hmask, eps, D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr):
+    """rsqrt(mean(q^2) + eps) of each of the task's raw heads [HB] (the heads' rms_norm), its D / BD
+    chunk loads all issued at once (unrolled)."""
+    squares = tl.zeros((HB, BD), dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BD):
+        x = tl.load(q_ptr + rows + (d0 + tl.arange(0, BD))[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, axis=1) / D + eps)
+
+
+@triton.jit
+def _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D: tl.constexpr, RD, HB: tl.constexpr,
+                 BD: tl.constexpr):
+    """Channels d0 .. d0 + BD of the task's queries: rope(rms_norm(raw head)) (no norm weight), bf16
+    values as fp32 [HB, BD]."""
+    d = d0 + tl.arange(0, BD)
+    x = tl.load(q_ptr + rows + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    normed = tl.reshape(bf16(x * inv[:, None]), (HB, BD // 2, 2))
+    pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
+    return tl.reshape(_rope(normed, pair, position, freqs_ptr, (D - RD) // 2, RD // 2, False), (HB, BD))
+
+
+@triton.jit
 def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                freqs_ptr, H, D, RD, W, scale,
+                freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps,
                 HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """Task (row, head block): o[row, block heads], the whole window in two passes over D (module
-    docstring)."""
+    """Task (row, head block): o[row, block heads] from the raw heads (normalised and rotated as
+    they are loaded), the whole window in two passes over D (module docstring)."""
     n_blocks = tl.cdiv(H, HB)
     row = t // n_blocks
     heads = (t % n_blocks) * HB + tl.arange(0, HB)
@@ -200,18 +206,18 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
             d = d0 + tl.arange(0, BD)
             tl.store(o_ptr + rows + d[None, :], tl.zeros((HB, BD), dtype=tl.bfloat16), mask=hmask[:, None])
     else:
+        inv = _heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
         position = tl.load(positions_ptr + row)
         end = position if BLOCK == 0 else position - row % BLOCK + BLOCK - 1  # the window's last key
         key_rows, valid = _window(end, slot, ring_pos_ptr, ring_size, W, D, KW)
         logits = tl.zeros((HB, KW), dtype=tl.float32)
         for d0 in range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
-            q = tl.load(q_ptr + rows + d[None, :], mask=hmask[:, None], other=0.0)
-            keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
+            q = _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D, RD, HB, BD)
+            keys = _key_chunk(ring_kv_ptr, key_rows, valid, d0 + tl.arange(0, BD))
             if FAST:
-                logits = tl.dot(q, tl.trans(keys), logits)
+                logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys), logits)
             else:
-                logits = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), logits, input_precision="ieee")
+                logits = tl.dot(q, tl.trans(keys.to(tl.float32)), logits, input_precision="ieee")
         # one softmax over the valid keys and the sink (a key with no value)
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
@@ -246,19 +252,12 @@ def _norm_rope_kv(n_tasks, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw
 
 
 @triton.jit
-def _q_heads(n_tasks, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps,
-             BLOCK_D: tl.constexpr):
-    for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        q_heads_task(t, q_raw_ptr, q_raw_stride, q_ptr, positions_ptr, freqs_ptr, H, D, RD, eps, BLOCK_D)
-
-
-@triton.jit
 def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-            freqs_ptr, H, D, RD, W, scale,
+            freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps,
             HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                    freqs_ptr, H, D, RD, W, scale, HB, KW, BD, BLOCK, FAST)
+                    freqs_ptr, H, D, RD, W, scale, eps, HB, KW, BD, BLOCK, FAST)
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -311,34 +310,21 @@ def norm_rope_kv(qr_raw: torch.Tensor, kv_raw: torch.Tensor, q_norm: torch.Tenso
     return qr
 
 
-def q_heads(q_raw: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, num_heads: int, eps: float, *,
-            poison: bool = False) -> torch.Tensor:
-    """q_raw [R, H * D] bf16 (row-strided view allowed), positions int64 [R], freqs fp32 [RD / 2] ->
-    q [R, H, D] bf16. `poison` fills q with NaN first."""
-    R, width = q_raw.shape
-    D = width // num_heads
-    assert q_raw.dtype == torch.bfloat16 and q_raw.stride(1) == 1 and D * num_heads == width
-    assert positions.shape == (R,) and positions.dtype == torch.int64
-    q = _empty((R, num_heads, D), q_raw, poison)
-    n_tasks = q_heads_tasks(R, num_heads)
-    _q_heads[_grid(n_tasks)](n_tasks, q_raw, q_raw.stride(0), q, positions.contiguous(), freqs, num_heads, D,
-                             _check_rope(D, freqs), float(eps), BLOCK_D=triton.next_power_of_2(D))
-    return q
-
-
 def window_keys(window: int) -> int:
     """KW: the window padded to a power of two, at least 16 (the N side of q . k)."""
     return max(16, triton.next_power_of_2(window))
 
 
-def attend(q: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor,
-           freqs: torch.Tensor, window: int, *, block: int = 0, heads_per_task: int = HB, d_chunk: int = BD,
-           num_warps: int = 4, num_stages: int = 3, poison: bool = False) -> torch.Tensor:
-    """q [R, H, D] bf16, ring the layer's window `PositionRing` (the step's rows already written),
-    positions / slots int64 [R], sink fp32 [H], freqs fp32 [RD / 2] -> o [R, H, D] bf16 (the module
+def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor,
+           freqs: torch.Tensor, window: int, eps: float, *, block: int = 0, heads_per_task: int = HB,
+           d_chunk: int = BD, num_warps: int = 4, num_stages: int = 3, poison: bool = False) -> torch.Tensor:
+    """q_raw [R, H, D] bf16 (the wq_b GEMV's heads, before their norm and rope), ring the layer's
+    window `PositionRing` (the step's rows already written), positions / slots int64 [R], sink fp32
+    [H], freqs fp32 [RD / 2], eps the heads' rms_norm epsilon -> o [R, H, D] bf16 (the module
     docstring's contract; pad rows 0); `block` > 0: the rows are draft blocks of that many rows,
     `window` counting the block. `poison` fills o with NaN first. num_stages 3 pipelines the chunk
     loads (faster than 2 on the H200)."""
+    q = q_raw
     R, H, D = q.shape
     assert block >= 0 and (block == 0 or (R % block == 0 and window > block)), \
         f"draft blocks of {block} rows: the step's {R} rows are whole blocks, the window {window} counts one"
@@ -353,6 +339,7 @@ def attend(q: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, 
     n_tasks = attend_tasks(R, H, heads_per_task)
     _attend[_grid(n_tasks)](n_tasks, q, o, positions.contiguous(), slots.contiguous(), ring_kv, ring_pos, ring.size,
                             sink.float().contiguous(), freqs, H, D, _check_rope(D, freqs), int(window),
-                            float(D ** -0.5), HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
+                            float(D ** -0.5), float(eps), HB=heads_per_task, KW=window_keys(window), BD=chunk,
+                            BLOCK=block,
                             FAST=_fast(q), num_warps=num_warps, num_stages=num_stages)
     return o

@@ -287,7 +287,7 @@ def _up_group(j, nb, which, x_ptr, gu_ptr, counts_ptr, order_ptr, experts_ptr, w
 @triton.jit
 def swiglu_value(gate, up, weight, limit, FAST: tl.constexpr):
     """(silu(min(gate, limit)) * clamp(up, -limit, limit) * weight) in fp32, rounded to bf16 (the
-    routed experts' h; the shared expert's with weight 1, `router.shared_swiglu_task`)."""
+    routed experts' h; the shared expert's with weight 1, as its w2 loads it: `gemv.gemv_stage`)."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up * weight

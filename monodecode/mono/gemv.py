@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .experts import swiglu_value
 from .plan import interpreted
 from .rounding import bf16
 from .sync import arrive
@@ -104,10 +105,11 @@ def _e8m0_value(code):
 def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr,
                tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr,
-               STAGES: tl.constexpr):
+               STAGES: tl.constexpr, up_ptr=None, limit=0.0, SWIGLU: tl.constexpr = False):
     """Program `pid`'s share of a GEMV stage (the contract in the module docstring): tasks
     t = start, start + grid, ... with start = (pid - first) mod grid, so that a stage of several
-    GEMVs can start the next one's tasks on the programs after the last one's. K1 / K2 call this."""
+    GEMVs can start the next one's tasks on the programs after the last one's. K1 / K2 call this.
+    SWIGLU: x is the SwiGLU of x_ptr (gate) and up_ptr (up, same strides) with `limit`."""
     # K rounded down to a multiple of BK (no change: BK divides K, `check_blocks`) tells the
     # compiler that W's rows are 16-byte aligned. Given a K computed in the kernel (wo_a's
     # heads * D / groups) it cannot know that, and loads the tile a byte at a time, unpipelined.
@@ -115,17 +117,17 @@ def gemv_stage(pid, grid, first, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stri
     n_tasks = tl.cdiv(N, BN) * SPLIT
     start = (pid - first % grid + grid) % grid
     if BR == 1:
-        _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT, SB, BN, BK,
-                          OUT_BF16, FAST, STAGES)
+        _single_row_tasks(start, grid, n_tasks, x_ptr, up_ptr, limit, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT,
+                          SB, BN, BK, OUT_BF16, FAST, STAGES, SWIGLU)
     else:
-        _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows,
-                   sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST, STAGES)
+        _dot_tasks(start, grid, n_tasks, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K,
+                   group_rows, sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST, STAGES, SWIGLU)
 
 
 @triton.jit
-def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, group_rows, WFMT: tl.constexpr,
-                      SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, OUT_BF16: tl.constexpr,
-                      FAST: tl.constexpr, STAGES: tl.constexpr):
+def _single_row_tasks(start, grid, n_tasks, x_ptr, up_ptr, limit, w_ptr, s_ptr, y_ptr, N, K, group_rows,
+                      WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      OUT_BF16: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr):
     """The program's tasks of a one-row step (BR == 1): fp32 products summed on the CUDA cores, one
     loop over the tasks' K steps pipelined as `_dot_tasks`' (a task's outputs leave at its last)."""
     steps = K // BK
@@ -141,7 +143,7 @@ def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, gr
         if group_rows > 0:
             xoff = (nb * BN) // group_rows * K
         w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + (k0 + rk)[None, :], mask=(n < N)[:, None], other=0)
-        x = tl.load(x_ptr + xoff + k0 + rk).to(tl.float32)
+        x = _load_x(x_ptr, up_ptr, xoff + k0 + rk, None, limit, FAST, SWIGLU).to(tl.float32)
         if WFMT == 0:
             scale_row = s_ptr + (nb * BN // SB) * tl.cdiv(K, SB)  # BN divides SB: one block row
             x = x * _e8m0_value(tl.load(scale_row + (k0 + rk) // SB).to(tl.int32))
@@ -156,10 +158,10 @@ def _single_row_tasks(start, grid, n_tasks, x_ptr, w_ptr, s_ptr, y_ptr, N, K, gr
 
 
 @triton.jit
-def _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr,
-               tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr,
-               STAGES: tl.constexpr):
+def _dot_tasks(start, grid, n_tasks, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K,
+               group_rows, sums_ptr, tickets_ptr, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr,
+               STAGES: tl.constexpr, SWIGLU: tl.constexpr):
     """The program's dot tasks (BR >= 16) as one loop over their K steps, task after task, so
     that Triton's software pipeline (STAGES deep) keeps loading across task boundaries;
     a task's tile leaves at its last K step: the outputs (SPLIT 1) or its slice sum. Split, the
@@ -174,7 +176,8 @@ def _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_
         t = start + j * grid
         nb = t // SPLIT
         k0 = ((t - nb * SPLIT) * steps + step) * BK
-        acc = _dot_step(acc, nb, k0, x_ptr, x_stride, R, w_ptr, s_ptr, N, K, group_rows, WFMT, SB, BN, BK, BR, FAST)
+        acc = _dot_step(acc, nb, k0, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s_ptr, N, K, group_rows, WFMT, SB, BN,
+                        BK, BR, FAST, SWIGLU)
         if step == steps - 1:
             if SPLIT == 1:
                 _store_outputs(acc, nb, R, y_ptr, y_stride, N, BN, BR, OUT_BF16, FAST)
@@ -197,8 +200,26 @@ def _dot_tasks(start, grid, n_tasks, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_
 
 
 @triton.jit
-def _dot_step(acc, nb, k0, x_ptr, x_stride, R, w_ptr, s_ptr, N, K, group_rows, WFMT: tl.constexpr,
-              SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FAST: tl.constexpr):
+def _load_x(x_ptr, up_ptr, offsets, mask, limit, FAST: tl.constexpr, SWIGLU: tl.constexpr):
+    """The stage's x (bf16) at `offsets`: loaded, or with SWIGLU the SwiGLU of the gate at x_ptr and
+    the up at up_ptr (`experts.swiglu_value` with weight 1, rounded to bf16 as the per-op path's h)."""
+    if mask is None:
+        x = tl.load(x_ptr + offsets)
+    else:
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if SWIGLU:
+        if mask is None:
+            up = tl.load(up_ptr + offsets)
+        else:
+            up = tl.load(up_ptr + offsets, mask=mask, other=0.0)
+        x = swiglu_value(x.to(tl.float32), up.to(tl.float32), 1.0, limit, FAST)
+    return x
+
+
+@triton.jit
+def _dot_step(acc, nb, k0, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s_ptr, N, K, group_rows, WFMT: tl.constexpr,
+              SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FAST: tl.constexpr,
+              SWIGLU: tl.constexpr):
     """acc + W[nb*BN : nb*BN + BN, k0 : k0 + BK] @ x[:R, xoff + k0 : xoff + k0 + BK].T (fp32)."""
     n = nb * BN + tl.arange(0, BN)
     r = tl.arange(0, BR)
@@ -206,7 +227,7 @@ def _dot_step(acc, nb, k0, x_ptr, x_stride, R, w_ptr, s_ptr, N, K, group_rows, W
     xoff = 0
     if group_rows > 0:
         xoff = (nb * BN) // group_rows * K
-    x = tl.load(x_ptr + r[:, None] * x_stride + xoff + rk[None, :], mask=(r < R)[:, None], other=0.0)
+    x = _load_x(x_ptr, up_ptr, r[:, None] * x_stride + xoff + rk[None, :], (r < R)[:, None], limit, FAST, SWIGLU)
     w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + rk[None, :], mask=(n < N)[:, None], other=0)  # N*K may pass 2^31
     if WFMT == 0 and BK > SB:
         # Several scale blocks along K: each weight scaled in registers before the dot (a power of
@@ -276,10 +297,12 @@ def split_tickets_of(N, BN: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _gemv_stage(x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K, group_rows, sums_ptr, tickets_ptr,
-                WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
+                up_ptr, limit, WFMT: tl.constexpr, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                SPLIT: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr, FAST: tl.constexpr,
+                STAGES: tl.constexpr, SWIGLU: tl.constexpr):
     gemv_stage(tl.program_id(0), tl.num_programs(0), 0, x_ptr, x_stride, R, w_ptr, s_ptr, y_ptr, y_stride, N, K,
-               group_rows, sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST, STAGES)
+               group_rows, sums_ptr, tickets_ptr, WFMT, SB, BN, BK, SPLIT, BR, OUT_BF16, FAST, STAGES, up_ptr, limit,
+               SWIGLU)
 
 
 # --- Python side ----------------------------------------------------------------------------------
@@ -323,13 +346,17 @@ def default_blocks(N: int, K: int, SB: int | None = None, programs: int | None =
 
 
 def single_row_blocks(N: int, K: int, SB: int | None = None, programs: int | None = None) -> tuple[int, int]:
-    """(BN, BK) of a one-row task: BN = 32 (16 while the stage would have fewer tasks than half
-    of `programs`; at most SB and next_pow2(N)), BK = 16384 weight elements / BN, capped at the
-    largest power of two dividing K. Why: one row is a stream of weights with almost no
-    arithmetic, so a step's load is as large as the registers allow without spilling."""
-    bn = min(32, SB or 32, max(16, triton.next_power_of_2(N)))
-    if programs and bn > 16 and 2 * gemv_tasks(N, bn) < programs:
-        bn = 16
+    """(BN, BK) of a one-row task: BN one of 32, 16, 8 (at most SB and N padded to a power of two),
+    with `programs` (the persistent grid) the one whose tasks leave the busiest program the fewest
+    weight rows, ceil(tasks / programs) * BN (the largest of those that tie), else the largest;
+    BK = 16384 weight elements / BN, capped at the largest power of two dividing K. Why: one row
+    is a stream of weights with almost no arithmetic, so a step's load is as large as the
+    registers allow without spilling, and a stage ends when its busiest program does (the router
+    gate's 256 rows in tasks of 16 made its programs the busiest of the gate|w1|w3 stage)."""
+    sizes = [bn for bn in (32, 16, 8) if bn <= min(SB or 32, max(8, triton.next_power_of_2(N)))]
+    bn = sizes[0]
+    if programs:
+        bn = min(sizes, key=lambda b: (triton.cdiv(gemv_tasks(N, b), programs) * b, -b))
     return bn, min(16384 // bn, K & -K)
 
 
@@ -356,9 +383,9 @@ def check_blocks(N: int, K: int, SB: int | None, BN: int, BK: int, group_rows: i
                  rows: int = 2) -> None:
     """Raise ValueError unless (BN, BK, split) is a valid tiling of an [N, K] weight (SB None:
     bf16) for steps of `rows` rows."""
-    for name, b in (("BN", BN), ("BK", BK)):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"gemv: {name}={b} must be a power of two >= 16")
+    for name, b, least in (("BN", BN, 8 if rows == 1 else 16), ("BK", BK, 16)):
+        if b < least or b & (b - 1):
+            raise ValueError(f"gemv: {name}={b} must be a power of two >= {least}")
     if K <= 0 or K % BK:
         raise ValueError(f"gemv: BK={BK} must divide K={K}")
     if split < 1 or K % (split * BK):
@@ -383,14 +410,16 @@ def scale_block(N: int, K: int, scale_shape) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, block=None, split: int = 1,
-         out_dtype=torch.bfloat16, group_rows: int = 0, fast: bool | None = None,
-         poison: bool = False) -> torch.Tensor:
+         out_dtype=torch.bfloat16, group_rows: int = 0, up: torch.Tensor | None = None, limit: float = 0.0,
+         fast: bool | None = None, poison: bool = False) -> torch.Tensor:
     """y [R, N] = x [R, >= K] (bf16) @ W.T, W [N, K]: FP8 (float8_e4m3fn or its uint8 codes)
     with E8M0 block scales `scale` (float8_e8m0fnu or uint8), or bf16 when `scale` is None.
     With group_rows > 0, output rows g*group_rows .. read x columns g*K .. (grouped wo_a).
-    `block` = (BN, BK), default `default_blocks` for this device's SM count; `split` slices of K
-    a block (2+ rows); `poison` fills y with NaN first, so that tests see any element no task
-    wrote."""
+    With `up` (bf16, x's shape and strides), x is a SwiGLU's gate and the GEMV reads
+    silu(min(x, limit)) * clamp(up, -limit, limit) rounded to bf16 in its place (the shared
+    expert's w2). `block` = (BN, BK), default `default_blocks` for this device's SM count; `split`
+    slices of K a block (2+ rows); `poison` fills y with NaN first, so that tests see any element
+    no task wrote."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be a 2-D bf16 tensor with unit column stride, found {x.dtype} {tuple(x.shape)}")
     R, (N, K) = x.shape[0], w.shape
@@ -409,6 +438,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     width = (N // group_rows) * K if group_rows else K
     if R < 1 or x.shape[1] < width:
         raise ValueError(f"gemv: x {tuple(x.shape)} needs >= 1 row and >= {width} columns")
+    if up is not None and (up.dtype != torch.bfloat16 or up.shape != x.shape or up.stride() != x.stride()):
+        raise ValueError(f"gemv: up must be bf16 with x's shape and strides, found {up.dtype} {tuple(up.shape)}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"gemv: out_dtype must be bf16 or fp32, found {out_dtype}")
     if fast is None:
@@ -420,6 +451,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     tickets = torch.zeros(max(tickets, 1), dtype=torch.int32, device=x.device)
     grid = (1,) if interpreted() else (gemv_tasks(N, bn, split),)
     _gemv_stage[grid](x, x.stride(0), R, w.contiguous(), s, y, y.stride(0), N, K, group_rows, sums, tickets,
-                      WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, SPLIT=split, BR=br, OUT_BF16=out_dtype == torch.bfloat16,
-                      FAST=fast, STAGES=DENSE_STAGES)
+                      x if up is None else up, float(limit), WFMT=wfmt, SB=sb or 1, BN=bn, BK=bk, SPLIT=split, BR=br,
+                      OUT_BF16=out_dtype == torch.bfloat16, FAST=fast, STAGES=DENSE_STAGES, SWIGLU=up is not None)
     return y

@@ -17,10 +17,10 @@ Stages (R rows; task counts)                                    reads -> writes
 3 norms     norm_rope_kv_task  2R                              qr_raw -> qr = q_norm(qr_raw); kv_raw ->
                                                                kv_norm, RoPE -> the KV ring (not for
                                                                pad rows, slot < 0)
-4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw
-5 heads     q_heads_task       R * H                           q_raw -> q = RoPE(rms_norm(head))
+4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw (K2's attend normalises and
+                                                               rotates the heads as it loads them)
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
-partials and `streams` is `residual`. K2 reads q, the ring and the attention site's post/comb,
+partials and `streams` is `residual`. K2 reads q_raw, the ring and the attention site's post/comb,
 after this launch ends (stream order).
 Waits: a grid barrier after each stage but the last; an expired wait names the stage (STAGES).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes).
@@ -43,7 +43,7 @@ from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix
 
-STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b", "k1 q heads"]
+STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
 BARRIERS = tl.constexpr(len(STAGES) - 1)
 
 
@@ -78,7 +78,6 @@ class K1Args(NamedTuple):
     freqs: torch.Tensor
     wq_b: Fp8Matrix
     q_raw: torch.Tensor
-    q: torch.Tensor
     sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
     tickets: torch.Tensor
     d: int
@@ -146,10 +145,6 @@ def _k1(a, m):
     gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
                a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q,
                m.BR, True, m.FAST, m.DENSE_STAGES)
-    barrier(a.sync, epoch, 4, BARRIERS, m.TIMELINE)
-
-    for t in range(pid, a.rows * a.heads, grid):
-        A.q_heads_task(t, a.q_raw, a.heads * m.D, a.q, a.positions, a.freqs, a.heads, m.D, m.RD, a.norm_eps, m.D)
     end_launch(a.sync, epoch, BARRIERS, m.TIMELINE)
 
 
@@ -178,7 +173,7 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
         hc_fn=lw.hc_attn[0], hc_base=lw.hc_attn[1], hc_scale=lw.hc_attn[2], attn_norm=lw.attn_norm,
         post=s.post_attn, comb=s.comb_attn, x=s.x, wq_a=lw.wq_a, wkv=lw.wkv, qr_raw=s.qr_raw, kv_raw=s.kv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
-        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw, q=s.q,
+        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw,
         sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,

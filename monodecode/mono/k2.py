@@ -2,16 +2,16 @@
 
 Grid and task placement as K1 (k1.py): K2 of `LaunchShape.k2_programs_per_sm` co-resident
 programs a SM, K3 of `expert_programs_per_sm` (grid (1,) under the interpreter); program p takes
-tasks p, p + grid, ... of each stage, a grid barrier between stages. K2 runs stages 0-7; K3
-(`_k3`, the `k3` sync family: its own epoch and barriers) runs stages 8-11 after K2 has ended
+tasks p, p + grid, ... of each stage, a grid barrier between stages. K2 runs stages 0-6; K3
+(`_k3`, the `k3` sync family: its own epoch and barriers) runs stages 7-10 after K2 has ended
 (stream order). Why two launches: K2's dense stages and attention hold 255 registers a thread, so
 one program of 8 warps fills a SM, while the expert stages fit in 128 (`LaunchShape.expert_registers`):
 K3 runs two programs a SM, twice the expert weight loads in flight.
 
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
-0 attend    attention.attend_task  R * ceil(H/HB)     q, the KV ring, sinks -> o (inverse RoPE;
-                                                      zero for pad rows)
+0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring,
+                                                      sinks -> o (inverse RoPE; zero for pad rows)
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
@@ -20,24 +20,28 @@ K2:
                                                       layer), x = ffn_norm(collapse)
 5 gate|w1|w3 gemv_stage            ceil(E/BN_G) * SPLIT_G       x -> logits (fp32), shared gate/up
                                    + 2 ceil(I/BN_SH) * SPLIT_D
-6 route|swiglu route_task, shared_swiglu_task   R + R*ceil(I/SWB)   -> ids, weights; shared h
-7 group|w2  group_task, gemv_stage 1 + ceil(d/BN_S2) * SPLIT_I  ids -> order/experts/counts; h -> shared_out
+6 route, group route_task (the last  R                  -> ids, weights; order/experts/counts
+  | w2        to arrive groups),    + ceil(d/BN_S2) * SPLIT_I   shared gate/up -> shared_out (the
+            gemv_stage (SWIGLU)                                 SwiGLU taken as w2 loads its x)
 K3:
-8 up        experts.up_task        P * (I/BNE) * 2    x -> gate/up of each pick
-9 swiglu    experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
-10 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
-11 combine  combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
+7 up       experts.up_task        P * (I/BNE) * 2    x -> gate/up of each pick
+8 swiglu   experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
+9 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
+10 combine combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
 The `ffn` variant of K2 (no `K2Attention`, for layers whose attention ran per-op) starts at stage
 3 with nothing to fold: the streams it reads are already settled; K3 follows it as it follows K2.
 y, post and comb of the FFN site are owed to the next layer's K1 (or the runner's final fold).
 Pad rows (slot < 0) route to no expert (ids -1), so their y holds the shared expert's output only;
 nothing reads a pad row's result.
-Waits: a grid barrier after every stage of a launch but its last (K2 7, the `ffn` variant 4, K3
+Waits: a grid barrier after every stage of a launch but its last (K2 6, the `ffn` variant 3, K3
 3), so a stage reads only what finished stages wrote; an expired wait names the stage it waited
-on (`stage_names`). Rounding points: those of each stage module (bf16 where the per-op path
-rounds; fp32 mixes, router scores and accumulations; each pick's expert output rounded to bf16).
+on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
+`Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
+nothing, it only finds out that it is last. Rounding points: those of each stage module (bf16
+where the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert
+output rounded to bf16).
 Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`; the split
-GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
+GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them); the route ticket.
 Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`; K3 the
 same `FfnArgs` with its own sync, and `K3Meta`.
 """
@@ -55,11 +59,10 @@ from . import experts as X
 from . import hc as HC
 from . import router as RT
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
-from .plan import MAX_ROWS
 from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix
 
-_FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route|shared swiglu", "group|shared w2"]
+_FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route, group|shared w2"]
 _EXPERT_PARTS = ["expert up", "expert swiglu", "expert down", "combine"]
 _ATTENTION_PARTS = ["attend", "wo_a", "wo_b"]
 STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS]
@@ -79,7 +82,7 @@ CBL = 1024  # hidden columns of a combine task
 class K2Attention(NamedTuple):
     """What the attention stages (0-2) read and write; they write `FfnArgs.attn_out`."""
 
-    q: torch.Tensor
+    q_raw: torch.Tensor  # [R, H * D] the wq_b GEMV's heads, before their norm and rope
     o: torch.Tensor
     ring_kv: torch.Tensor
     ring_pos: torch.Tensor
@@ -88,6 +91,7 @@ class K2Attention(NamedTuple):
     freqs: torch.Tensor
     window: int
     scale: float  # head_dim ** -0.5
+    norm_eps: float  # the heads' rms_norm
     wo_a: Fp8Matrix
     z: torch.Tensor
     wo_b: Fp8Matrix
@@ -97,7 +101,7 @@ class K2Attention(NamedTuple):
 
 
 class FfnArgs(NamedTuple):
-    """What the FFN stages (3-11) read and write."""
+    """What the FFN stages (3-10) read and write."""
 
     sync: SyncArgs
     rows: int
@@ -129,8 +133,8 @@ class FfnArgs(NamedTuple):
     shared: tuple[Fp8Matrix, Fp8Matrix, Fp8Matrix] | None  # w1, w2, w3 of the shared expert
     shared_gate: torch.Tensor
     shared_up: torch.Tensor
-    shared_h: torch.Tensor
     shared_out: torch.Tensor
+    route_ticket: torch.Tensor  # int32 [1], 0 between launches: route tasks' arrivals (router.group_when_routed)
     w1: tuple[torch.Tensor, torch.Tensor]  # the routed experts: (fragment halves int16, scale codes)
     w2: tuple[torch.Tensor, torch.Tensor]
     w3: tuple[torch.Tensor, torch.Tensor]
@@ -187,9 +191,8 @@ class K2Meta(NamedTuple):
     SHARED: bool
     BE: int  # experts padded to a power of two
     BTOPK: int
-    BP: int  # picks of the widest step, padded
+    BP: int  # picks of the row block's widest step, padded
     ROWS_E: int  # rows of an expert task
-    SWB: int
     FAST: bool
     TIMELINE: bool
 
@@ -212,7 +215,7 @@ class K3Meta(NamedTuple):
 
 @triton.jit
 def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
-    """Stages 3..7 (the FFN seam, the router and the shared expert); barriers b0 .. b0 + 3 of NB."""
+    """Stages 3..6 (the FFN seam, the router and the shared expert); barriers b0 .. b0 + 2 of NB."""
     R = f.rows
     for t in range(pid, tl.cdiv(R, m.RB) * tl.cdiv(f.d, m.CHUNK), grid):
         HC.fold_task(t, R, f.d, f.residual, f.attn_out, f.d, f.attn_post, f.attn_comb, f.streams, f.hc_fn,
@@ -242,30 +245,21 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
                    m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE)
 
-    n6 = R
+    # the router, the last route task grouping the picks; the shared expert's w2 of the SwiGLU of
+    # its gate and up on the programs after the route tasks
+    for t in range(pid, R, grid):
+        RT.route_task(t, f.logits, f.n_experts, f.slots, f.route_bias, f.tokens, f.tid2eid, f.ids, f.route_weights,
+                      f.n_experts, f.topk, f.route_scale, m.BE, m.BTOPK, m.HASH, m.FAST)
+        RT.group_when_routed(f.route_ticket, R, f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
     if m.SHARED:
-        n6 += R * tl.cdiv(f.inter, m.SWB)
-    for t in range(pid, n6, grid):
-        if t < R:
-            RT.route_task(t, f.logits, f.n_experts, f.slots, f.route_bias, f.tokens, f.tid2eid, f.ids,
-                          f.route_weights, f.n_experts, f.topk, f.route_scale, m.BE, m.BTOPK, m.HASH, m.FAST)
-        else:
-            if m.SHARED:
-                RT.shared_swiglu_task(t - R, f.shared_gate, f.shared_up, f.inter, f.shared_h, f.inter, f.limit,
-                                      m.SWB, m.FAST)
-    barrier(f.sync, epoch, b0 + 3, NB, m.TIMELINE)
-
-    if pid == 0:
-        RT.group_task(f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
-    if m.SHARED:  # the shared expert's w2 on the programs after the first
-        gemv_stage(pid, grid, 1, f.shared_h, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
+        gemv_stage(pid, grid, R, f.shared_gate, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
                    f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
-                   m.BR, True, m.FAST, m.DENSE_STAGES)
+                   m.BR, True, m.FAST, m.DENSE_STAGES, f.shared_up, f.limit, True)
 
 
 @triton.jit
 def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
-    """Stages 8..11 (the routed experts and the combine); barriers b0, b0 + 1, b0 + 2 of NB."""
+    """Stages 7..10 (the routed experts and the combine); barriers b0, b0 + 1, b0 + 2 of NB."""
     R = f.rows
     P = R * f.topk
     X.up_stage(pid, grid, P, f.x, f.gate_up, f.counts, f.order, f.experts, f.w1[0], f.w1[1], f.w3[0], f.w3[1],
@@ -287,12 +281,13 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
-    NB: tl.constexpr = (3 if m.ATTENTION else 0) + 4
+    NB: tl.constexpr = (3 if m.ATTENTION else 0) + 3
     b0 = 0
     if m.ATTENTION:
         for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
-            A.attend_task(t, a.q, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink, a.freqs,
-                          a.heads, m.D, m.RD, a.window, a.scale, m.HB, m.KW, m.BDA, m.BLOCK, m.FAST)
+            A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
+                          a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, m.HB, m.KW, m.BDA, m.BLOCK,
+                          m.FAST)
         barrier(f.sync, epoch, 0, NB, m.TIMELINE)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -309,7 +304,7 @@ def _k2(a, f, m):
 
 @triton.jit
 def _k3(f, m):
-    """Stages 8-11 (the routed experts and the combine), after K2 or the `ffn` launch."""
+    """Stages 7-10 (the routed experts and the combine), after K2 or the `ffn` launch."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
     _expert_stages(f, m, epoch, 0, 3, pid, grid)
@@ -347,9 +342,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     if attention:
         ring = cache.window
         attn = K2Attention(
-            q=s.q, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
-            freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, wo_a=lw.wo_a, z=s.z, wo_b=lw.wo_b,
-            heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank)
+            q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
+            freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
+            wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank)
     kind = "k2" if attention else "ffn"
     ffn = FfnArgs(
         sync=runner.sync_args(kind), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
@@ -358,9 +353,10 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         hc_fn=lw.hc_ffn[0], hc_base=lw.hc_ffn[1], hc_scale=lw.hc_ffn[2], ffn_norm=lw.ffn_norm,
         post=s.post_ffn, comb=s.comb_ffn, x=s.x, gate=lw.gate, route_bias=lw.route_bias, tid2eid=lw.tid2eid,
         logits=s.logits, ids=s.ids, route_weights=s.route_weights, order=s.order, experts=s.experts,
-        counts=s.counts, shared=lw.shared, shared_gate=s.shared_gate, shared_up=s.shared_up, shared_h=s.shared_h,
-        shared_out=s.shared_out, w1=(ex.w1[0].view(torch.int16), ex.w1[1]), w2=(ex.w2[0].view(torch.int16), ex.w2[1]),
-        w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up, h=s.h, per_pick=s.per_pick, y=s.y,
+        counts=s.counts, shared=lw.shared, shared_gate=s.shared_gate, shared_up=s.shared_up,
+        shared_out=s.shared_out, route_ticket=s.route_ticket, w1=(ex.w1[0].view(torch.int16), ex.w1[1]),
+        w2=(ex.w2[0].view(torch.int16), ex.w2[1]), w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up,
+        h=s.h, per_pick=s.per_pick, y=s.y,
         sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
@@ -375,8 +371,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         SPLIT_Z=split_z, DENSE_STAGES=shape.dense_stages,
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
-        BP=triton.next_power_of_2(MAX_ROWS * c.num_experts_per_tok),  # one build for all widths
-        ROWS_E=X.ROWS, SWB=min(SWB, inter), FAST=runner.fast,
+        BP=max(16, triton.next_power_of_2(row_block(rows) * c.num_experts_per_tok)),  # a build serves a row block
+        ROWS_E=X.ROWS, FAST=runner.fast,
         TIMELINE=runner.timeline)
     runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
@@ -384,6 +380,6 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     runner.launch(_k3, "K3", "k3", k3_args, meta=K3Meta(
         SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
-        SWB=meta.SWB, CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
+        SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline))
     return 1 - cur if attention else cur

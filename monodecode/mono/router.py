@@ -1,7 +1,7 @@
-"""The MoE's small stages around the routed experts: route, group, shared SwiGLU, combine.
+"""The MoE's small stages around the routed experts: route, group, combine.
 
 Each stage is a table of independent tasks (device functions that K2, and for combine K3, call
-from their task loops); `_route`, `_group`, `_shared_swiglu` and `_combine` are standalone
+from their task loops); `_route`, `_group` and `_combine` are standalone
 launches of the same tasks, one program looping over tasks t = pid, pid + grid, ... (grid (1,)
 under the interpreter). Rows: a step has R <= 48 rows; k = top-k, E = routed experts, P = R * k picks.
 
@@ -14,18 +14,14 @@ Stages
   weights = scores[ids] / sum(scores[ids]) * route_scale in fp32. Writes ids [R, k] int32 and
   weights [R, k] fp32; a pad row (slot < 0) gets ids -1 and weights 0, which the later stages
   skip. (MoE.route; expert ids must be < 2^16.)
-- group (`group_task`, `group_tasks() = 1`, ONE task, one program): from the flat ids [P]
+- group (`group_task`, `group_tasks() = 1`, ONE task, one program; in the kernels the route task
+  that arrives last runs it, `group_when_routed`): from the flat ids [P]
   int32 writes exactly what `experts.group_picks(ids)` returns, order, experts, counts int32
   [P]: the picks stably sorted by expert, pads last; counts[j] > 0 only where a task of the
   expert stage starts (an expert's first sorted pick and every ROWS picks after it), then it is
   that task's number of picks (<= ROWS); experts[j] is the expert there, else 0. Built by one
   sort of unique keys (expert * BP + pick: stable by construction) and two scans that find each
   sorted pick's run of equal experts; no P x P matrix.
-- shared swiglu (`shared_swiglu_task`, `shared_swiglu_tasks(R, I, BLOCK)`, a task per (row,
-  block of I)): h = silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 from gate, up bf16
-  [R, I] (the shared expert's w1 / w3 GEMV outputs, bf16 as F.linear in bf16 gives them; one row
-  stride for both, so they may be the halves of one [R, 2I] buffer), rounded to bf16 -> h [R, I]
-  (contiguous). (MoE._swiglu with weight None, before w2.)
 - combine (`combine_task`, `combine_tasks(R, d, BLOCK)`, a task per (row, block of d)):
   y[r] = (sum over slots s = 0 .. k-1, in order, of bf16(per_pick[r * k + s])) + shared[r] in
   fp32, rounded to bf16 -> y [R, d] bf16. per_pick fp32 [P, d] (the expert stage's output; rows
@@ -34,7 +30,7 @@ Stages
   F.linear, in fp32, the shared expert's output last, then casts to bf16; it sums in ascending
   expert order, this in top-k order: the same up to fp32 summation order.)
 
-Rounding points: route is fp32 throughout; shared swiglu rounds once, at the store; combine rounds
+Rounding points: route is fp32 throughout; combine rounds
 each pick's output (`rounding.bf16`) and the sum. Constexpr FAST (NVIDIA, compiled): a store's
 bf16 cast rounds (to nearest even) and libdevice's log1p / exp; portable (interpreter, AMD): the
 store's value rounded by `rounding.bf16` first (the interpreter's cast truncates) and log1p from
@@ -50,8 +46,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .experts import ROWS, swiglu_value
+from .experts import ROWS
 from .rounding import bf16
+from .sync import arrive
 
 _PAD: tl.constexpr = tl.constexpr(1 << 16)  # the sort class of pad picks: after every expert id
 MAX_PICKS_BLOCK = 1 << 14  # keys class * BP + pick must stay below 2^31
@@ -143,7 +140,7 @@ def group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP: tl.constexpr,
     counts int32 [P]. One task; BP >= P a power of two."""
     tl.static_assert(BP <= 16384)  # MAX_PICKS_BLOCK: keys below 2^31
     j = tl.arange(0, BP)
-    e = tl.load(ids_ptr + j, mask=j < P, other=-1)
+    e = tl.load(ids_ptr + j, mask=j < P, other=-1, cache_modifier=".cg")  # other SMs' ids: from L2
     # unique keys: the bitonic sort is not stable, the pick index in the key makes it so;
     # pads and the block's tail (j >= P, never stored) sort last, in pick order
     key = tl.sort(tl.where(e < 0, _PAD, e) * BP + j)
@@ -160,21 +157,16 @@ def group_tasks() -> int:
     return 1
 
 
-# --- shared expert SwiGLU -------------------------------------------------------------------------
 @triton.jit
-def shared_swiglu_task(t, gate_ptr, up_ptr, in_stride, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    """h[row, block] = silu(min(gate, limit)) * clamp(up, -limit, limit), rounded to bf16
-    (`experts.swiglu_value` with weight 1)."""
-    blocks = tl.cdiv(I, BLOCK)
-    row = t // blocks
-    i = (t % blocks) * BLOCK + tl.arange(0, BLOCK)
-    gate = tl.load(gate_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * in_stride + i, mask=i < I, other=0.0).to(tl.float32)
-    tl.store(h_ptr + row * I + i, swiglu_value(gate, up, 1.0, limit, FAST), mask=i < I)
-
-
-def shared_swiglu_tasks(rows: int, inter: int, block: int) -> int:
-    return rows * triton.cdiv(inter, block)
+def group_when_routed(ticket_ptr, R, ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP: tl.constexpr,
+                      ROWS_: tl.constexpr):
+    """After a route task of the kernels: count it in at the ticket (0 before the stage); the task
+    that arrives R-th has seen every row's ids published (`sync.arrive`), groups the picks
+    (`group_task`) and sets the ticket back to 0 for the next launch. So no stage waits for the
+    grouping but the ones after the next grid barrier."""
+    if arrive(ticket_ptr) == R - 1:
+        group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP, ROWS_)
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
 # --- combine --------------------------------------------------------------------------------------
@@ -215,12 +207,6 @@ def _route(n, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, tid2ei
 @triton.jit
 def _group(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP: tl.constexpr, ROWS_: tl.constexpr):
     group_task(ids_ptr, order_ptr, experts_ptr, counts_ptr, P, BP, ROWS_)
-
-
-@triton.jit
-def _shared_swiglu(n, gate_ptr, up_ptr, in_stride, h_ptr, I, limit, BLOCK: tl.constexpr, FAST: tl.constexpr):
-    for t in range(tl.program_id(0), n, tl.num_programs(0)):
-        shared_swiglu_task(t, gate_ptr, up_ptr, in_stride, h_ptr, I, limit, BLOCK, FAST)
 
 
 @triton.jit
@@ -278,18 +264,6 @@ def group(ids: torch.Tensor, poison: bool = False) -> tuple[torch.Tensor, torch.
     order, experts, counts = (_empty((picks,), torch.int32, ids.device, poison) for _ in range(3))
     _group[(group_tasks(),)](flat, order, experts, counts, picks, BP=block, ROWS_=ROWS)
     return order, experts, counts
-
-
-def shared_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, block: int = 1024,
-                  poison: bool = False) -> torch.Tensor:
-    """h [R, I] bf16 of the shared expert's gate, up bf16 [R, I] (views with one row stride)."""
-    rows, inter = gate.shape
-    assert gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape
-    assert gate.stride() == up.stride() and gate.stride(1) == 1
-    h = _empty((rows, inter), torch.bfloat16, gate.device, poison)
-    n = shared_swiglu_tasks(rows, inter, block)
-    _shared_swiglu[_grid(n)](n, gate, up, gate.stride(0), h, inter, float(limit), BLOCK=block, FAST=_fast(gate))
-    return h
 
 
 def combine(per_pick: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None, block: int = 1024,
