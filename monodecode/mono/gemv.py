@@ -19,6 +19,11 @@ Contract
   or launch may reuse them and the sums after a grid barrier or in stream order. The stage reads
   x [R, >= xoff + K] bf16 (row stride `x_stride`, unit column stride), W [N, K] row-major and,
   for FP8, its scales.
+- SWIGLU (the shared expert's w2): x is not read as is but made as it is loaded from two bf16
+  tensors of the same strides, the gate at x_ptr and the up at up_ptr:
+  x = bf16(silu(min(gate, limit)) * clamp(up, -limit, limit)) (`experts.swiglu_value`, the per-op
+  path's h), so no stage writes h. Every task computes it for the x it loads: once a row at one
+  row, once an output block at more.
 - Program p of a grid of G takes tasks (p - first) mod G, + G, ... (`first`: where the stage's
   tasks start, so that a stage of several GEMVs spreads them over all programs). Its dot tasks
   run as one loop over their K steps, task after task, pipelined STAGES K steps deep by
