@@ -2,8 +2,9 @@
 code paths and the report, not the times."""
 
 import json
-import pytest
 
+import pytest
+import torch
 
 from monodecode.cli import main
 from monodecode.model import Model
@@ -75,6 +76,23 @@ def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):
     assert mono_runs(rows) == {0: "default, #1", 1: "block_n=32", 2: "default, #3"}
     write_plot({"device": "cpu", "preset": "tiny", "layers": rows}, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_the_identity_owed_output_leaves_the_residual_as_it_is(device):
+    """What mono's layer folds first in `bench layer`: the per-op hc_post and the kernels' fold
+    both return the streams bit for bit (so the layer routes as the per-op block does)."""
+    from monodecode.bench.layer import identity_owed
+    from monodecode.model.hc import hc_post
+    from monodecode.mono import hc as HC
+
+    rows, hc, d = 5, 4, 96
+    g = torch.Generator().manual_seed(3)
+    streams = (4 * torch.randn(rows, hc, d, generator=g)).to(torch.bfloat16).to(device)
+    y, post, comb = identity_owed(rows, hc, d, device)
+    assert torch.equal(hc_post(y, streams, post, comb), streams)
+    fn = torch.randn((2 + hc) * hc, hc * d, generator=g).to(device)
+    folded, _ = HC.fold(streams, fn, (y, post, comb), chunk=32, poison=True)
+    assert torch.equal(folded, streams)
 
 
 def test_launch_shapes_parse_and_name_bad_fields():

@@ -13,7 +13,9 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   width), in a CUDA graph;
 - `mono`: a `whole` layer's K1 + K2 + K3, or an `ffn` layer's per-op attention (fixed shapes,
   model/batched.py) + K2's FFN launch + K3, in a CUDA graph (`mono kernels`: the kernels alone;
-  of them K1 timed alone in a graph of its own, K2 the rest, K3 with it).
+  of them K1 timed alone in a graph of its own, K2 the rest, K3 with it). Mono's layer first folds
+  an owed FFN output that leaves the residual unchanged (`identity_owed`), as a model's layers
+  after the first fold the one before's: so it pays for one FFN fold, as the per-op block does.
 `--shapes` times mono once per launch shape (`mono.shape.LaunchShape`: programs a SM, warps,
 tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
@@ -82,6 +84,18 @@ def step_rows(width: int, context: int):
     return positions, slots
 
 
+
+def identity_owed(rows: int, hc: int, d: int, device):
+    """An owed FFN output that leaves the residual as it is: y = 0, post = 1, comb = the identity
+    (`hc_post` then returns the streams bit for bit). Mono's layer folds it in first, as every
+    layer of a model but the first folds the one before's output, so that it pays for that fold
+    as the per-op block pays for its own FFN fold, and still routes as the per-op block does."""
+    y = torch.zeros(rows, d, dtype=torch.bfloat16, device=device)
+    post = torch.ones(rows, hc, dtype=torch.float32, device=device)
+    comb = torch.eye(hc, dtype=torch.float32, device=device).expand(rows, hc, hc).contiguous()
+    return y, post, comb
+
+
 class LayerBench:
     def __init__(self, decoder: Decoder, cache, context: int, reps: int, compile_mode: str | None = None):
         model = decoder.model
@@ -108,14 +122,15 @@ class LayerBench:
         lw, lc, block = runner.layers[layer], cache.layers[layer], model.blocks[layer]
         groups = model.group_rows(cache, s.tokens, s.positions, s.slots)
         whole = runner.plan[layer] == WHOLE
+        owed = identity_owed(width, c.hc_mult, c.hidden_size, self.device)
 
         def kernels(attention_too: bool, k2_too: bool = True):
             s.streams[0].copy_(streams)
             cur = 0
             if whole:
-                cur = k1.launch(runner, s, lw, lc, cur, owed=False)
+                cur = k1.launch(runner, s, lw, lc, cur, owed=owed)
             elif attention_too:
-                runner._attention_per_op(layer, s, lc, 0, False)
+                runner._attention_per_op(layer, s, lc, 0, owed)
             if k2_too:
                 k2.launch(runner, s, lw, lc, cur, attention=whole)
 

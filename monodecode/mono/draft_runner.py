@@ -64,9 +64,9 @@ class DraftRunner(MonoRunner):
     def _run(self, s, cache, return_hidden: bool):
         """The embedding, every stage on the kernels, the settled streams."""
         s.streams[0].copy_(self.model.embed(s.tokens))
-        cur, owed = 0, False
+        cur, owed = 0, None
         for lw, lc in zip(self.layers, cache.layers):
             cur = k1.launch(self, s, lw, lc, cur, owed)
             cur = k2.launch(self, s, lw, lc, cur, attention=True)
-            owed = True
+            owed = s.owed()
         return self._settled(s, cur)

@@ -157,8 +157,10 @@ def dense_stages(runner, rows: int):
     return [[(q_lora, qa), (hd, kv)], [(c.num_attention_heads * hd, qb)]]
 
 
-def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
-    """K1 of one layer on scratch `s`; returns the index of s.streams holding the settled residual."""
+def launch(runner, s, lw, cache, cur: int, owed) -> int:
+    """K1 of one layer on scratch `s`; returns the index of s.streams holding the settled residual.
+    `owed`: the previous layer's FFN output and its site's post / comb mixes (`Scratch.owed`),
+    folded into the residual first, or None (nothing owed: the first layer)."""
     c = runner.config
     residual = s.streams[cur]
     ring = cache.window
@@ -166,10 +168,11 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     [(_, (bn_qa, bk_qa, split_d)), (_, (bn_kv, bk_kv, _))], [(_, (bn_qb, bk_q, split_q))] = \
         dense_stages(runner, s.rows)
     bk_d = min(bk_qa, bk_kv)  # one K step for the stage's two matrices (they share x and its slices)
+    owed_y, owed_post, owed_comb = s.owed() if owed is None else owed  # (not read when nothing is owed)
     args = K1Args(
         sync=runner.sync_args("k1"), rows=s.rows, positions=s.positions, slots=s.slots,
-        residual=residual, owed_y=s.y, owed_post=s.post_ffn, owed_comb=s.comb_ffn,
-        streams=s.streams[1 - cur] if owed else residual, partials=s.partials,
+        residual=residual, owed_y=owed_y, owed_post=owed_post, owed_comb=owed_comb,
+        streams=residual if owed is None else s.streams[1 - cur], partials=s.partials,
         hc_fn=lw.hc_attn[0], hc_base=lw.hc_attn[1], hc_scale=lw.hc_attn[2], attn_norm=lw.attn_norm,
         post=s.post_attn, comb=s.comb_attn, x=s.x, wq_a=lw.wq_a, wkv=lw.wkv, qr_raw=s.qr_raw, kv_raw=s.kv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
@@ -181,10 +184,10 @@ def launch(runner, s, lw, cache, cur: int, owed: bool) -> int:
     rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"], runner.shape.fold_rows)
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
-        HAS_OWED=owed, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
+        HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1", "k1", args, meta=meta)
-    return 1 - cur if owed else cur
+    return cur if owed is None else 1 - cur

@@ -343,7 +343,7 @@ class MonoRunner:
     def _run(self, s: Scratch, cache, return_hidden: bool):
         model, c = self.model, self.config
         s.streams[0].copy_(model.embed(s.tokens))
-        cur, owed, captured = 0, False, {}
+        cur, owed, captured = 0, None, {}
         targets = (c.dspark_target_layer_ids or ()) if return_hidden else ()
         for i, kind in enumerate(self.plan):
             lw, lc = self.layers[i], cache.layers[i]
@@ -353,7 +353,7 @@ class MonoRunner:
             else:
                 self._attention_per_op(i, s, lc, cur, owed)
                 cur = k2.launch(self, s, lw, lc, cur, attention=False)
-            owed = True
+            owed = s.owed()
             if i in targets:
                 captured[i] = self._settled(s, cur).mean(dim=1)
         logits = model.logits(self._settled(s, cur))
@@ -365,10 +365,11 @@ class MonoRunner:
         """The residual streams with the owed FFN output folded in."""
         return hc_post(s.y, s.streams[cur], s.post_ffn, s.comb_ffn)
 
-    def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed: bool) -> None:
+    def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed) -> None:
         """An `ffn` layer's attention sub-block on the per-op path (in fixed shapes), leaving the
-        settled streams (after the attention site's fold) in s.streams[cur] for K2."""
-        streams = self._settled(s, cur) if owed else s.streams[cur]
+        settled streams (after the attention site's fold) in s.streams[cur] for K2. `owed`: as
+        `k1.launch`'s, folded in first (the per-op hc_post), or None."""
+        streams = s.streams[cur] if owed is None else hc_post(owed[0], s.streams[cur], owed[1], owed[2])
         s.streams[cur].copy_(self.attention_site(self.attention[layer], streams,
                                                  *self.model.blocks[layer].site_weights("attn"), s.positions,
                                                  s.slots, cache, self.config))

@@ -56,6 +56,10 @@ class Scratch:
         self.gate_up, self.h, self.per_pick = f32(picks, 2, inter), bf16(picks, inter), f32(picks, d)
         self.y = bf16(r, d)  # the FFN output, owed to the next layer's fold
 
+    def owed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The FFN output and its site's post / comb mixes that the next layer's fold takes."""
+        return self.y, self.post_ffn, self.comb_ffn
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
