@@ -1,9 +1,9 @@
 """The MoE's small stages around the routed experts: route, group, combine.
 
 Each stage is a table of independent tasks (device functions that K2, and for combine K3, call
-from their task loops); `_route`, `_group` and `_combine` are standalone
-launches of the same tasks, one program looping over tasks t = pid, pid + grid, ... (grid (1,)
-under the interpreter). Rows: a step has R <= 48 rows; k = top-k, E = routed experts, P = R * k picks.
+from their task loops); `_route`, `_group` and `_combine` are standalone launches of the same
+tasks, one program looping over tasks t = pid, pid + grid, ... (grid (1,) under the interpreter).
+Rows: a step has R <= 48 rows; k = top-k, E = routed experts, P = R * k picks.
 
 Stages
 - route (`route_task`, `route_tasks(R) = R`, one task a row): reads logits [R, E] fp32 (the
@@ -30,11 +30,10 @@ Stages
   F.linear, in fp32, the shared expert's output last, then casts to bf16; it sums in ascending
   expert order, this in top-k order: the same up to fp32 summation order.)
 
-Rounding points: route is fp32 throughout; combine rounds
-each pick's output (`rounding.bf16`) and the sum. Constexpr FAST (NVIDIA, compiled): a store's
-bf16 cast rounds (to nearest even) and libdevice's log1p / exp; portable (interpreter, AMD): the
-store's value rounded by `rounding.bf16` first (the interpreter's cast truncates) and log1p from
-tl.log with Goldberg's correction.
+Rounding points: route is fp32 throughout; combine rounds each pick's output (`rounding.bf16`)
+and the sum. Constexpr FAST (NVIDIA, compiled): a store's bf16 cast rounds (to nearest even) and
+libdevice's log1p / exp; portable (interpreter, AMD): the store's value rounded by `rounding.bf16`
+first (the interpreter's cast truncates) and log1p from tl.log with Goldberg's correction.
 """
 
 from __future__ import annotations
