@@ -7,7 +7,9 @@ from its previous release (or start) to its arrival at barrier k (or its end); t
 is from the earliest program starting it to the last one finishing it, and the barrier's wait is
 from that last arrival to the last release. The slowest program sets both, so a stage whose time
 is far above its bytes' worth is the one to rebalance (with per-task flags where the timeline
-shows waiting).
+shows waiting). Beside them, a program's median time in the stage (from its own start to its own
+end) and which program ended it last: a stage far above its median waits on one program's work
+(one task, say, or a chain of them), not on all of them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 def stage_times(stamps: torch.Tensor, stage_names: list[str]) -> list[dict]:
     """stamps [grid, slots] int64 ns of one launch with len(stage_names) stages ->
-    [{"stage", "us", "barrier_us"}] (barrier_us 0 for the last stage), in stage order."""
+    [{"stage", "us", "barrier_us", "median_program_us", "last_program"}] (barrier_us 0 for the
+    last stage; the median the lower of the middle two of an even grid), in stage order."""
     stamps = stamps.to(torch.int64).cpu()
     barriers = len(stage_names) - 1
     starts = [stamps[:, 0]] + [stamps[:, 2 * k + 2] for k in range(barriers)]
@@ -26,11 +29,14 @@ def stage_times(stamps: torch.Tensor, stage_names: list[str]) -> list[dict]:
     for k, name in enumerate(stage_names):
         us = float(ends[k].max() - starts[k].min()) / 1e3
         wait = float(stamps[:, 2 * k + 2].max() - ends[k].max()) / 1e3 if k < barriers else 0.0
-        out.append({"stage": name, "us": us, "barrier_us": wait})
+        own = (ends[k] - starts[k]).double() / 1e3
+        out.append({"stage": name, "us": us, "barrier_us": wait, "median_program_us": float(own.median()),
+                    "last_program": int(ends[k].argmax())})
     return out
 
 
 def format_times(times: list[dict]) -> str:
     total = sum(t["us"] + t["barrier_us"] for t in times)
-    lines = [f"{t['stage']:<32} {t['us']:8.1f} us  barrier {t['barrier_us']:6.1f} us" for t in times]
+    lines = [f"{t['stage']:<32} {t['us']:8.1f} us  barrier {t['barrier_us']:6.1f} us  (a program's median "
+             f"{t['median_program_us']:5.1f} us; last: program {t['last_program']})" for t in times]
     return "\n".join(lines + [f"{'total':<32} {total:8.1f} us"])
