@@ -500,7 +500,7 @@ def test_stage_times_from_stamps():
     assert [t["stage"] for t in times] == ["a", "b", "c"]
     assert [t["us"] for t in times] == [8.0, 2.0, 8.0]  # last arrival - first start, per stage
     assert [t["barrier_us"] for t in times] == [1.5, 1.5, 0.0]  # last release - last arrival
-    assert [t["median_program_us"] for t in times] == [4.0, 1.0, 2.5]  # the lower of two programs' own times
+    assert [t["median_program_us"] for t in times] == [4.0, 1.0, 2.5]  # the lower of the two own times
     assert [t["last_program"] for t in times] == [1, 1, 0]
     assert "total" in format_times(times) and "last: program 0" in format_times(times)
 
