@@ -84,7 +84,6 @@ def step_rows(width: int, context: int):
     return positions, slots
 
 
-
 def identity_owed(rows: int, hc: int, d: int, device):
     """An owed FFN output that leaves the residual as it is: y = 0, post = 1, comb = the identity
     (`hc_post` then returns the streams bit for bit). Mono's layer folds it in first, as every

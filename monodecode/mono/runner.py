@@ -363,13 +363,19 @@ class MonoRunner:
 
     def _settled(self, s: Scratch, cur: int) -> torch.Tensor:
         """The residual streams with the owed FFN output folded in."""
-        return hc_post(s.y, s.streams[cur], s.post_ffn, s.comb_ffn)
+        return _folded(s.streams[cur], s.owed())
 
     def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed) -> None:
         """An `ffn` layer's attention sub-block on the per-op path (in fixed shapes), leaving the
         settled streams (after the attention site's fold) in s.streams[cur] for K2. `owed`: as
         `k1.launch`'s, folded in first (the per-op hc_post), or None."""
-        streams = s.streams[cur] if owed is None else hc_post(owed[0], s.streams[cur], owed[1], owed[2])
+        streams = s.streams[cur] if owed is None else _folded(s.streams[cur], owed)
         s.streams[cur].copy_(self.attention_site(self.attention[layer], streams,
                                                  *self.model.blocks[layer].site_weights("attn"), s.positions,
                                                  s.slots, cache, self.config))
+
+
+def _folded(streams: torch.Tensor, owed) -> torch.Tensor:
+    """The per-op fold (hc_post) of an owed (y, post, comb) into the residual streams."""
+    y, post, comb = owed
+    return hc_post(y, streams, post, comb)
