@@ -156,7 +156,9 @@ def reference_attention(attn, q, kv, positions, groups, cache):
 # (heads, window, D chunk): tiny (one head block of 16, 4 live; 16 key slots; one chunk of 64); and
 # 40 heads over a window of 40 in D chunks of 16: three head blocks (the last partial), 64 key slots
 # (24 dead), four chunks (the rope dims are the last)
-SHAPES = [(4, 16, 64), (40, 40, 16)]
+# (heads, window, chunk); head_dim 64 with 16 rope channels: chunks of 64 all rotate, of 16 the
+# first three do not, of 32 the second holds plain and rope channels
+SHAPES = [(4, 16, 64), (40, 40, 16), (4, 16, 32)]
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -37,7 +37,9 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   The output's inverse rope is at the row's own position p.
   The whole window goes at once (KW = `window_keys(W)` >= W key slots, their ring entries
   gathered once) in two passes over D in chunks of BD (D % BD == 0): the logits, then probs @
-  keys chunk by chunk (each chunk rounded, de-rotated and stored). So a pass's chunk loads do not
+  keys chunk by chunk (each chunk rounded, de-rotated and stored). The chunks wholly before the
+  rope channels (the first (D - RD) // BD) run a copy of each pass's loop body without the
+  rotation: a task is bound by its instructions, and the sines and cosines were most of them. So a pass's chunk loads do not
   wait on each other, no online softmax is needed, and the registers hold [HB, KW] logits and a
   [KW, BD] key chunk rather than [HB, D] accumulators. The keys are read twice (from L2 the
   second time). A row with no valid key gets out = 0 (the sink takes all the mass).
@@ -179,14 +181,46 @@ def _heads_inverse_rms(q_ptr, rows, hmask, eps, D: tl.constexpr, HB: tl.constexp
 
 @triton.jit
 def _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D: tl.constexpr, RD, HB: tl.constexpr,
-                 BD: tl.constexpr):
+                 BD: tl.constexpr, ROPE: tl.constexpr):
     """Channels d0 .. d0 + BD of the task's queries: rope(rms_norm(raw head)) (no norm weight), bf16
-    values as fp32 [HB, BD]."""
+    values as fp32 [HB, BD]; ROPE False: a chunk before the rope channels, normalised only."""
     d = d0 + tl.arange(0, BD)
     x = tl.load(q_ptr + rows + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    normed = tl.reshape(bf16(x * inv[:, None]), (HB, BD // 2, 2))
-    pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
-    return tl.reshape(_rope(normed, pair, position, freqs_ptr, (D - RD) // 2, RD // 2, False), (HB, BD))
+    normed = bf16(x * inv[:, None])
+    if ROPE:
+        pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
+        normed = tl.reshape(_rope(tl.reshape(normed, (HB, BD // 2, 2)), pair, position, freqs_ptr, (D - RD) // 2,
+                                  RD // 2, False), (HB, BD))
+    return normed
+
+
+@triton.jit
+def _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid,
+                  D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr):
+    """logits + q[:, d0 .. d0 + BD] . keys[:, d0 .. d0 + BD] ([HB, KW] fp32)."""
+    q = _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D, RD, HB, BD, ROPE)
+    keys = _key_chunk(ring_kv_ptr, key_rows, valid, d0 + tl.arange(0, BD))
+    if FAST:
+        return tl.dot(q.to(tl.bfloat16), tl.trans(keys), logits)
+    return tl.dot(q, tl.trans(keys.to(tl.float32)), logits, input_precision="ieee")
+
+
+@triton.jit
+def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
+                  D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr):
+    """o[:, d0 .. d0 + BD] = (inverse rope of, ROPE) bf16(probs @ keys[:, d0 .. d0 + BD] / mass)."""
+    d = d0 + tl.arange(0, BD)
+    keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
+    if FAST:
+        out = tl.dot(lo, keys, tl.dot(hi, keys))
+    else:
+        out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
+    o = bf16(out / mass[:, None])
+    if ROPE:
+        pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
+        o = tl.reshape(_rope(tl.reshape(o, (HB, BD // 2, 2)), pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True),
+                       (HB, BD))
+    tl.store(o_ptr + rows + d[None, :], o.to(tl.bfloat16), mask=hmask[:, None])
 
 
 @triton.jit
@@ -211,33 +245,30 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         end = position if BLOCK == 0 else position - row % BLOCK + BLOCK - 1  # the window's last key
         key_rows, valid = _window(end, slot, ring_pos_ptr, ring_size, W, D, KW)
         logits = tl.zeros((HB, KW), dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            q = _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D, RD, HB, BD)
-            keys = _key_chunk(ring_kv_ptr, key_rows, valid, d0 + tl.arange(0, BD))
-            if FAST:
-                logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys), logits)
-            else:
-                logits = tl.dot(q, tl.trans(keys.to(tl.float32)), logits, input_precision="ieee")
+        plain = (D - RD) // BD * BD  # the chunks before any rope channel: no rotation to compute
+        for d0 in range(0, plain, BD):
+            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring_kv_ptr, key_rows,
+                                   valid, D, RD, HB, BD, FAST, False)
+        for d0 in range(plain, D, BD):
+            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring_kv_ptr, key_rows,
+                                   valid, D, RD, HB, BD, FAST, True)
         # one softmax over the valid keys and the sink (a key with no value)
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
         m = tl.maximum(tl.max(logits, axis=1), sink)
         p = tl.exp(logits - m[:, None])
         mass = tl.sum(p, axis=1) + tl.exp(sink - m)
+        hi = p
+        lo = p
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
             hi = p.to(tl.bfloat16)
             lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
-        for d0 in range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
-            keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
-            if FAST:
-                out = tl.dot(lo, keys, tl.dot(hi, keys))
-            else:
-                out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
-            out = tl.reshape(bf16(out / mass[:, None]), (HB, BD // 2, 2))
-            pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
-            o = tl.reshape(_rope(out, pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True), (HB, BD))
-            tl.store(o_ptr + rows + d[None, :], o.to(tl.bfloat16), mask=hmask[:, None])
+        for d0 in range(0, plain, BD):
+            _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
+                          D, RD, HB, BD, FAST, False)
+        for d0 in range(plain, D, BD):
+            _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
+                          D, RD, HB, BD, FAST, True)
 
 
 # --- standalone launches --------------------------------------------------------------------------
