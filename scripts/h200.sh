@@ -26,11 +26,14 @@
 #   bench-decode  monodecode bench decode on 4 layers
 #   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
+#   profile       Nsight Compute's PC sampling of one step of the window layer's K1, K2 and K3 at $WIDTH rows
+#                 (default 1; $SHAPE, default the default shape), summed by stage (tools/stall_profile.py);
+#                 $OUT/profile.ncu-rep, profile_source.csv (the SASS with its samples), profile_details.csv
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
 # (TIMELINE= , empty, leaves its per-stage timeline out).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|ab|compiled|bench-decode|experts}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|ab|compiled|bench-decode|experts|profile}
 out=${OUT:?set OUT to the output folder}
 export PYTHONPATH=$PWD
 {
@@ -86,6 +89,16 @@ case $part in
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.experts --shapes "${SHAPES:-default}" --out "$out" \
       >> "$out/$part.txt" 2>&1 ;;
+  profile)
+    # the second step's three launches (the first step's are skipped: cold caches); L2 and clocks as in a run
+    timeout ${TIMEOUT:-560} ncu --kernel-name regex:'^_k[123]$' --launch-skip 3 --launch-count 3 \
+      --section SourceCounters --section WarpStateStats --section SpeedOfLight --cache-control none \
+      --clock-control none -f -o "$out/profile" python3 tools/stall_profile.py step --width "${WIDTH:-1}" \
+      --shape "${SHAPE:-default}" >> "$out/$part.txt" 2>&1
+    ncu --import "$out/profile.ncu-rep" --page source --csv --print-source sass > "$out/profile_source.csv" \
+      2>> "$out/$part.txt"
+    ncu --import "$out/profile.ncu-rep" --page details --csv > "$out/profile_details.csv" 2>> "$out/$part.txt"
+    python3 tools/stall_profile.py summary "$out/profile_source.csv" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 status=$?

@@ -1,5 +1,6 @@
 """tools/sharded_pytest.py: the GPU runs' parallel pytest (scripts/h200.sh tests-all); tools/ab_summary.py:
-the verdict of an A/B of bench layer runs (scripts/h200.sh ab)."""
+the verdict of an A/B of bench layer runs (scripts/h200.sh ab); tools/stall_profile.py: an ncu source
+page summed by stage (scripts/h200.sh profile)."""
 
 import json
 import subprocess
@@ -8,6 +9,7 @@ from pathlib import Path
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "sharded_pytest.py"
 AB_SUMMARY = Path(__file__).resolve().parents[1] / "tools" / "ab_summary.py"
+STALL_PROFILE = Path(__file__).resolve().parents[1] / "tools" / "stall_profile.py"
 
 
 def _run(tmp_path, body: str, *args: str):
@@ -53,3 +55,33 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
     empty = subprocess.run([sys.executable, str(AB_SUMMARY), str(tmp_path / "none")], capture_output=True, text=True,
                            timeout=60)
     assert empty.returncode == 1 and "no <tree><round>/bench_layer.json" in empty.stderr
+
+
+def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_signals(tmp_path):
+    header = '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"'
+    signal = "REDG.E.ADD.STRONG.GPU desc[UR4][R2.64], R5"
+    poll = "LDG.E.STRONG.SYS R4, desc[UR4][R2.64]"
+    # K1: 4 barrier signals, 5 stages; stage 2 (settle) spends 30 of 100 samples, 10 of them polling
+    k1 = [("FFMA R1, R2, R3, R1", 20), (signal, 0), (poll, 10), ("MUFU.EX2 R1, R2", 20), (signal, 0),
+          ("HMMA.16816.F32.BF16 R4, R8, R12, R4", 40), (signal, 0), ("STG.E [R2.64], R4", 5), (signal, 0),
+          ("LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", 5)]
+    # a kernel of 2 stages has no family: its stages are numbered
+    other = [("IMAD R1, R2, R3, RZ", 3), (signal, 0), ("EXIT", 1)]
+    lines = []
+    for table in (k1, other):
+        lines.append(header)
+        lines += [f'"{16 * i:#06x}","{source}","{samples}","0"' for i, (source, samples) in enumerate(table)]
+    (tmp_path / "source.csv").write_text("\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, str(STALL_PROFILE), "summary", str(tmp_path / "source.csv")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "kernel 1: 5 stages, 100 samples" in out and "kernel 2: 2 stages, 4 samples" in out
+    assert "k1 fold                           20.0 %   sync   0.0 %" in out
+    assert "k1 settle                         30.0 %   sync  10.0 %" in out
+    assert "k1 wq_a|wkv                       40.0 %" in out and "HMMA.16816" in out
+    assert "stage 0                           75.0 %" in out
+    (tmp_path / "other.csv").write_text("Kernel,Time\nk,1\n")
+    bad = subprocess.run([sys.executable, str(STALL_PROFILE), "summary", str(tmp_path / "other.csv")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no table with an Address and a Source column" in bad.stderr

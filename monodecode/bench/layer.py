@@ -35,6 +35,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -95,6 +96,15 @@ def identity_owed(rows: int, hc: int, d: int, device):
     return y, post, comb
 
 
+class LayerStep(NamedTuple):
+    scratch: object  # the runner's Scratch of the step's width
+    streams: torch.Tensor  # the layer's input residual [rows, hc, d]
+    cache: object  # the layer's cache (a copy of the prefilled one)
+    groups: list  # the step's rows by request (model.group_rows)
+    whole: bool  # the layer runs whole on the kernels (K1 + K2 + K3)
+    kernels: Callable  # kernels(attention_too, k2_too=True): launch mono's kernels on the step
+
+
 class LayerBench:
     def __init__(self, decoder: Decoder, cache, context: int, reps: int, compile_mode: str | None = None):
         model = decoder.model
@@ -104,10 +114,9 @@ class LayerBench:
         self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
         self.compile_mode = compile_mode
 
-    @torch.no_grad()  # as the model's steps run: a compiled region is guarded on the grad mode
-    def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
-                timeline: bool = False) -> list[dict]:
-        """One row a launch shape: the per-op times (measured once) and mono's with that shape."""
+    def step(self, layer: int, width: int, g: torch.Generator) -> "LayerStep":
+        """A step of `width` rows at `layer` (fresh random residual and tokens from `g`, a copy of
+        the prefilled cache) and the launch of mono's kernels on it (`LayerStep.kernels`)."""
         from ..mono import k1, k2  # after the runner's build: on a CPU it turns Triton's interpreter on first
 
         model, runner, c = self.model, self.runner, self.model.config
@@ -118,8 +127,7 @@ class LayerBench:
         s.positions.copy_(torch.tensor(positions))
         s.slots.copy_(torch.tensor(slots))
         streams = torch.randn(width, c.hc_mult, c.hidden_size, generator=g).to(torch.bfloat16).to(self.device)
-        lw, lc, block = runner.layers[layer], cache.layers[layer], model.blocks[layer]
-        groups = model.group_rows(cache, s.tokens, s.positions, s.slots)
+        lw, lc = runner.layers[layer], cache.layers[layer]
         whole = runner.plan[layer] == WHOLE
         owed = identity_owed(width, c.hc_mult, c.hidden_size, self.device)
 
@@ -133,6 +141,18 @@ class LayerBench:
             if k2_too:
                 k2.launch(runner, s, lw, lc, cur, attention=whole)
 
+        groups = model.group_rows(cache, s.tokens, s.positions, s.slots)
+        return LayerStep(scratch=s, streams=streams, cache=lc, groups=groups, whole=whole, kernels=kernels)
+
+    @torch.no_grad()  # as the model's steps run: a compiled region is guarded on the grad mode
+    def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
+                timeline: bool = False) -> list[dict]:
+        """One row a launch shape: the per-op times (measured once) and mono's with that shape."""
+        runner = self.runner
+        inputs = self.step(layer, width, g)
+        s, streams, lc, groups = inputs.scratch, inputs.streams, inputs.cache, inputs.groups
+        whole, kernels = inputs.whole, inputs.kernels
+        block = self.model.blocks[layer]
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
         experts = distinct_experts(block, lambda: block(streams, s.tokens, s.positions, groups, lc))
         batched = self.batched.setdefault(layer, BatchedLayer(block))

@@ -37,12 +37,13 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   The output's inverse rope is at the row's own position p.
   The whole window goes at once (KW = `window_keys(W)` >= W key slots, their ring entries
   gathered once) in two passes over D in chunks of BD (D % BD == 0): the logits, then probs @
-  keys chunk by chunk (each chunk rounded, de-rotated and stored). The chunks wholly before the
-  rope channels (the first (D - RD) // BD) run a copy of each pass's loop body without the
-  rotation: a task is bound by its instructions, and the sines and cosines were most of them. So a pass's chunk loads do not
+  keys chunk by chunk (each chunk rounded, de-rotated and stored). So a pass's chunk loads do not
   wait on each other, no online softmax is needed, and the registers hold [HB, KW] logits and a
   [KW, BD] key chunk rather than [HB, D] accumulators. The keys are read twice (from L2 the
   second time). A row with no valid key gets out = 0 (the sink takes all the mass).
+  The chunks wholly before the rope channels (the first (D - RD) // BD) run a copy of each
+  pass's loop body without the rotation: a task is bound by its instructions more than by its
+  loads, and the rotation's sines and cosines were a large part of them.
   The ring's kv is addressed with int32 offsets: S * ring_size * D < 2^31.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend

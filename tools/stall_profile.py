@@ -1,0 +1,144 @@
+"""Where a mono kernel's warps spend their time, stage by stage: Nsight Compute's PC sampling of
+K1 / K2 / K3 summed over each stage's code.
+
+The timeline (`bench layer --timeline`) says how long each stage takes; this says why. `bash
+scripts/h200.sh profile` (WIDTH rows, default 1) runs
+
+    ncu ... python tools/stall_profile.py step --width W
+
+which builds `bench layer`'s model (v4-flash sizes, synthetic weights, context 512) and launches
+its window layer's kernels a few times eagerly for ncu to sample one step of them; then exports
+each profiled kernel's SASS with its samples (`ncu --import ... --page source --csv
+--print-source sass`), and
+
+    python tools/stall_profile.py summary SOURCE.csv
+
+sums the samples by stage. A stage of a persistent kernel is its code up to a grid barrier's
+signal (`sync.signal`'s release increment: the only `REDG.E.ADD.STRONG.GPU` the kernels have), so
+a kernel with B signals has B + 1 stages, named from its family's STAGES (K1 5, K2 7, K3 4).
+Per stage: its share of the kernel's samples, the share on the synchronisation's strong loads
+and atomics (barrier polls, tickets), and the instructions with the most samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from pathlib import Path
+
+SIGNAL = re.compile(r"\bREDG\.E\.ADD\.STRONG\.GPU\b")
+SYNC = re.compile(r"\.STRONG\.|\bATOMG\b|\bATOM\b")
+TOP = 3  # instructions listed a stage
+
+
+def stage_names() -> dict[int, list[str]]:
+    """Stages a kernel has -> their names (the window layer's kernels: K1, K2, K3)."""
+    from monodecode.mono import k1, k2
+    return {len(names): names for names in (k1.STAGES, k2.stage_names("k2"), k2.stage_names("k3"))}
+
+
+def read_tables(path: Path) -> list[list[dict]]:
+    """The source page's CSV: one table a profiled kernel, each opening with a header row that
+    names an `Address` and a `Source` column. Rows: {address, source, samples}."""
+    tables, columns = [], None
+    for row in csv.reader(path.read_text().splitlines()):
+        if "Address" in row and "Source" in row:
+            columns = {"address": row.index("Address"), "source": row.index("Source"),
+                       "samples": _samples_column(row)}
+            tables.append([])
+        elif columns and len(row) > max(columns.values()):
+            address = row[columns["address"]].strip()
+            if re.fullmatch(r"(0x)?[0-9a-fA-F]+", address):
+                tables[-1].append({"address": int(address, 16), "source": row[columns["source"]].strip(),
+                                   "samples": _number(row[columns["samples"]])})
+    if not tables:
+        raise SystemExit(f"{path}: no table with an Address and a Source column (an ncu source page in CSV?)")
+    return tables
+
+
+def _samples_column(header: list[str]) -> int:
+    """The column of all PC samples of an instruction."""
+    for wanted in ("Warp Stall Sampling (All Samples)", "Warp Stall Sampling (All", "Sampling"):
+        for i, name in enumerate(header):
+            if wanted in name:
+                return i
+    raise SystemExit(f"no PC-sampling column among {header}")
+
+
+def _number(text: str) -> float:
+    text = text.replace(",", "").strip()
+    return float(text) if text else 0.0
+
+
+def by_stage(rows: list[dict]) -> list[dict]:
+    """Each stage's samples, sync samples and instructions, in code order."""
+    stages = [{"samples": 0.0, "sync": 0.0, "rows": []}]
+    for row in sorted(rows, key=lambda r: r["address"]):
+        stage = stages[-1]
+        stage["samples"] += row["samples"]
+        stage["sync"] += row["samples"] if SYNC.search(row["source"]) else 0.0
+        stage["rows"].append(row)
+        if SIGNAL.search(row["source"]):
+            stages.append({"samples": 0.0, "sync": 0.0, "rows": []})
+    return stages
+
+
+def summary(path: Path) -> str:
+    names = stage_names()
+    lines = []
+    for k, rows in enumerate(read_tables(path)):
+        stages = by_stage(rows)
+        total = sum(s["samples"] for s in stages) or 1.0
+        labels = names.get(len(stages), [f"stage {i}" for i in range(len(stages))])
+        lines.append(f"kernel {k + 1}: {len(stages)} stages, {total:.0f} samples")
+        for label, stage in zip(labels, stages):
+            share, sync = (100 * stage[key] / total for key in ("samples", "sync"))
+            lines.append(f"  {label:<32} {share:5.1f} %   sync {sync:5.1f} %")
+            for row in sorted(stage["rows"], key=lambda r: -r["samples"])[:TOP]:
+                if row["samples"]:
+                    lines.append(f"      {row['address']:#07x} {100 * row['samples'] / total:5.1f} %  {row['source'][:70]}")
+    return "\n".join(lines)
+
+
+def step(width: int, launches: int, shape: str) -> None:
+    """Launch the bench model's window layer's kernels `launches` times on a step of `width` rows."""
+    import torch
+
+    from monodecode.bench.layer import KINDS, LayerBench, build, prefill
+    from monodecode.mono.shape import LaunchShape
+
+    decoder = build("v4-flash", "cuda")
+    decoder.mono.configure(LaunchShape.parse(shape))
+    context = 512
+    bench = LayerBench(decoder, prefill(decoder.model, context), context, reps=1)
+    window = [KINDS[r] for r in decoder.model.config.compress_ratios].index("window")
+    inputs = bench.step(window, width, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for _ in range(launches):
+            inputs.kernels(False)
+    torch.cuda.synchronize()
+    decoder.mono.check()
+    print(f"launched the window layer's kernels {launches} times at {width} rows, shape {shape}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("step", help="launch the window layer's kernels (under ncu)")
+    run.add_argument("--width", type=int, default=1)
+    run.add_argument("--launches", type=int, default=3)
+    run.add_argument("--shape", default="default")
+    show = sub.add_parser("summary", help="sum an ncu source page (CSV) by stage")
+    show.add_argument("csv", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "step":
+        step(args.width, args.launches, args.shape)
+    else:
+        print(summary(args.csv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
