@@ -286,7 +286,8 @@ def add_bench_commands(commands) -> None:
                        help="mono launch shapes to time, ';'-separated, each `default` or field=value,... of "
                             "monodecode.mono.shape.LaunchShape (e.g. 'default;k2_warps=8,expert_block_n=128')")
     layer.add_argument("--timeline", action="store_true",
-                       help="also print and save the per-stage times of one eager run of the mono kernels (GPU)")
+                       help="also print and save the per-stage times of the mono kernels and the gaps between "
+                            "their launches, as a CUDA graph replays them (GPU)")
     layer.add_argument("--out", default=".", help="where bench_layer.json (and bench_layer.png) go")
     layer.add_argument("--replot", metavar="JSON", help="measure nothing: print the table and write the PNG of a "
                                                         "saved bench_layer.json (e.g. one from a GPU host without "

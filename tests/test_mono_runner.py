@@ -505,6 +505,20 @@ def test_stage_times_from_stamps():
     assert "total" in format_times(times) and "last: program 0" in format_times(times)
 
 
+def test_launch_gaps_from_stamps():
+    """Two launches of one step: the first of three stages (end in slot 5), the second of two
+    (end in slot 3); the gap runs from the first's last end to the second's first start."""
+    from monodecode.mono.timeline import launch_gaps, launch_span
+
+    first = torch.zeros(2, 32, dtype=torch.int64)
+    first[:, 0], first[:, 5] = torch.tensor([100, 50]), torch.tensor([900, 1_000])
+    second = torch.zeros(2, 32, dtype=torch.int64)
+    second[:, 0], second[:, 3] = torch.tensor([4_000, 3_000]), torch.tensor([9_000, 8_000])
+    spans = [("k1", launch_span(first, 3)), ("k2", launch_span(second, 2))]
+    assert spans == [("k1", (50, 1_000)), ("k2", (3_000, 9_000))]
+    assert launch_gaps(spans) == {"gaps_us": {"k2": 2.0}, "span_us": 8.95}
+
+
 def test_the_gpu_check_reports_agreement_and_routing_flips(decoder):
     """monodecode.bench.mono_check's agreement (run on the H200 at v4-flash sizes) on the tiny decoder: its
     numbers hold here too, and a row whose last-layer picks differ is found, with its margin."""

@@ -18,7 +18,8 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   after the first fold the one before's: so it pays for one FFN fold, as the per-op block does.
 `--shapes` times mono once per launch shape (`mono.shape.LaunchShape`: programs a SM, warps,
 tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
-adds the per-stage times of one eager run of the kernels (`mono/timeline.py`; GPU only).
+adds the per-stage times of the kernels and the gaps between their launches, as the CUDA graph
+replays them (`mono/timeline.py`; GPU only).
 
 The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
 distinct experts the step's routing picked, each request's window KV rows and, on CSA, its
@@ -47,7 +48,7 @@ from ..model import Model
 from ..model.attention import RequestRows
 from ..mono.plan import WHOLE, MonoRefused
 from ..mono.shape import LaunchShape
-from ..mono.timeline import format_times, stage_times
+from ..mono.timeline import format_times, launch_gaps, launch_span, stage_times
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedLayer
 from .timing import copy_bandwidth, graphed, kernels_launched, timed
@@ -176,7 +177,8 @@ class LayerBench:
             row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
                    "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
                    "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
-                   "mono_s": None, "mono_kernels_s": None, "mono_k1_s": None, "mono_k2_s": None, "stages": None}
+                   "mono_s": None, "mono_kernels_s": None, "mono_k1_s": None, "mono_k2_s": None, "stages": None,
+                   "launches_in_graph": None}
             try:
                 runner.configure(shape)
             except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
@@ -194,20 +196,26 @@ class LayerBench:
             row["kernels_launched"] = dict(launches)
             row["kernel_resources"] = runner.kernel_resources()  # registers, spills: why a shape is slow
             if timeline:
-                row["stages"] = self.stage_times(lambda: kernels(False), whole)
+                row["stages"], row["launches_in_graph"] = self.stage_times(lambda: kernels(False), whole)
             rows.append(row)
         return rows
 
-    def stage_times(self, kernels, whole: bool) -> dict:
-        """Per-stage times (mono/timeline.py) of one eager run of the layer's kernels: where their
-        time goes (the stamps cost a little; not the timed number)."""
+    def stage_times(self, kernels, whole: bool) -> tuple[dict, dict]:
+        """Per-stage times (mono/timeline.py) of the layer's kernels as a CUDA graph replays them
+        (the stamps of the last of `reps` replays: what the timed graph runs, the stamps costing a
+        little), and the gaps between the launches of that replay (`timeline.launch_gaps`)."""
         runner = self.runner
         runner.timeline = True
         try:
-            kernels()
+            replay = graphed(kernels, self.device)  # its warm-up run builds the kernels and their stamp buffers
+            for _ in range(self.reps):
+                replay()
             torch.cuda.synchronize(self.device)
+            runner.check()  # an expired wait would leave stamps of a launch that gave up
             kinds = ["k1", "k2", "k3"] if whole else ["ffn", "k3"]
-            return {kind: stage_times(runner.timelines[kind], runner.sync[kind].stage_names) for kind in kinds}
+            names = {kind: runner.sync[kind].stage_names for kind in kinds}
+            stages = {kind: stage_times(runner.timelines[kind], names[kind]) for kind in kinds}
+            return stages, launch_gaps([(kind, launch_span(runner.timelines[kind], len(names[kind]))) for kind in kinds])
         finally:
             runner.timeline = False
             runner.timelines.clear()
@@ -299,6 +307,10 @@ def run(args) -> int:
                 if m["stages"]:
                     for kind, times in m["stages"].items():
                         print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
+                    gaps = m["launches_in_graph"]
+                    print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: the kernels' span in the graph "
+                          f"{gaps['span_us']:.1f} us; gaps before " +
+                          ", ".join(f"{kind} {us:.1f} us" for kind, us in gaps["gaps_us"].items()))
     report["complete"] = True
     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_layer.json'}")

@@ -9,7 +9,8 @@ from that last arrival to the last release. The slowest program sets both, so a 
 is far above its bytes' worth is the one to rebalance (with per-task flags where the timeline
 shows waiting). Beside them, a program's median time in the stage (from its own start to its own
 end) and which program ended it last: a stage far above its median waits on one program's work
-(one task, say, or a chain of them), not on all of them.
+(one task, say, or a chain of them), not on all of them. `launch_gaps`: between the launches of one
+step, the time from one launch's last program ending to the next one's first program starting.
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def stage_times(stamps: torch.Tensor, stage_names: list[str]) -> list[dict]:
         out.append({"stage": name, "us": us, "barrier_us": wait, "median_program_us": float(own.median()),
                     "last_program": int(ends[k].argmax())})
     return out
+
+
+def launch_span(stamps: torch.Tensor, stages: int) -> tuple[int, int]:
+    """(first program's start, last program's end) in ns of one launch of `stages` stages."""
+    stamps = stamps.to(torch.int64).cpu()
+    return int(stamps[:, 0].min()), int(stamps[:, 2 * (stages - 1) + 1].max())
+
+
+def launch_gaps(spans: list[tuple[str, tuple[int, int]]]) -> dict:
+    """The launches of one step in order, (name, launch_span) each -> {"gaps_us": {name: us from
+    the previous launch's last end to this one's first start}, "span_us": first start to last end}."""
+    gaps = {name: (start - previous[1]) / 1e3 for (_, previous), (name, (start, _)) in zip(spans, spans[1:])}
+    return {"gaps_us": gaps, "span_us": (spans[-1][1][1] - spans[0][1][0]) / 1e3}
 
 
 def format_times(times: list[dict]) -> str:
