@@ -215,7 +215,8 @@ class LayerBench:
             kinds = ["k1", "k2", "k3"] if whole else ["ffn", "k3"]
             names = {kind: runner.sync[kind].stage_names for kind in kinds}
             stages = {kind: stage_times(runner.timelines[kind], names[kind]) for kind in kinds}
-            return stages, launch_gaps([(kind, launch_span(runner.timelines[kind], len(names[kind]))) for kind in kinds])
+            spans = [(kind, launch_span(runner.timelines[kind], len(names[kind]))) for kind in kinds]
+            return stages, launch_gaps(spans)
         finally:
             runner.timeline = False
             runner.timelines.clear()
