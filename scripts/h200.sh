@@ -98,6 +98,7 @@ case $part in
     ncu --import "$out/profile.ncu-rep" --page source --csv --print-source sass > "$out/profile_source.csv" \
       2>> "$out/$part.txt"
     ncu --import "$out/profile.ncu-rep" --page details --csv > "$out/profile_details.csv" 2>> "$out/$part.txt"
+    head -c 1500 "$out/profile_source.csv" >> "$out/$part.txt"; echo >> "$out/$part.txt"  # the CSV's columns
     python3 tools/stall_profile.py summary "$out/profile_source.csv" >> "$out/$part.txt" 2>&1 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

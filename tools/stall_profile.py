@@ -41,21 +41,29 @@ def stage_names() -> dict[int, list[str]]:
 
 def read_tables(path: Path) -> list[list[dict]]:
     """The source page's CSV: one table a profiled kernel, each opening with a header row that
-    names an `Address` and a `Source` column. Rows: {address, source, samples}."""
+    names an address column and a source column. Rows: {address, source, samples}."""
     tables, columns = [], None
     for row in csv.reader(path.read_text().splitlines()):
-        if "Address" in row and "Source" in row:
-            columns = {"address": row.index("Address"), "source": row.index("Source"),
-                       "samples": _samples_column(row)}
+        address, source = _column(row, "address"), _column(row, "source")
+        if address is not None and source is not None:
+            columns = {"address": address, "source": source, "samples": _samples_column(row)}
             tables.append([])
         elif columns and len(row) > max(columns.values()):
-            address = row[columns["address"]].strip()
-            if re.fullmatch(r"(0x)?[0-9a-fA-F]+", address):
-                tables[-1].append({"address": int(address, 16), "source": row[columns["source"]].strip(),
+            text = row[columns["address"]].strip()
+            if re.fullmatch(r"(0x)?[0-9a-fA-F]+", text):
+                tables[-1].append({"address": int(text, 16), "source": row[columns["source"]].strip(),
                                    "samples": _number(row[columns["samples"]])})
     if not tables:
         raise SystemExit(f"{path}: no table with an Address and a Source column (an ncu source page in CSV?)")
     return tables
+
+
+def _column(header: list[str], name: str) -> int | None:
+    """The first column whose name is `name` (any case, `#` and spaces around ignored)."""
+    for i, cell in enumerate(header):
+        if cell.strip(" #").lower() == name:
+            return i
+    return None
 
 
 def _samples_column(header: list[str]) -> int:
