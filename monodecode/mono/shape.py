@@ -12,6 +12,10 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
 diagonal loop: experts.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`).
+`cooperative` 1: every persistent launch is cooperative (the driver refuses a grid that cannot be
+co-resident); 0: only the residency check's launches (`MonoRunner.check_residency`, at every
+`configure`) are, the others ordinary launches of a grid that check admitted: co-resident while
+nothing else holds the SMs, and if something does, a wait expires (MonoSyncError), nothing hangs.
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -35,6 +39,7 @@ class LaunchShape:
     expert_programs_per_sm: int = 2
     expert_warps: int = 8
     fold_rows: int = 16
+    cooperative: int = 1
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
