@@ -90,8 +90,10 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.experts --shapes "${SHAPES:-default}" --out "$out" \
       >> "$out/$part.txt" 2>&1 ;;
   profile)
-    # the second step's three launches (the first step's are skipped: cold caches); L2 and clocks as in a run
-    timeout ${TIMEOUT:-560} ncu --kernel-name regex:'^_k[123]$' --launch-skip 3 --launch-count 3 \
+    # in the step's NVTX range (not the build's launches), the second step's three launches (the first
+    # step's are skipped: cold caches); L2 and clocks as in a run
+    timeout ${TIMEOUT:-560} ncu --nvtx --nvtx-include "profiled/" --kernel-name regex:'^_k[123]$' \
+      --launch-skip 3 --launch-count 3 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight --cache-control none \
       --clock-control none -f -o "$out/profile" python3 tools/stall_profile.py step --width "${WIDTH:-1}" \
       --shape "${SHAPE:-default}" >> "$out/$part.txt" 2>&1

@@ -31,6 +31,7 @@ from pathlib import Path
 SIGNAL = re.compile(r"\bREDG\.E\.ADD\.STRONG\.GPU\b")
 SYNC = re.compile(r"\.STRONG\.|\bATOMG\b|\bATOM\b")
 TOP = 3  # instructions listed a stage
+PROFILED = "profiled"  # the NVTX range of the launches to sample
 
 
 def stage_names() -> dict[int, list[str]]:
@@ -111,22 +112,26 @@ def summary(path: Path) -> str:
 
 
 def step(width: int, launches: int, shape: str) -> None:
-    """Launch the bench model's window layer's kernels `launches` times on a step of `width` rows."""
+    """Launch the bench model's window layer's kernels `launches` times on a step of `width` rows,
+    inside the NVTX range `PROFILED` (ncu --nvtx-include "profiled/": not the build's launches)."""
     import torch
 
     from monodecode.bench.layer import KINDS, LayerBench, build, prefill
     from monodecode.mono.shape import LaunchShape
 
     decoder = build("v4-flash", "cuda")
-    decoder.mono.configure(LaunchShape.parse(shape))
+    if shape != "default":
+        decoder.mono.configure(LaunchShape.parse(shape))
     context = 512
     bench = LayerBench(decoder, prefill(decoder.model, context), context, reps=1)
     window = [KINDS[r] for r in decoder.model.config.compress_ratios].index("window")
     inputs = bench.step(window, width, torch.Generator().manual_seed(2))
     with torch.no_grad():
+        torch.cuda.nvtx.range_push(PROFILED)
         for _ in range(launches):
             inputs.kernels(False)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
     decoder.mono.check()
     print(f"launched the window layer's kernels {launches} times at {width} rows, shape {shape}")
 
