@@ -42,7 +42,7 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   [KW, BD] key chunk rather than [HB, D] accumulators. The keys are read twice (from L2 the
   second time). A row with no valid key gets out = 0 (the sink takes all the mass).
   The chunks wholly before the rope channels (the first (D - RD) // BD) run a copy of each
-  pass's loop body without the rotation: a task is bound by its instructions more than by its
+  pass's loop body without the rotation: a task's time follows its instructions more than its
   loads, and the rotation's sines and cosines were a large part of them.
   The ring's kv is addressed with int32 offsets: S * ring_size * D < 2^31.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
