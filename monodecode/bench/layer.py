@@ -115,7 +115,7 @@ class LayerBench:
         self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
         self.compile_mode = compile_mode
 
-    def step(self, layer: int, width: int, g: torch.Generator) -> "LayerStep":
+    def step(self, layer: int, width: int, g: torch.Generator) -> LayerStep:
         """A step of `width` rows at `layer` (fresh random residual and tokens from `g`, a copy of
         the prefilled cache) and the launch of mono's kernels on it (`LayerStep.kernels`)."""
         from ..mono import k1, k2  # after the runner's build: on a CPU it turns Triton's interpreter on first

@@ -259,7 +259,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         m = tl.maximum(tl.max(logits, axis=1), sink)
         p = tl.exp(logits - m[:, None])
         mass = tl.sum(p, axis=1) + tl.exp(sink - m)
-        hi = p
+        hi = p  # the output chunks' operands: p itself without FAST
         lo = p
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
             hi = p.to(tl.bfloat16)

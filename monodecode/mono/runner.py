@@ -119,7 +119,7 @@ class MonoRunner:
         self.configure(shape, check=False)  # checked below, once the runner is complete
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
-        self.timeline = False  # per-stage stamps (timeline.py); GPU only, eager steps only
+        self.timeline = False  # per-stage stamps (timeline.py); GPU only; `bench layer --timeline` sets it
         self.checking_residency = False  # inside check_residency: every launch cooperative
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.attention = {i: BatchedAttention(stack.blocks[i].attention, self.device)
