@@ -307,6 +307,12 @@ class MonoRunner:
             raise MonoRefused([f"{name}: {grid} programs ({self.shape.spec()}: {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
 
+    @property
+    def leader_waits(self) -> bool:
+        """Grid barriers waited on by one thread a program (`LaunchShape.leader_waits`; PTX: compiled
+        NVIDIA builds only)."""
+        return bool(self.shape.leader_waits) and self.fast
+
     def warps(self, family: str) -> int:
         """Warps a program of kernel `family` runs (K1's; K2's for K2 and `ffn`; K3's)."""
         return {"k1": self.shape.k1_warps, "k3": self.shape.expert_warps}.get(family, self.shape.k2_warps)

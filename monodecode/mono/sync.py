@@ -12,7 +12,9 @@ Invariants (docs/ARCHITECTURE.md, "Kernel rules")
   stores `e + 1`.
 - Producer: its stores, a CTA barrier, then one release atomic at gpu scope (cumulativity
   publishes the whole CTA's writes). Consumer: volatile polls (never hoisted or cached), then
-  an acquire atomic on the exit path before it reads what was published.
+  an acquire atomic on the exit path before it reads what was published; or (LEADER,
+  `LaunchShape.leader_waits`) one thread of the program polls with acquire loads and a CTA
+  barrier holds the others until it is through (`leader_wait`).
 - Waits are bounded: after `max_polls` polls a wait gives up, records `stage + 1` in the error
   word (the first error wins), and the kernel carries on to its end without waiting again, so
   the launch finishes; the host then raises `MonoSyncError` naming the stage. A hung GPU is
@@ -117,25 +119,75 @@ def wait_at_least(counter_ptr, target, error_ptr, stage, max_polls):
     return state == 1
 
 
+# One thread of the program waits (LEADER): it reads the error word and the counter together, then
+# polls the counter with acquire loads (no separate acquire atomic), bounded, recording `stage + 1`
+# in the error word if the polls run out; returns 1 (arrived) or 2 (gave up, or an earlier wait
+# had), 1 in every other thread. The CTA barrier after it holds the program's other threads back
+# and, after the leader's acquire, orders their reads after the other programs' published writes.
+# Labels and registers are local to the braces, so the block can be inlined at every barrier.
+_LEADER_WAIT: tl.constexpr = tl.constexpr("""{
+.reg .pred %lw_p;
+.reg .u32 %lw_t, %lw_e, %lw_c;
+.reg .s32 %lw_v, %lw_n;
+mov.u32 $0, 1;
+mov.u32 %lw_t, %tid.x;
+setp.ne.u32 %lw_p, %lw_t, 0;
+@%lw_p bra LW_DONE;
+ld.relaxed.gpu.global.u32 %lw_e, [$3];
+ld.acquire.gpu.global.s32 %lw_v, [$1];
+setp.ne.u32 %lw_p, %lw_e, 0;
+@%lw_p bra LW_FAILED;
+mov.s32 %lw_n, 0;
+LW_POLL:
+setp.ge.s32 %lw_p, %lw_v, $2;
+@%lw_p bra LW_DONE;
+add.s32 %lw_n, %lw_n, 1;
+setp.ge.s32 %lw_p, %lw_n, $5;
+@%lw_p bra LW_EXPIRED;
+ld.acquire.gpu.global.s32 %lw_v, [$1];
+bra LW_POLL;
+LW_EXPIRED:
+atom.relaxed.gpu.global.cas.b32 %lw_c, [$3], 0, $4;
+LW_FAILED:
+mov.u32 $0, 2;
+LW_DONE:
+}""")
+
+
 @triton.jit
-def grid_barrier(sync_ptr, epoch, k, num_barriers, max_polls, timeline_ptr, TIMELINE: tl.constexpr):
+def leader_wait(counter_ptr, target, error_ptr, stage, max_polls):
+    """`wait_at_least` with one thread of the program polling (NVIDIA PTX: compiled builds only)."""
+    state = tl.inline_asm_elementwise(_LEADER_WAIT, "=r,l,r,l,r,r",
+                                      [counter_ptr, target, error_ptr, stage + 1, max_polls],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    return state == 1
+
+
+@triton.jit
+def grid_barrier(sync_ptr, epoch, k, num_barriers, max_polls, timeline_ptr, TIMELINE: tl.constexpr,
+                 LEADER: tl.constexpr = False):
     """Barrier k of a launch with `num_barriers` barriers: every program's earlier stores are
     visible to every program after it. A wait that expires names stage k (the stage before it).
-    Returns False if the wait expired (or already had). With TIMELINE, stamps this program's
-    arrival and release (slots 2k + 1 and 2k + 2, see `stamp`)."""
+    Returns False if the wait expired (or already had; with LEADER, in the waiting thread only).
+    With TIMELINE, stamps this program's arrival and release (slots 2k + 1 and 2k + 2, see
+    `stamp`). LEADER: one thread a program polls (`leader_wait`), the others wait at a CTA barrier."""
     grid = tl.num_programs(0)
     stamp(timeline_ptr, 2 * k + 1, TIMELINE)
     signal(sync_ptr + _BARRIER)
     target = (epoch * num_barriers + k + 1) * grid
-    done = wait_at_least(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, k, max_polls)
+    if LEADER:
+        done = leader_wait(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, k, max_polls)
+    else:
+        done = wait_at_least(sync_ptr + _BARRIER, target, sync_ptr + _ERROR, k, max_polls)
     stamp(timeline_ptr, 2 * k + 2, TIMELINE)
     return done
 
 
 @triton.jit
-def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr):
+def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr, LEADER: tl.constexpr = False):
     """`grid_barrier` k of `num_barriers` for a launch's `SyncArgs`."""
-    return grid_barrier(sync.words, epoch, k, num_barriers, sync.max_polls, sync.timeline, TIMELINE)
+    return grid_barrier(sync.words, epoch, k, num_barriers, sync.max_polls, sync.timeline, TIMELINE, LEADER)
 
 
 @triton.jit
