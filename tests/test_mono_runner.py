@@ -361,7 +361,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 @pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2", 6),
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
-                                         "expert_programs_per_sm=1,expert_warps=4,cooperative=0,leader_waits=1", 6),
+                                         "expert_programs_per_sm=1,expert_warps=4", 6),
                                         pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
@@ -369,9 +369,7 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     chosen for each), dense GEMVs split
     along K (slices of 32: 2 to 4 a block, summed by the last to arrive, in every layer of the
     step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of
-    32 and 16 rows (`experts.load_fragments`' 16-row blocks), ordinary launches on a GPU once
-    the residency check has passed (`cooperative=0`) and grid barriers polled by one thread a
-    program (`leader_waits=1`, GPU only): the same result up to fp32
+    32 and 16 rows (`experts.load_fragments`' 16-row blocks): the same result up to fp32
     summation order; fold tasks of all 48 rows of a step (`slow`)."""
     g = torch.Generator().manual_seed(21)
     caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)

@@ -2,7 +2,8 @@
 
 On the CPU the kernel runs under Triton's interpreter with grid=(1,) (one program takes every
 task, in order); with MONODECODE_TEST_DEVICE=cuda it runs one program per SM, cooperatively, with
-either wait: every thread polling, or one thread a program (`sync.leader_wait`, PTX: GPU only).
+either wait: every thread polling (the interpreter's), or one thread a program (`sync.leader_wait`,
+the compiled builds' wait; PTX: GPU only).
 """
 
 import pytest

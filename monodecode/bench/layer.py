@@ -16,6 +16,9 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   of them K1 timed alone in a graph of its own, K2 the rest, K3 with it). Mono's layer first folds
   an owed FFN output that leaves the residual unchanged (`identity_owed`), as a model's layers
   after the first fold the one before's: so it pays for one FFN fold, as the per-op block does.
+Every graph is timed as the median over `--reps` samples of `REPLAYS_IN_A_ROW` replays in a row
+(divided): each replay starts as the one before ends, as a layer in a step's graph does, so the
+host's launch of the graph, which a step pays once, is not counted in every layer's time.
 `--shapes` times mono once per launch shape (`mono.shape.LaunchShape`: programs a SM, warps,
 tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of the kernels and the gaps between their launches, as the CUDA graph
@@ -55,6 +58,7 @@ from .timing import copy_bandwidth, graphed, kernels_launched, timed
 
 KINDS = {0: "window", 4: "CSA", 128: "HCA"}
 MAX_REQUESTS = 8
+REPLAYS_IN_A_ROW = 8  # a timed sample of a graph: this many replays, queued one behind the other
 
 
 def build(name: str, device: str) -> Decoder:
@@ -161,17 +165,16 @@ class LayerBench:
                                                      self.device),
                     "per_op_graph": kernels_launched(lambda: batched(streams, s.tokens, s.positions, s.slots, lc),
                                                      self.device)}
-        step = graphed(lambda: batched(streams, s.tokens, s.positions, s.slots, lc), self.device)
-        per_op_graph, per_op_compiled = timed(step, self.device, self.reps), None
+        per_op_graph = self.replay_time(lambda: batched(streams, s.tokens, s.positions, s.slots, lc))
+        per_op_compiled = None
         if self.compile_mode:
             # One compiled graph a layer kind and width, all of the same code: past dynamo's
             # recompile limit (8) it would quietly run the layer eagerly; raise it, and fail if hit.
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
                 compiled = torch.compile(batched.__call__, mode=self.compile_mode, dynamic=False)
-                step = graphed(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
+                per_op_compiled = self.replay_time(lambda: compiled(streams, s.tokens, s.positions, s.slots, lc))
                 launches["per_op_compiled"] = kernels_launched(
                     lambda: compiled(streams, s.tokens, s.positions, s.slots, lc), self.device)
-            per_op_compiled = timed(step, self.device, self.reps)
         rows = []
         for shape in shapes:
             row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
@@ -184,13 +187,11 @@ class LayerBench:
             except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
                 rows.append({**row, "refused": "; ".join(refused.reasons), "kernels_launched": dict(launches)})
                 continue
-            row["mono_kernels_s"] = timed(graphed(lambda: kernels(False), self.device), self.device, self.reps)
+            row["mono_kernels_s"] = self.replay_time(lambda: kernels(False))
             # K1 alone (its own epoch: nothing waits across launches), K2 the rest of the pair
-            row["mono_k1_s"] = timed(graphed(lambda: kernels(False, k2_too=False), self.device), self.device,
-                                     self.reps) if whole else None
+            row["mono_k1_s"] = self.replay_time(lambda: kernels(False, k2_too=False)) if whole else None
             row["mono_k2_s"] = row["mono_kernels_s"] - (row["mono_k1_s"] or 0.0)
-            row["mono_s"] = row["mono_kernels_s"] if whole else timed(graphed(lambda: kernels(True), self.device),
-                                                                      self.device, self.reps)
+            row["mono_s"] = row["mono_kernels_s"] if whole else self.replay_time(lambda: kernels(True))
             runner.check()
             launches["mono"] = kernels_launched(lambda: kernels(True), self.device)
             row["kernels_launched"] = dict(launches)
@@ -199,6 +200,12 @@ class LayerBench:
                 row["stages"], row["launches_in_graph"] = self.stage_times(lambda: kernels(False), whole)
             rows.append(row)
         return rows
+
+    def replay_time(self, fn) -> float:
+        """Seconds of one replay of fn captured in a CUDA graph, the graph replayed
+        `REPLAYS_IN_A_ROW` times a sample: a layer as a step's graph runs it, after the layer
+        before and not after an idle GPU waiting for the host's launch of the graph."""
+        return timed(graphed(fn, self.device), self.device, self.reps, back_to_back=REPLAYS_IN_A_ROW)
 
     def stage_times(self, kernels, whole: bool) -> tuple[dict, dict]:
         """Per-stage times (mono/timeline.py) of the layer's kernels as a CUDA graph replays them

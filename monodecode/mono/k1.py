@@ -111,7 +111,6 @@ class K1Meta(NamedTuple):
     BQ: int  # q_lora padded to a power of two
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
     TIMELINE: bool
-    LEADER: bool  # grid barriers waited on by one thread a program (LaunchShape.leader_waits)
 
 
 @triton.jit
@@ -122,12 +121,12 @@ def _k1(a, m):
     for t in range(pid, tl.cdiv(a.rows, m.RB) * tl.cdiv(a.d, m.CHUNK), grid):
         HC.fold_task(t, a.rows, a.d, a.residual, a.owed_y, a.d, a.owed_post, a.owed_comb, a.streams, a.hc_fn,
                      a.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.HAS_OWED)
-    barrier(a.sync, epoch, 0, BARRIERS, m.TIMELINE, m.LEADER)
+    barrier(a.sync, epoch, 0, BARRIERS, m.TIMELINE, m.FAST)
 
     for t in range(pid, a.rows, grid):
         HC.settle_task(t, a.d, a.streams, a.partials, a.hc_base, a.hc_scale, a.attn_norm, a.post, a.comb, a.x,
                        a.hc_eps, a.norm_eps, a.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
-    barrier(a.sync, epoch, 1, BARRIERS, m.TIMELINE, m.LEADER)
+    barrier(a.sync, epoch, 1, BARRIERS, m.TIMELINE, m.FAST)
 
     q_tasks = tl.cdiv(a.q_lora, m.BN_QA) * m.SPLIT_D
     gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wq_a.codes, a.wq_a.scales, a.qr_raw, a.q_lora, a.q_lora, a.d, 0,
@@ -136,12 +135,12 @@ def _k1(a, m):
                a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR),
                a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D), 0, m.SB, m.BN_KV, m.BK_D, m.SPLIT_D, m.BR,
                True, m.FAST, m.DENSE_STAGES)
-    barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE, m.LEADER)
+    barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE, m.FAST)
 
     for t in range(pid, 2 * a.rows, grid):
         A.norm_rope_kv_task(t, a.qr_raw, a.q_lora, a.q_norm, a.qr, a.kv_raw, m.D, a.kv_norm, a.positions, a.slots,
                             a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D, m.RD, a.norm_eps, m.BQ, m.D)
-    barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE, m.LEADER)
+    barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE, m.FAST)
 
     gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
                a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q,
@@ -188,7 +187,7 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
-        FAST=runner.fast, TIMELINE=runner.timeline, LEADER=runner.leader_waits,
+        FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1", "k1", args, meta=meta)
     return cur if owed is None else 1 - cur

@@ -195,7 +195,6 @@ class K2Meta(NamedTuple):
     ROWS_E: int  # rows of an expert task
     FAST: bool
     TIMELINE: bool
-    LEADER: bool  # grid barriers waited on by one thread a program (LaunchShape.leader_waits)
 
 
 class K3Meta(NamedTuple):
@@ -212,7 +211,6 @@ class K3Meta(NamedTuple):
     FAST: bool
     FAST_EXPERTS: bool  # FAST and the experts' scales fit the fast decode
     TIMELINE: bool
-    LEADER: bool  # grid barriers waited on by one thread a program (LaunchShape.leader_waits)
 
 
 @triton.jit
@@ -222,12 +220,12 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
     for t in range(pid, tl.cdiv(R, m.RB) * tl.cdiv(f.d, m.CHUNK), grid):
         HC.fold_task(t, R, f.d, f.residual, f.attn_out, f.d, f.attn_post, f.attn_comb, f.streams, f.hc_fn,
                      f.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.ATTENTION)
-    barrier(f.sync, epoch, b0, NB, m.TIMELINE, m.LEADER)
+    barrier(f.sync, epoch, b0, NB, m.TIMELINE, m.FAST)
 
     for t in range(pid, R, grid):
         HC.settle_task(t, f.d, f.streams, f.partials, f.hc_base, f.hc_scale, f.ffn_norm, f.post, f.comb, f.x,
                        f.hc_eps, f.norm_eps, f.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
-    barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE, m.LEADER)
+    barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE, m.FAST)
 
     # the router gate (bf16 weights, fp32 logits), then the shared expert's w1 and w3 on the programs after it
     gemv_stage(pid, grid, 0, f.x, f.d, R, f.gate, f.gate, f.logits, f.n_experts, f.n_experts, f.d, 0, f.sums,
@@ -245,7 +243,7 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
         gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[2].codes, f.shared[2].scales, f.shared_up, f.inter,
                    f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
                    m.BR, True, m.FAST, m.DENSE_STAGES)
-    barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE, m.LEADER)
+    barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE, m.FAST)
 
     # the router, the last route task grouping the picks; the shared expert's w2 of the SwiGLU of
     # its gate and up on the programs after the route tasks
@@ -266,14 +264,14 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
     P = R * f.topk
     X.up_stage(pid, grid, P, f.x, f.gate_up, f.counts, f.order, f.experts, f.w1[0], f.w1[1], f.w3[0], f.w3[1],
                f.d, f.inter, f.topk, m.BNE, m.BKE_D, m.FAST_EXPERTS, m.EDIAG)
-    barrier(f.sync, epoch, b0, NB, m.TIMELINE, m.LEADER)
+    barrier(f.sync, epoch, b0, NB, m.TIMELINE, m.FAST)
 
     X.swiglu_stage(pid, grid, P, f.gate_up, f.route_weights, f.h, f.inter, f.limit, m.SWB, m.FAST_EXPERTS)
-    barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE, m.LEADER)
+    barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE, m.FAST)
 
     X.down_stage(pid, grid, P, f.h, f.per_pick, f.counts, f.order, f.experts, f.w2[0], f.w2[1], f.d, f.inter,
                  m.BNE, m.BKE_I, m.FAST_EXPERTS, m.EDIAG)
-    barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE, m.LEADER)
+    barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE, m.FAST)
 
     for t in range(pid, R * tl.cdiv(f.d, m.CBL), grid):
         RT.combine_task(t, f.per_pick, f.ids, f.shared_out, f.y, f.d, f.topk, m.CBL, m.SHARED, m.FAST)
@@ -290,15 +288,15 @@ def _k2(a, f, m):
             A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                           a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, m.HB, m.KW, m.BDA, m.BLOCK,
                           m.FAST)
-        barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.LEADER)
+        barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
                    a.heads * m.D // a.o_groups, a.o_lora, f.sums, f.tickets, 0, m.SB, m.BN_OA, m.BK_O, m.SPLIT_O,
                    m.BR, True, m.FAST, m.DENSE_STAGES)
-        barrier(f.sync, epoch, 1, NB, m.TIMELINE, m.LEADER)
+        barrier(f.sync, epoch, 1, NB, m.TIMELINE, m.FAST)
         gemv_stage(pid, grid, 0, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width,
                    0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST, m.DENSE_STAGES)
-        barrier(f.sync, epoch, 2, NB, m.TIMELINE, m.LEADER)
+        barrier(f.sync, epoch, 2, NB, m.TIMELINE, m.FAST)
         b0 = 3
     _front_stages(f, m, epoch, b0, NB, pid, grid)
     end_launch(f.sync, epoch, NB, m.TIMELINE)
@@ -375,7 +373,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=max(16, triton.next_power_of_2(row_block(rows) * c.num_experts_per_tok)),  # a build serves a row block
         ROWS_E=X.ROWS, FAST=runner.fast,
-        TIMELINE=runner.timeline, LEADER=runner.leader_waits)
+        TIMELINE=runner.timeline)
     runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
     k3_args = ffn._replace(sync=runner.sync_args("k3"), route_bias=None, tid2eid=None)
@@ -383,5 +381,5 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
-        TIMELINE=runner.timeline, LEADER=runner.leader_waits))
+        TIMELINE=runner.timeline))
     return 1 - cur if attention else cur

@@ -13,9 +13,8 @@ A step on the mono path:
   its attention part -> fold the last owed output, hc_head, norm, lm_head (torch ops).
 Nothing in a step syncs with the host, so every step is graph-captured (one graph per width and
 cache), whatever the plan.
-Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident),
-or with `LaunchShape.cooperative` 0 only those of `check_residency`, which at build (and at every
-`configure`) launches each kernel at its widest build once, so a refusal comes then.
+Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
+at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
 
 from __future__ import annotations
@@ -120,7 +119,6 @@ class MonoRunner:
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only; `bench layer --timeline` sets it
-        self.checking_residency = False  # inside check_residency: every launch cooperative
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.attention = {i: BatchedAttention(stack.blocks[i].attention, self.device)
                           for i, kind in enumerate(self.plan) if kind != WHOLE}  # of the `ffn` layers
@@ -147,12 +145,10 @@ class MonoRunner:
         # The eager attention site: this private cache's shapes (HCA: no compressed entry yet)
         # would only add compiled graphs that no serving step uses.
         site, self.attention_site = self.attention_site, attention_site
-        self.checking_residency = True  # cooperative launches whatever the shape: the driver checks
         try:
             self._run(s, cache, return_hidden=False)
         finally:
             self.attention_site = site
-            self.checking_residency = False
         self.check()  # a host sync
 
     def _residency_cache(self, requests: int, rows: int):
@@ -285,10 +281,10 @@ class MonoRunner:
 
     def launch(self, kernel, name: str, family: str, *args, meta) -> None:
         """One persistent launch of kernel `family`'s grid: `kernel(*args, meta)`, the fields of the
-        `meta` named tuple passed as compile-time constants. On the GPU it is cooperative (unless
-        the shape says otherwise, outside `check_residency`): the driver refuses a grid whose
-        programs cannot all be resident at once (registers, shared memory) instead of letting
-        their waits on each other hang; that refusal becomes MonoRefused."""
+        `meta` named tuple passed as compile-time constants. On the GPU it is cooperative: the
+        driver refuses a grid whose programs cannot all be resident at once (registers, shared
+        memory) instead of letting their waits on each other hang; that refusal becomes
+        MonoRefused."""
         warps, grid = self.warps(family), self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
         options = {"maxnreg": self.shape.expert_registers()} if family == "k3" else {}
@@ -296,9 +292,7 @@ class MonoRunner:
             kernel[(grid,)](*args, constants, num_warps=warps, **options)
             return
         try:
-            cooperative = bool(self.shape.cooperative) or self.checking_residency
-            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=cooperative,
-                                       **options)
+            compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True, **options)
             if compiled is not None:  # Triton returns the compiled kernel it launched
                 self.compiled[(name, getattr(meta, "BR", None))] = compiled  # K3: one build for every width
         except RuntimeError as e:
@@ -306,12 +300,6 @@ class MonoRunner:
                 raise
             raise MonoRefused([f"{name}: {grid} programs ({self.shape.spec()}: {warps} warps) "
                                f"cannot all be resident at once: {e}"]) from e
-
-    @property
-    def leader_waits(self) -> bool:
-        """Grid barriers waited on by one thread a program (`LaunchShape.leader_waits`; PTX: compiled
-        NVIDIA builds only)."""
-        return bool(self.shape.leader_waits) and self.fast
 
     def warps(self, family: str) -> int:
         """Warps a program of kernel `family` runs (K1's; K2's for K2 and `ffn`; K3's)."""

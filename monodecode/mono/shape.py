@@ -12,13 +12,6 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
 diagonal loop: experts.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`).
-`cooperative` 1: every persistent launch is cooperative (the driver refuses a grid that cannot be
-co-resident); 0: only the residency check's launches (`MonoRunner.check_residency`, at every
-`configure`) are, the others ordinary launches of a grid that check admitted: co-resident while
-nothing else holds the SMs, and if something does, a wait expires (MonoSyncError), nothing hangs.
-`leader_waits` 1: one thread a program polls a grid barrier, with acquire loads (`sync.leader_wait`,
-compiled NVIDIA builds; the interpreter keeps the default wait); 0: every thread polls and the
-wait ends with an acquire atomic (`sync.wait_at_least`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -42,8 +35,6 @@ class LaunchShape:
     expert_programs_per_sm: int = 2
     expert_warps: int = 8
     fold_rows: int = 16
-    cooperative: int = 1
-    leader_waits: int = 0
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of

@@ -11,10 +11,11 @@ Invariants (docs/ARCHITECTURE.md, "Kernel rules")
   arrives last has seen every other program finish, so none still needs to read `e`, and it
   stores `e + 1`.
 - Producer: its stores, a CTA barrier, then one release atomic at gpu scope (cumulativity
-  publishes the whole CTA's writes). Consumer: volatile polls (never hoisted or cached), then
-  an acquire atomic on the exit path before it reads what was published; or (LEADER,
-  `LaunchShape.leader_waits`) one thread of the program polls with acquire loads and a CTA
-  barrier holds the others until it is through (`leader_wait`).
+  publishes the whole CTA's writes). Consumer, in a compiled NVIDIA build (LEADER): one thread
+  of the program polls with acquire loads and a CTA barrier holds the others until it is
+  through (`leader_wait`, PTX); under the interpreter, which has no PTX, every thread polls
+  with volatile loads (never hoisted or cached) and an acquire atomic ends the wait
+  (`wait_at_least`).
 - Waits are bounded: after `max_polls` polls a wait gives up, records `stage + 1` in the error
   word (the first error wins), and the kernel carries on to its end without waiting again, so
   the launch finishes; the host then raises `MonoSyncError` naming the stage. A hung GPU is
@@ -166,12 +167,13 @@ def leader_wait(counter_ptr, target, error_ptr, stage, max_polls):
 
 @triton.jit
 def grid_barrier(sync_ptr, epoch, k, num_barriers, max_polls, timeline_ptr, TIMELINE: tl.constexpr,
-                 LEADER: tl.constexpr = False):
+                 LEADER: tl.constexpr):
     """Barrier k of a launch with `num_barriers` barriers: every program's earlier stores are
     visible to every program after it. A wait that expires names stage k (the stage before it).
     Returns False if the wait expired (or already had; with LEADER, in the waiting thread only).
     With TIMELINE, stamps this program's arrival and release (slots 2k + 1 and 2k + 2, see
-    `stamp`). LEADER: one thread a program polls (`leader_wait`), the others wait at a CTA barrier."""
+    `stamp`). LEADER (compiled NVIDIA builds): one thread a program polls (`leader_wait`), the
+    others wait at a CTA barrier; else every thread polls (`wait_at_least`)."""
     grid = tl.num_programs(0)
     stamp(timeline_ptr, 2 * k + 1, TIMELINE)
     signal(sync_ptr + _BARRIER)
@@ -185,7 +187,7 @@ def grid_barrier(sync_ptr, epoch, k, num_barriers, max_polls, timeline_ptr, TIME
 
 
 @triton.jit
-def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr, LEADER: tl.constexpr = False):
+def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr, LEADER: tl.constexpr):
     """`grid_barrier` k of `num_barriers` for a launch's `SyncArgs`."""
     return grid_barrier(sync.words, epoch, k, num_barriers, sync.max_polls, sync.timeline, TIMELINE, LEADER)
 
