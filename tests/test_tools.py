@@ -58,7 +58,8 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
 
 
 def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_signals(tmp_path):
-    header = '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"'
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+              '"stall_long_sb","stall_barrier","stall_long_sb (Not Issued)"')
     signal = "REDG.E.ADD.STRONG.GPU desc[UR4][R2.64], R5"
     poll = "LDG.E.STRONG.SYS R4, desc[UR4][R2.64]"
     # K1: 4 barrier signals, 5 stages; stage 2 (settle) spends 30 of 100 samples, 10 of them polling
@@ -70,7 +71,10 @@ def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_s
     lines = []
     for table in (k1, other):
         lines.append(header)
-        lines += [f'"{16 * i:#06x}","{source}","{samples}","0"' for i, (source, samples) in enumerate(table)]
+        # a poll's samples wait at the barrier, the others on a load: 3 to 1 (the not-issued column ignored)
+        lines += [f'"{16 * i:#06x}","{source}","{samples}","0",' + (f'"0","{samples}","7"' if source == poll else
+                                                                    f'"{samples * 3 / 4}","{samples / 4}","7"')
+                  for i, (source, samples) in enumerate(table)]
     (tmp_path / "source.csv").write_text("\n".join(lines) + "\n")
     done = subprocess.run([sys.executable, str(STALL_PROFILE), "summary", str(tmp_path / "source.csv")],
                           capture_output=True, text=True, timeout=120)
@@ -78,7 +82,8 @@ def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_s
     out = done.stdout
     assert "kernel 1: 5 stages, 100 samples" in out and "kernel 2: 2 stages, 4 samples" in out
     assert "k1 fold                           20.0 %   sync   0.0 %" in out
-    assert "k1 settle                         30.0 %   sync  10.0 %" in out
+    assert "k1 fold                           20.0 %   sync   0.0 %   (long_sb 75 %, barrier 25 %)" in out
+    assert "k1 settle                         30.0 %   sync  10.0 %   (long_sb 50 %, barrier 50 %)" in out
     assert "k1 wq_a|wkv                       40.0 %" in out and "HMMA.16816" in out
     assert "stage 0                           75.0 %" in out
     (tmp_path / "other.csv").write_text("Kernel,Time\nk,1\n")

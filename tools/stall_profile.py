@@ -17,7 +17,11 @@ sums the samples by stage. A stage of a persistent kernel is its code up to a gr
 signal (`sync.signal`'s release increment: the only `REDG.E.ADD.STRONG.GPU` the kernels have), so
 a kernel with B signals has B + 1 stages, named from its family's STAGES (K1 5, K2 7, K3 4).
 Per stage: its share of the kernel's samples, the share on the synchronisation's strong loads
-and atomics (barrier polls, tickets), and the instructions with the most samples.
+and atomics (barrier polls, tickets), its samples' leading stall reasons (`barrier`: a CTA
+barrier, where a program's warps wait while one of them polls the grid barrier, `long_sb`: a
+global load, `no_instruction`: the instruction fetch, ...), and the instructions with the most
+samples. The wait at the grid barrier before a stage is code after the signal, so it counts in
+that stage: a stage that few programs work in shows mostly as the next stage's waiting.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import argparse
 import csv
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 SIGNAL = re.compile(r"\bREDG\.E\.ADD\.STRONG\.GPU\b")
 SYNC = re.compile(r"\.STRONG\.|\bATOMG\b|\bATOM\b")
 TOP = 3  # instructions listed a stage
+REASONS = 4  # stall reasons listed a stage (their share of the stage's samples)
 PROFILED = "profiled"  # the NVTX range of the launches to sample
 
 
@@ -43,17 +49,19 @@ def stage_names() -> dict[int, list[str]]:
 def read_tables(path: Path) -> list[list[dict]]:
     """The source page's CSV: one table a profiled kernel, each opening with a header row that
     names an address column and a source column. Rows: {address, source, samples}."""
-    tables, columns = [], None
+    tables, columns, reasons = [], None, {}
     for row in csv.reader(path.read_text().splitlines()):
         address, source = _column(row, "address"), _column(row, "source")
         if address is not None and source is not None:
             columns = {"address": address, "source": source, "samples": _samples_column(row)}
+            reasons = _reason_columns(row)
             tables.append([])
         elif columns and len(row) > max(columns.values()):
             text = row[columns["address"]].strip()
             if re.fullmatch(r"(0x)?[0-9a-fA-F]+", text):
                 tables[-1].append({"address": int(text, 16), "source": row[columns["source"]].strip(),
-                                   "samples": _number(row[columns["samples"]])})
+                                   "samples": _number(row[columns["samples"]]),
+                                   "reasons": {name: _number(row[i]) for name, i in reasons.items() if i < len(row)}})
     if not tables:
         raise SystemExit(f"{path}: no table with an Address and a Source column (an ncu source page in CSV?)")
     return tables
@@ -65,6 +73,13 @@ def _column(header: list[str], name: str) -> int | None:
         if cell.strip(" #").lower() == name:
             return i
     return None
+
+
+def _reason_columns(header: list[str]) -> dict[str, int]:
+    """The per-reason sample columns (`stall_long_sb`, ...: every sample, issued or not) -> their
+    index, named without the prefix; none if the export has no such columns."""
+    return {name.strip()[len("stall_"):]: i for i, name in enumerate(header)
+            if name.strip().startswith("stall_") and "(" not in name}
 
 
 def _samples_column(header: list[str]) -> int:
@@ -83,14 +98,15 @@ def _number(text: str) -> float:
 
 def by_stage(rows: list[dict]) -> list[dict]:
     """Each stage's samples, sync samples and instructions, in code order."""
-    stages = [{"samples": 0.0, "sync": 0.0, "rows": []}]
+    stages = [{"samples": 0.0, "sync": 0.0, "rows": [], "reasons": Counter()}]
     for row in sorted(rows, key=lambda r: r["address"]):
         stage = stages[-1]
         stage["samples"] += row["samples"]
         stage["sync"] += row["samples"] if SYNC.search(row["source"]) else 0.0
         stage["rows"].append(row)
+        stage["reasons"].update(row["reasons"])
         if SIGNAL.search(row["source"]):
-            stages.append({"samples": 0.0, "sync": 0.0, "rows": []})
+            stages.append({"samples": 0.0, "sync": 0.0, "rows": [], "reasons": Counter()})
     return stages
 
 
@@ -104,7 +120,10 @@ def summary(path: Path) -> str:
         lines.append(f"kernel {k + 1}: {len(stages)} stages, {total:.0f} samples")
         for label, stage in zip(labels, stages):
             share, sync = (100 * stage[key] / total for key in ("samples", "sync"))
-            lines.append(f"  {label:<32} {share:5.1f} %   sync {sync:5.1f} %")
+            reasons = stage["reasons"]
+            of_stage = sum(reasons.values()) or 1.0
+            why = ", ".join(f"{name} {100 * n / of_stage:.0f} %" for name, n in reasons.most_common(REASONS) if n)
+            lines.append(f"  {label:<32} {share:5.1f} %   sync {sync:5.1f} %" + (f"   ({why})" if why else ""))
             for row in sorted(stage["rows"], key=lambda r: -r["samples"])[:TOP]:
                 if row["samples"]:
                     lines.append(f"      {row['address']:#07x} {100 * row['samples'] / total:5.1f} %  {row['source'][:70]}")
