@@ -58,12 +58,18 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
 
 
 def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_signals(tmp_path):
+    """Samples by stage, the wait at the grid barrier before a stage apart, and the stall
+    reasons of the rest."""
     header = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
               '"stall_long_sb","stall_barrier","stall_long_sb (Not Issued)"')
     signal = "REDG.E.ADD.STRONG.GPU desc[UR4][R2.64], R5"
     poll = "LDG.E.STRONG.SYS R4, desc[UR4][R2.64]"
-    # K1: 4 barrier signals, 5 stages; stage 2 (settle) spends 30 of 100 samples, 10 of them polling
-    k1 = [("FFMA R1, R2, R3, R1", 20), (signal, 0), (poll, 10), ("MUFU.EX2 R1, R2", 20), (signal, 0),
+    cta, deferred = "BAR.SYNC.DEFER_BLOCKING 0x0", "IMAD R4, R5, R6, RZ"
+    # K1: 4 barrier signals, 5 stages; stage 2 (settle) spends 30 of 100 samples, 20 of them in the
+    # wait (10 polling, 4 at the CTA barrier that ends it, 6 where the other warps' blocking at it
+    # shows), 10 its own; the stages after it have no CTA barrier, so all of theirs are the wait
+    k1 = [("FFMA R1, R2, R3, R1", 20), (signal, 0), (poll, 10), (cta, 4), (deferred, 6), ("MUFU.EX2 R1, R2", 10),
+          (signal, 0),
           ("HMMA.16816.F32.BF16 R4, R8, R12, R4", 40), (signal, 0), ("STG.E [R2.64], R4", 5), (signal, 0),
           ("LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", 5)]
     # a kernel of 2 stages has no family: its stages are numbered
@@ -71,9 +77,9 @@ def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_s
     lines = []
     for table in (k1, other):
         lines.append(header)
-        # a poll's samples wait at the barrier, the others on a load: 3 to 1 (the not-issued column ignored)
-        lines += [f'"{16 * i:#06x}","{source}","{samples}","0",' + (f'"0","{samples}","7"' if source == poll else
-                                                                    f'"{samples * 3 / 4}","{samples / 4}","7"')
+        # the wait's samples stall at a barrier, the others 3 to 1 on a load (the not-issued column ignored)
+        lines += [f'"{16 * i:#06x}","{source}","{samples}","0",' + (f'"0","{samples}","7"' if source in (poll, cta, deferred)
+                                                                    else f'"{samples * 3 / 4}","{samples / 4}","7"')
                   for i, (source, samples) in enumerate(table)]
     (tmp_path / "source.csv").write_text("\n".join(lines) + "\n")
     done = subprocess.run([sys.executable, str(STALL_PROFILE), "summary", str(tmp_path / "source.csv")],
@@ -81,11 +87,10 @@ def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_s
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "kernel 1: 5 stages, 100 samples" in out and "kernel 2: 2 stages, 4 samples" in out
-    assert "k1 fold                           20.0 %   sync   0.0 %" in out
-    assert "k1 fold                           20.0 %   sync   0.0 %   (long_sb 75 %, barrier 25 %)" in out
-    assert "k1 settle                         30.0 %   sync  10.0 %   (long_sb 50 %, barrier 50 %)" in out
-    assert "k1 wq_a|wkv                       40.0 %" in out and "HMMA.16816" in out
-    assert "stage 0                           75.0 %" in out
+    assert "k1 fold                           20.0 %   wait   0.0 %   sync   0.0 %   (the rest: long_sb 75 %, barrier 25 %)" in out
+    assert "k1 settle                         30.0 %   wait  20.0 %   sync  10.0 %   (the rest: long_sb 75 %, barrier 25 %)" in out
+    assert "k1 wq_a|wkv                       40.0 %   wait  40.0 %" in out and "HMMA.16816" in out
+    assert "stage 0                           75.0 %   wait   0.0 %" in out
     (tmp_path / "other.csv").write_text("Kernel,Time\nk,1\n")
     bad = subprocess.run([sys.executable, str(STALL_PROFILE), "summary", str(tmp_path / "other.csv")],
                          capture_output=True, text=True, timeout=120)

@@ -16,12 +16,13 @@ each profiled kernel's SASS with its samples (`ncu --import ... --page source --
 sums the samples by stage. A stage of a persistent kernel is its code up to a grid barrier's
 signal (`sync.signal`'s release increment: the only `REDG.E.ADD.STRONG.GPU` the kernels have), so
 a kernel with B signals has B + 1 stages, named from its family's STAGES (K1 5, K2 7, K3 4).
-Per stage: its share of the kernel's samples, the share on the synchronisation's strong loads
-and atomics (barrier polls, tickets), its samples' leading stall reasons (`barrier`: a CTA
-barrier, where a program's warps wait while one of them polls the grid barrier, `long_sb`: a
-global load, `no_instruction`: the instruction fetch, ...), and the instructions with the most
-samples. The wait at the grid barrier before a stage is code after the signal, so it counts in
-that stage: a stage that few programs work in shows mostly as the next stage's waiting.
+Per stage: its share of the kernel's samples; of them, the wait at the grid barrier before it
+(the code from the previous stage's signal to the first CTA barrier after it, where a program's
+warps wait while one of them polls: a stage that few programs work in shows mostly as the next
+stage's wait) and those on the synchronisation's strong loads and atomics (barrier polls,
+tickets); the leading stall reasons of the rest (`long_sb`: a global load, `no_instruction`:
+the instruction fetch, `barrier`: a CTA barrier inside the stage, ...); and the instructions with
+the most samples.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pathlib import Path
 
 SIGNAL = re.compile(r"\bREDG\.E\.ADD\.STRONG\.GPU\b")
 SYNC = re.compile(r"\.STRONG\.|\bATOMG\b|\bATOM\b")
+CTA_BARRIER = re.compile(r"\bBAR\.SYNC\b")
+DEFERRED = 16  # instructions after the wait's CTA barrier where its blocking may show
 TOP = 3  # instructions listed a stage
 REASONS = 4  # stall reasons listed a stage (their share of the stage's samples)
 PROFILED = "profiled"  # the NVTX range of the launches to sample
@@ -96,17 +99,33 @@ def _number(text: str) -> float:
     return float(text) if text else 0.0
 
 
+def _stage(waiting: bool) -> dict:
+    # left: instructions of the wait still to come (None: up to the CTA barrier; 0: none)
+    return {"samples": 0.0, "sync": 0.0, "wait": 0.0, "rows": [], "reasons": Counter(), "left": None if waiting else 0}
+
+
 def by_stage(rows: list[dict]) -> list[dict]:
-    """Each stage's samples, sync samples and instructions, in code order."""
-    stages = [{"samples": 0.0, "sync": 0.0, "rows": [], "reasons": Counter()}]
+    """Each stage's samples, sync samples, wait samples, the stall reasons of the rest, and its
+    instructions, in code order. The wait: from the barrier signal before the stage to the
+    first CTA barrier after it (the grid barrier's poll, and what the compiler scheduled beside
+    it), and on to the first instruction after that barrier with `barrier` samples, where the
+    deferred blocking of the warps that did not poll lands (at most DEFERRED instructions on)."""
+    stages = [_stage(waiting=False)]
     for row in sorted(rows, key=lambda r: r["address"]):
         stage = stages[-1]
         stage["samples"] += row["samples"]
         stage["sync"] += row["samples"] if SYNC.search(row["source"]) else 0.0
         stage["rows"].append(row)
-        stage["reasons"].update(row["reasons"])
+        if stage["left"] is None:  # before the CTA barrier
+            stage["wait"] += row["samples"]
+            stage["left"] = DEFERRED if CTA_BARRIER.search(row["source"]) else None
+        elif stage["left"] > 0:  # after it, until the deferred blocking shows
+            stage["wait"] += row["samples"]
+            stage["left"] = 0 if row["reasons"].get("barrier") else stage["left"] - 1
+        else:
+            stage["reasons"].update(row["reasons"])
         if SIGNAL.search(row["source"]):
-            stages.append({"samples": 0.0, "sync": 0.0, "rows": [], "reasons": Counter()})
+            stages.append(_stage(waiting=True))
     return stages
 
 
@@ -119,11 +138,12 @@ def summary(path: Path) -> str:
         labels = names.get(len(stages), [f"stage {i}" for i in range(len(stages))])
         lines.append(f"kernel {k + 1}: {len(stages)} stages, {total:.0f} samples")
         for label, stage in zip(labels, stages):
-            share, sync = (100 * stage[key] / total for key in ("samples", "sync"))
+            share, sync, wait = (100 * stage[key] / total for key in ("samples", "sync", "wait"))
             reasons = stage["reasons"]
             of_stage = sum(reasons.values()) or 1.0
             why = ", ".join(f"{name} {100 * n / of_stage:.0f} %" for name, n in reasons.most_common(REASONS) if n)
-            lines.append(f"  {label:<32} {share:5.1f} %   sync {sync:5.1f} %" + (f"   ({why})" if why else ""))
+            lines.append(f"  {label:<32} {share:5.1f} %   wait {wait:5.1f} %   sync {sync:5.1f} %"
+                         + (f"   (the rest: {why})" if why else ""))
             for row in sorted(stage["rows"], key=lambda r: -r["samples"])[:TOP]:
                 if row["samples"]:
                     lines.append(f"      {row['address']:#07x} {100 * row['samples'] / total:5.1f} %  {row['source'][:70]}")
