@@ -38,7 +38,7 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
 - Stages: settle reads the streams fold wrote (or the residual, without HAS_OWED) and all of a row's
   partials, so a grid barrier separates them.
 - Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
-  the norm), each by `rounding.bf16` (integer rounding on every target: why, there). Exact to the
+  the norm), each by `rounding.bf16` (not a cast: why, there). Exact to the
   reference up to fp32 summation order.
 """
 
