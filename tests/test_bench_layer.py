@@ -78,6 +78,22 @@ def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+def test_the_whole_model_projection_sums_each_kind_over_the_presets_layers():
+    """v4-flash's 2 window, 21 CSA and 20 HCA layers from one timed layer of each kind, at each
+    width and shape where all three were timed (not at a width that lacks one)."""
+    from monodecode.bench.layer import whole_model
+
+    times = {"window": 1e-4, "CSA": 2e-4, "HCA": 3e-4}
+    rows = [{"kind": kind, "width": width, "shape": "default", "shape_run": 0, "floor_s": t / 4,
+             "per_op_graph_s": 10 * t, "mono_s": t} for kind, t in times.items() for width in (1, 6)
+            if (kind, width) != ("HCA", 6)]
+    lines = whole_model({"preset": "v4-flash", "layers": rows})
+    mono = 2 * 1e-4 + 21 * 2e-4 + 20 * 3e-4
+    assert lines == [f"whole model (2 window, 21 CSA, 20 HCA layers; no head, no draft), 1 rows, default: mono "
+                     f"{mono * 1e3:.2f} ms, 25.0% of its floor {mono / 4 * 1e3:.2f} ms; per-op graph "
+                     f"{10 * mono * 1e3:.2f} ms"]
+
+
 def test_the_identity_owed_output_leaves_the_residual_as_it_is(device):
     """What mono's layer folds first in `bench layer`: the per-op hc_post and the kernels' fold
     both return the streams bit for bit (so the layer routes as the per-op block does)."""

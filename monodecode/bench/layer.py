@@ -24,6 +24,10 @@ tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of the kernels and the gaps between their launches, as the CUDA graph
 replays them (`mono/timeline.py`; GPU only).
 
+Where every kind the preset has was timed at a width, the table ends with the whole stack of the
+preset's layers projected from them (`whole_model`: each kind's times summed over its layers;
+no head, no draft).
+
 The floor: the bytes the layer must read in that step (every dense weight of the layer once, the
 distinct experts the step's routing picked, each request's window KV rows and, on CSA, its
 visible indexer keys and top-k entries, on HCA its visible entries) over the copy bandwidth
@@ -38,6 +42,7 @@ import copy
 import importlib.util
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -424,12 +429,34 @@ def table(report: dict) -> str:
                  "`ffn` launch and K3); shape: the "
                  "kernels' launch shape (mono/shape.py LaunchShape); launches: GPU kernels one eager step launches "
                  "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
+    lines += whole_model(report)
     resources = {(r["shape"], k["kernel"], k["registers"], k["spills"]) for r in report["layers"]
                  for k in r.get("kernel_resources") or () if k["row_block"] in (None, _widest(r))}  # K3: None
     if resources:
         lines.append("registers a thread (spilled) at the widest row block: " + "; ".join(
             f"{shape} {kernel} {regs} ({spills})" for shape, kernel, regs, spills in sorted(resources)))
     return "\n".join(lines)
+
+
+def whole_model(report: dict) -> list[str]:
+    """The preset's whole stack of layers projected from the measured kinds: at each width and
+    launch shape where every kind the preset has was timed, the sum over its layers of mono's,
+    the per-op graph's and the floor's times (a line each; none if a kind is missing)."""
+    # ratio 4 is CSA (the one with an indexer), any other ratio HCA (the tiny preset's is 16)
+    counts = Counter(KINDS.get(ratio, KINDS[128]) for ratio in preset(report["preset"]).compress_ratios)
+    measured = {(r["kind"], r["width"], r.get("shape_run", 0)): r for r in _with_runs(report["layers"])}
+    lines = []
+    for width, run in sorted({(w, run) for _, w, run in measured}):
+        rows = {kind: measured.get((kind, width, run)) for kind in counts}
+        if any(r is None or r["mono_s"] is None for r in rows.values()):
+            continue
+        total = {key: sum(counts[kind] * r[key] for kind, r in rows.items())
+                 for key in ("mono_s", "per_op_graph_s", "floor_s")}
+        lines.append(f"whole model ({', '.join(f'{n} {kind}' for kind, n in counts.items())} layers; no head, "
+                     f"no draft), {width} rows, {next(iter(rows.values()))['shape']}: mono "
+                     f"{total['mono_s'] * 1e3:.2f} ms, {total['floor_s'] / total['mono_s']:.1%} of its floor "
+                     f"{total['floor_s'] * 1e3:.2f} ms; per-op graph {total['per_op_graph_s'] * 1e3:.2f} ms")
+    return lines
 
 
 def _widest(row: dict) -> int:
