@@ -131,6 +131,26 @@ def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
     assert torch.equal(greedy.probs.argmax(-1), greedy.tokens) and torch.equal(greedy.probs.sum(-1), torch.ones(r, 5).to(greedy.probs))
 
 
+def test_like_requests_sample_together_as_they_would_alone():
+    """The draft's sampling: distributions of requests with equal settings computed as one batch,
+    tokens drawn each with its own generator, equal (distributions and tokens) to one request at
+    a time, a greedy request among them included."""
+    from monodecode.sampling import probabilities, sample_from
+
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(7, 50, generator=g)
+    settings = [(0.8, 0.9, 0), (0.8, 0.9, 0), (1.0, 1.0, 5), (0.0, 1.0, 0), (0.8, 0.9, 0), (1.3, 0.5, 0),
+                (1.0, 1.0, 5)]
+    for case in (settings, [settings[0]] * 7):  # mixed, and all alike (the batch as a whole)
+        generators = [torch.Generator().manual_seed(10 + i) for i in range(7)]
+        alone = [torch.Generator().manual_seed(10 + i) for i in range(7)]
+        tokens, probs = sampled(logits, [(*s, gen) for s, gen in zip(case, generators)])
+        for i, (s, gen) in enumerate(zip(case, alone)):
+            expected = probabilities(logits[i], *s)
+            assert torch.equal(probs[i], expected)
+            assert tokens[i] == sample_from(expected, gen)
+
+
 def test_synthetic_mode_hits_its_acceptance_length(model):
     """The verify-level test checks 2% over 20k draws; here the whole loop, with 8 requests a
     step, checks that the decoder counts what the synthetic verifier does."""

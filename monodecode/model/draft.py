@@ -216,8 +216,20 @@ class Draft:
 
 
 def _sampled(logits: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's token drawn from its distribution (its temperature, top_p, top_k, generator)."""
-    probs = torch.stack([probabilities(logits[i], t, p, top_k) for i, (t, p, top_k, _) in enumerate(sampling)])
+    """Each request's token drawn from its distribution (its temperature, top_p, top_k, generator).
+    The distributions of the requests that share their settings are computed together (one set
+    of launches for a batch of like requests, not one a request); each request then draws with
+    its own generator."""
+    together: dict[tuple, list[int]] = {}
+    for i, (temperature, top_p, top_k, _) in enumerate(sampling):
+        together.setdefault((temperature, top_p, top_k), []).append(i)
+    if len(together) == 1:
+        probs = probabilities(logits, *next(iter(together)))
+    else:
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for settings, rows in together.items():
+            index = torch.tensor(rows, device=logits.device)
+            probs[index] = probabilities(logits[index], *settings)
     return torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)]), probs
 
 
