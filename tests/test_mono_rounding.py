@@ -1,6 +1,5 @@
 """`rounding.bf16` inside a kernel: fp32 -> the nearest bf16 (ties to even), still as fp32, as torch
-rounds. Compiled (MONODECODE_TEST_DEVICE=cuda): one PTX conversion; under the interpreter:
-integer arithmetic on the bits."""
+rounds; under the interpreter and compiled (MONODECODE_TEST_DEVICE=cuda)."""
 
 import torch
 import triton
