@@ -444,7 +444,7 @@ def whole_model(report: dict) -> list[str]:
     the per-op graph's and the floor's times (a line each; none if a kind is missing)."""
     # ratio 4 is CSA (the one with an indexer), any other ratio HCA (the tiny preset's is 16)
     counts = Counter(KINDS.get(ratio, KINDS[128]) for ratio in preset(report["preset"]).compress_ratios)
-    measured = {(r["kind"], r["width"], r.get("shape_run", 0)): r for r in _with_runs(report["layers"])}
+    measured = {(r["kind"], r["width"], r["shape_run"]): r for r in _with_runs(report["layers"])}
     lines = []
     for width, run in sorted({(w, run) for _, w, run in measured}):
         rows = {kind: measured.get((kind, width, run)) for kind in counts}

@@ -223,13 +223,10 @@ def _sampled(logits: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor
     together: dict[tuple, list[int]] = {}
     for i, (temperature, top_p, top_k, _) in enumerate(sampling):
         together.setdefault((temperature, top_p, top_k), []).append(i)
-    if len(together) == 1:
-        probs = probabilities(logits, *next(iter(together)))
-    else:
-        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        for settings, rows in together.items():
-            index = torch.tensor(rows, device=logits.device)
-            probs[index] = probabilities(logits[index], *settings)
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for settings, rows in together.items():
+        index = torch.tensor(rows, device=logits.device)
+        probs[index] = probabilities(logits[index], *settings)
     return torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)]), probs
 
 
