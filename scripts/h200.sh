@@ -16,10 +16,12 @@
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
 #   ab            bench layer of baseline/ (a `git archive` of main, carried) and of this tree, in the order
-#                 base, new, new, base ($OUT/base1, new1, new2, base2; TIMELINE=--timeline adds the timeline
+#                 base, new, new, base (runs base1, new1, new2, base2 in $OUT/ab_runs.tar.gz; TIMELINE=--timeline adds the timeline
 #                 to round 2, when both trees' kernels are compiled), then tools/ab_summary.py: each run's
 #                 mono time with the per-op graph as a control, and the trees' fastest runs. KINDS and
-#                 WIDTHS as for bench-layer (defaults: window, 6: one width); TIMEOUT bounds each run (150)
+#                 WIDTHS as for bench-layer (defaults: window, 6: one width); TIMEOUT bounds each run (150);
+#                 TREES='base=baseline mid=other new=.' (name=folder, names in lower case) times more trees,
+#                 in that order and back
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
@@ -69,17 +71,25 @@ case $part in
       --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   ab)
-    [ -d baseline/monodecode ] || { echo "ab: no baseline/ (git archive main monodecode scripts tools pyproject.toml)" >> "$out/$part.txt"; exit 2; }
-    for run in base1 new1 new2 base2; do
-      case $run in base*) tree=baseline ;; *) tree=. ;; esac
-      case $run in *2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
-      mkdir -p "$out/$run"
-      (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-6}" \
-        --kinds "${KINDS:-window}" $timeline --out "$out/$run" > "$out/$run/bench-layer.txt" 2>&1)
-      echo "$run: exit $?" >> "$out/$part.txt"
+    trees=(${TREES:-base=baseline new=.})
+    for entry in "${trees[@]}"; do
+      [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" >> "$out/$part.txt"; exit 2; }
     done
-    rm -f "$out"/*/bench_layer.png  # a call brings back few files: the JSON and the printouts matter
-    python3 tools/ab_summary.py "$out" >> "$out/$part.txt" 2>&1 ;;
+    order=("${trees[@]/%/=1}")
+    for ((i=${#trees[@]}-1; i>=0; i--)); do order+=("${trees[i]}=2"); done
+    for entry in "${order[@]}"; do
+      IFS== read -r name tree round <<< "$entry"
+      case $round in 2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
+      runs=/tmp/ab_runs; mkdir -p "$runs/$name$round"
+      (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-6}" \
+        --kinds "${KINDS:-window}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
+      echo "$name$round: exit $? ($SECONDS s)" >> "$out/$part.txt"
+      rm -f "$runs/$name$round/bench_layer.png"
+      # a call brings back at most 8 files: the runs travel as one archive, summarised after each run
+      tar -czf "$out/ab_runs.tar.gz" -C "$runs" .
+      python3 tools/ab_summary.py "$runs" > "$out/ab_summary.txt" 2>&1
+    done
+    cat "$out/ab_summary.txt" >> "$out/$part.txt" ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" --shapes "${SHAPES:-default}" --compile "${MODE:-max-autotune-no-cudagraphs}" \

@@ -69,14 +69,16 @@ def test_the_exact_reference_is_hc_post_on_the_cpu():
 
 
 @pytest.mark.parametrize("d,chunk", WIDTHS)
-@pytest.mark.parametrize("rows", [1, 5, 16, 48])
+@pytest.mark.parametrize("rows,task_rows", [(1, 1), (1, 16), (5, 16), (16, 16), (48, 16)])
 @pytest.mark.parametrize("has_owed", [True, False])
-def test_fold(device, rows, d, chunk, has_owed):
-    g = torch.Generator().manual_seed(1000 * rows + d + chunk + has_owed)
+def test_fold(device, rows, task_rows, d, chunk, has_owed):
+    """Tasks of 16 rows (a dot) at every width, and of one row (products summed in registers:
+    a one-row step's tasks)."""
+    g = torch.Generator().manual_seed(1000 * rows + d + chunk + has_owed + task_rows)
     residual = torch.randn(rows, HC, d, generator=g).to(torch.bfloat16).to(device)
     fn, _, _ = site(g, d, device)
     debt = owed(g, rows, d, device) if has_owed else None
-    streams, partials = H.fold(residual, fn, debt, chunk=chunk, poison=True)
+    streams, partials = H.fold(residual, fn, debt, chunk=chunk, rows=task_rows, poison=True)
 
     if has_owed:
         ref = hc_post_exact(*debt[:1], residual, *debt[1:])
@@ -158,14 +160,16 @@ def test_task_counts():
 
 
 def test_seam_blocks():
-    """Fold tasks of 16 rows (or of the step's rows padded, up to `fold_rows`) as large as leave
+    """Fold tasks of 16 rows (or of the step's rows padded, up to `fold_rows`; one row in a
+    one-row step) as large as leave
     none to a second round (one a program), from MIN_CHUNK (which sizes the partials buffers) to
     MAX_CHUNK; the settle sums a row's partials in one go and takes 512 columns a warp."""
-    assert H.seam_blocks(4, 4096, 1, 132) == (16, 32, 128, 2048)  # 128 tasks
+    assert H.seam_blocks(4, 4096, 1, 132) == (1, 32, 128, 2048)  # 128 tasks of the one row
     assert H.seam_blocks(8, 4096, 16, 132) == (16, 32, 128, 4096)  # one row block
     assert H.seam_blocks(8, 4096, 48, 132) == (16, 64, 64, 4096)  # 3 row blocks: 192 tasks at the cap
-    assert H.seam_blocks(8, 4096, 1, 264) == (16, 16, 256, 4096)
-    assert H.seam_blocks(8, 256, 1, 1) == (16, 64, 4, 256)
+    assert H.seam_blocks(8, 4096, 1, 264) == (1, 16, 256, 4096)
+    assert H.seam_blocks(8, 256, 1, 1) == (1, 64, 4, 256)
+    assert H.seam_blocks(8, 4096, 2, 132) == (16, 32, 128, 4096)
     assert H.seam_blocks(8, 4096, 48, 132, fold_rows=64) == (64, 32, 128, 4096)  # one row block: 128 tasks
     assert H.seam_blocks(8, 4096, 20, 132, fold_rows=64) == (32, 32, 128, 4096)
     assert H.seam_blocks(8, 4096, 6, 132, fold_rows=64) == (16, 32, 128, 4096)

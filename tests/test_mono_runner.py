@@ -359,7 +359,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
     assert len(m.mono.graphs) == 4
 
 
-@pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2", 6),
+@pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2,k1_warps=4", 6),
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
                                          "expert_programs_per_sm=1,expert_warps=4", 6),
                                         pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])

@@ -41,7 +41,8 @@ def test_a_list_of_ids_runs_just_those(tmp_path):
 
 def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path):
     # (mono us, per-op graph us) of each run; base1 ran slow on a cold machine, control and all
-    runs = {"base1": (480.0, 1770.0), "new1": (450.0, 1600.0), "new2": (455.0, 1610.0), "base2": (465.0, 1605.0)}
+    runs = {"base1": (480.0, 1770.0), "mid1": (470.0, 1700.0), "new1": (450.0, 1600.0), "new2": (455.0, 1610.0),
+            "mid2": (462.0, 1600.0), "base2": (465.0, 1605.0)}
     for name, (mono, per_op) in runs.items():
         (tmp_path / name).mkdir()
         rows = [{"kind": "window", "width": 6, "mono_s": mono * 1e-6, "per_op_graph_s": per_op * 1e-6},
@@ -51,6 +52,7 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
     assert done.returncode == 0, done.stderr
     assert "base     run 1: 480.0 (1770.0), run 2: 465.0 (1605.0)" in done.stdout
     assert "fastest: base 465.0, new 450.0 us (-15.0 us, -3.2 %)" in done.stdout
+    assert "fastest: base 465.0, mid 462.0 us (-3.0 us, -0.6 %)" in done.stdout
     assert "1 rows" not in done.stdout
     empty = subprocess.run([sys.executable, str(AB_SUMMARY), str(tmp_path / "none")], capture_output=True, text=True,
                            timeout=60)

@@ -1,7 +1,8 @@
 """Summarise an A/B of `monodecode bench layer` runs: `python tools/ab_summary.py DIR`.
 
 `bash scripts/h200.sh ab` times the baseline tree (`baseline/`, a `git archive` of main) and this
-tree in the order base, new, new, base, each run's `bench_layer.json` in DIR/<tree><round>. Two
+tree in the order base, new, new, base (more trees with TREES: in order, then back), each run's
+`bench_layer.json` in DIR/<tree><round>; every tree's fastest run is set against base's. Two
 trees timed one after the other in one device call can differ by more than a change is worth
 for reasons that are not the change: the first run on a machine just started was up to 10 %
 slower on code neither tree changed (docs/notes/2026-12-03-seams-one-round.md). So each run
@@ -43,10 +44,11 @@ def summary(found: dict[str, list[tuple[int, dict]]]) -> str:
             cells = ", ".join(f"run {rnd}: {m * 1e6:.1f} ({p * 1e6:.1f})" for rnd, (m, p) in times)
             best[tree] = min(m for _, (m, _) in times) if times else None
             lines.append(f"  {tree:<8} {cells}")
-        if len(trees) == 2 and all(best.values()):
-            a, b = (best[t] for t in trees)
-            lines.append(f"  fastest: {trees[0]} {a * 1e6:.1f}, {trees[1]} {b * 1e6:.1f} us "
-                         f"({(b - a) * 1e6:+.1f} us, {(b / a - 1) * 100:+.1f} %)")
+        base = best.get("base")
+        for tree in trees:
+            if tree != "base" and base and best[tree]:
+                lines.append(f"  fastest: base {base * 1e6:.1f}, {tree} {best[tree] * 1e6:.1f} us "
+                             f"({(best[tree] - base) * 1e6:+.1f} us, {(best[tree] / base - 1) * 100:+.1f} %)")
     return "\n".join(lines)
 
 

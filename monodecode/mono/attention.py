@@ -51,8 +51,8 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
 - Rounding points are the reference's (`model/attention.py`, `model/norm.py`, `model/rope.py`):
   rms_norm in fp32 (x * rsqrt(mean(x^2) + eps), then * weight), rounded to bf16; the rotation in
   fp32 from those bf16 values, rounded to bf16; attention in fp32, rounded to bf16 before the
-  inverse rotation, rounded again after it; each by `rounding.bf16` (integer rounding on every
-  target: why, there).
+  inverse rotation, rounded again after it; each by `rounding.bf16` (not a cast: why,
+  there).
 
 Dots (constexpr FAST): attend's q . k ([HB, BD] x [BD, KW]) and probs @ keys ([HB, KW] x
 [KW, BD]) are `tl.dot`s, so HB, KW and BD >= 16 (powers of two). FAST: bf16 operands with fp32

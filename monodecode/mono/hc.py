@@ -16,7 +16,9 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
     part[r, chunk, MIX] = sum_{k, c} streams[r, k, c]^2; part is [R, n_chunks, MIX + 1] fp32.
     The dot is one fp32 `tl.dot` in IEEE precision over K = hc x CHUNK (the reference's F.linear
     is fp32; TF32 would cost ~1e-3 of the mixes), with RB rows of the step as its M side, so a
-    task reads its fn columns once for RB rows: RB = 16 reads fn ceil(R / 16) times a step.
+    task reads its fn columns once for RB rows: RB = 16 reads fn ceil(R / 16) times a step. A
+    one-row step's tasks cover its one row (RB = 1) and sum the products in registers instead:
+    a dot's M side is 16 rows, 15 of them padding, and its operands go through shared memory.
     A task issues all its loads (fn, residual, out, post, comb) before its first store: it
     waits on memory once (a store between them would make each later load wait for it).
 - `settle_task`, one task per row: `settle_tasks(R)` = R. Row t reduces its partials:
@@ -36,7 +38,7 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
 - Stages: settle reads the streams fold wrote (or the residual, without HAS_OWED) and all of a row's
   partials, so a grid barrier separates them.
 - Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
-  the norm), each by `rounding.bf16` (integer rounding on every target: why, there). Exact to the
+  the norm), each by `rounding.bf16` (not a cast: why, there). Exact to the
   reference up to fp32 summation order.
 """
 
@@ -54,7 +56,7 @@ from .rounding import bf16
 CHUNK = 64  # columns a fold task covers in the standalone launch (a power of two >= 16: the K side of its dot)
 MIN_CHUNK = 16  # the smallest CHUNK: partials buffers sized for it serve every chunk
 MAX_CHUNK = 64  # the largest the kernels take: a task holds hc x CHUNK x MIXP of fn (32 KB at 64) at once
-RB = 16  # rows a fold task covers (a power of two >= 16: the M side of its dot), and the fewest
+RB = 16  # rows a fold task's dot covers (a power of two >= 16: its M side), the fewest but a one-row step's 1
 MAX_FOLD_ROWS = 64  # the most (a step's 48 rows padded)
 BD = 1024  # columns of a settle tile in the standalone launch
 CB = 16  # chunks of partials the standalone settle reduces at a time
@@ -64,12 +66,12 @@ def seam_blocks(warps: int, d: int, rows: int, programs: int, fold_rows: int = R
     """(RB, CHUNK, CB, BD) of the kernels' fold and settle for `programs` programs of `warps` warps
     and a step of `rows` rows. A fold task covers the step's rows padded to a power of two, at
     least 16 (its dot's M side) and at most `fold_rows` (`LaunchShape.fold_rows`): RB; the fewer
-    row blocks, the fewer times the tasks read fn. A fold task waits on memory once, so its tasks
+    row blocks, the fewer times the tasks read fn. A one-row step's tasks take RB = 1 (no dot). A fold task waits on memory once, so its tasks
     are as large as leave none to a second round: CHUNK is the smallest power of two from
     MIN_CHUNK to MAX_CHUNK with at most one task a program. The settle sums all of a row's
     partials at once (CB, up to 256 chunks) and collapses the row in tiles of 512 x warps columns
     (BD: 16 values a thread and a stream), in registers when one tile holds the row."""
-    rb = max(RB, min(fold_rows, triton.next_power_of_2(rows)))
+    rb = 1 if rows == 1 else max(RB, min(fold_rows, triton.next_power_of_2(rows)))
     chunk = MIN_CHUNK
     while chunk < MAX_CHUNK and fold_tasks(rows, d, chunk, rb) > programs:
         chunk *= 2
@@ -140,7 +142,11 @@ def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams
     else:
         s = tl.load(res_ptr + at, mask=tile_mask[:, None, :], other=0.0).to(tl.float32)
     # the mixes' partial dots over the task's hc x CHUNK stream values: one dot, K = hc * CHUNK
-    dots = tl.dot(tl.reshape(s, (RB, HC * CHUNK)), tl.reshape(fn, (HC * CHUNK, MIXP)), input_precision="ieee")
+    if RB == 1:  # one row: its products summed in registers (a dot would pad it to 16 rows)
+        flat = tl.reshape(s, (HC * CHUNK, 1))
+        dots = tl.sum(flat * tl.reshape(fn, (HC * CHUNK, MIXP)), axis=0)[None, :]
+    else:
+        dots = tl.dot(tl.reshape(s, (RB, HC * CHUNK)), tl.reshape(fn, (HC * CHUNK, MIXP)), input_precision="ieee")
     sumsq = tl.sum(tl.sum(s * s, axis=2), axis=1)
     part = part_ptr + (rows * n_chunks + chunk) * (MIX + 1)
     tl.store(part[:, None] + m[None, :], dots, mask=rmask[:, None] & (m[None, :] < MIX))
