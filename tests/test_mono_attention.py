@@ -234,3 +234,70 @@ def test_attend_over_draft_blocks(device, requests):
                  config.rms_norm_eps, block=block, poison=True)
     assert_close(o, ref, differ=0.02, rel=5e-4)
     assert (o[slots < 0] == 0).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("ratio,entry_block", [(128, 16), (1024, 64)])
+def test_attend_over_compressed_entries(device, rows, ratio, entry_block):
+    """A compressed layer's attend (HCA's: every visible entry): the window's keys and the slot's
+    compressed entries w < (p + 1) // ratio, one softmax over both and the sink, against
+    Attention.attend over [window keys; entries] with the reference's masks. Requests far on see
+    hundreds to thousands of entries (blocks of `entry_block`, the last partial); the entries past the
+    visible ones hold random data, which must not leak in."""
+    config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=500 + rows + ratio)
+    g = torch.Generator().manual_seed(rows + ratio)
+    D, n_heads = config.head_dim, config.num_attention_heads
+    far = int(positions.max()) + 1
+    entries = torch.randn(NUM_SLOTS, far // ratio + 3, D, generator=g).to(torch.bfloat16).to(device)
+    q_raw = (3 * torch.randn(rows, n_heads, D, generator=g)).to(torch.bfloat16).to(device)
+    kv = torch.randn(rows, D, generator=g).to(torch.bfloat16).to(device)
+    ref = torch.zeros_like(q_raw)
+    for grp in groups:
+        keys, mask = attn._window_keys(grp, kv[grp.index], cache)
+        cache.window.write(grp.slot, grp.positions, {"kv": kv[grp.index]})
+        count = (int(grp.positions[-1]) + 1) // ratio
+        visible = torch.arange(count, device=device)[None] < ((grp.positions + 1) // ratio)[:, None]
+        keys, mask = torch.cat([keys, entries[grp.slot, :count]]), torch.cat([mask, visible], dim=1)
+        ref[grp.index] = attn.attend(heads(attn, q_raw[grp.index], grp.positions), keys, mask)
+    ref = apply_rope(ref, positions, attn.freqs.to(device), inverse=True)
+    o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
+                 config.sliding_window, config.rms_norm_eps, entries=entries, ratio=ratio, entry_block=entry_block,
+                 poison=True)
+    assert_close(o, ref, differ=0.02, rel=5e-4)
+    assert (o[slots < 0] == 0).all()
+
+
+@pytest.mark.parametrize("rows", [5, 16])
+def test_attend_over_selected_entries(device, rows):
+    """CSA's attend: the window's keys and the entries the row's indexer selected (a list of
+    `topk` entry ids, -1 where fewer are visible), one softmax over both and the sink, against
+    Attention.attend over [window keys; the visible entries] masked to the selected ones."""
+    ratio, topk = 4, 24
+    config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=600 + rows)
+    g = torch.Generator().manual_seed(rows)
+    D, n_heads = config.head_dim, config.num_attention_heads
+    entries = torch.randn(NUM_SLOTS, (int(positions.max()) + 1) // ratio + 3, D, generator=g).to(torch.bfloat16)
+    entries = entries.to(device)
+    q_raw = (3 * torch.randn(rows, n_heads, D, generator=g)).to(torch.bfloat16).to(device)
+    kv = torch.randn(rows, D, generator=g).to(torch.bfloat16).to(device)
+    selected = torch.full((rows, topk), -1, dtype=torch.long)
+    ref = torch.zeros_like(q_raw)
+    for grp in groups:
+        keys, mask = attn._window_keys(grp, kv[grp.index], cache)
+        cache.window.write(grp.slot, grp.positions, {"kv": kv[grp.index]})
+        count = (int(grp.positions[-1]) + 1) // ratio
+        chosen = torch.zeros(len(grp.index), count, dtype=torch.bool)
+        for j, (row, p) in enumerate(zip(grp.index.tolist(), grp.positions.tolist())):
+            visible = (p + 1) // ratio
+            ids = torch.randperm(visible, generator=g)[:min(topk, visible)]
+            selected[row, :len(ids)] = ids
+            chosen[j, ids] = True
+        keys = torch.cat([keys, entries[grp.slot, :count]])
+        mask = torch.cat([mask, chosen.to(device)], dim=1)
+        ref[grp.index] = attn.attend(heads(attn, q_raw[grp.index], grp.positions), keys, mask)
+    ref = apply_rope(ref, positions, attn.freqs.to(device), inverse=True)
+    o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
+                 config.sliding_window, config.rms_norm_eps, entries=entries, ratio=ratio, entry_block=16,
+                 selected=selected.to(device), poison=True)
+    assert_close(o, ref, differ=0.02, rel=5e-4)
+    assert (o[slots < 0] == 0).all()

@@ -9,10 +9,10 @@ step at each width (default 1 and 48) with the launches recorded instead of run,
 each distinct recorded launch with `triton.compile` for sm_90 (and the first K1, K2 and K3 with the
 timeline's stamps), and prints one line a kernel: shared memory, and registers and spills from
 ptxas -v.
-- `--dims tiny` (default): a three-layer tiny model (a `whole`, a hash-routed `ffn` and a
-  bias-routed `ffn` layer), seconds.
-- `--dims v4-flash`: two layers at v4-flash sizes (a hash-routed `whole`, a bias-routed `ffn`;
-  a 1024-token vocabulary; ~8 GB of memory, ~2 min): the tiles a launch shape gives at real
+- `--dims tiny` (default): a three-layer tiny model (a window `whole`, a hash-routed CSA `ffn`
+  and a bias-routed HCA `whole` layer), seconds.
+- `--dims v4-flash`: three layers at v4-flash sizes (a hash-routed window `whole`, CSA `ffn` and
+  HCA `whole`, bias-routed; a 1024-token vocabulary; ~12 GB of memory, ~3 min): the tiles a launch shape gives at real
   sizes, so that a shape's registers and spills are known before a GPU times it (registers are
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
   This machine's Triton may allocate a little differently from the GPU's.
@@ -114,8 +114,8 @@ def with_timeline(args):
 def model_config(dims: str, draft: bool):
     if dims == "tiny":
         return preset("tiny", num_hidden_layers=3, compress_ratios=(0, 4, 16), dspark_target_layer_ids=(0, 1, 2))
-    return preset("v4-flash", num_hidden_layers=2, compress_ratios=(0, 4), num_hash_layers=1,
-                  dspark_target_layer_ids=(0, 1), num_nextn_predict_layers=int(draft), vocab_size=1024,
+    return preset("v4-flash", num_hidden_layers=3, compress_ratios=(0, 4, 128), num_hash_layers=1,
+                  dspark_target_layer_ids=(0, 1, 2), num_nextn_predict_layers=int(draft), vocab_size=1024,
                   dspark_noise_token_id=1000)
 
 

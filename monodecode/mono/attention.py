@@ -75,6 +75,7 @@ from .rounding import bf16
 
 HB = 16  # heads of an attend task: the M side of its dots
 BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs @ keys
+KE = 64  # compressed entries of a block (a compressed layer's attend): the N side of q . k
 
 
 def norm_rope_kv_tasks(R: int) -> int:
@@ -208,14 +209,19 @@ def _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring
 
 @triton.jit
 def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
-                  D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr):
-    """o[:, d0 .. d0 + BD] = (inverse rope of, ROPE) bf16(probs @ keys[:, d0 .. d0 + BD] / mass)."""
+                  park, visible, m, entries_ptr, slot, n_entries, sel,
+                  D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr,
+                  RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr):
+    """o[:, d0 .. d0 + BD] = (inverse rope of, ROPE) bf16(probs @ keys[:, d0 .. d0 + BD] / mass),
+    the keys the window's and (RATIO) the visible compressed entries."""
     d = d0 + tl.arange(0, BD)
     keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
     if FAST:
         out = tl.dot(lo, keys, tl.dot(hi, keys))
     else:
         out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
+    if RATIO > 0:
+        out += _entries_out(park, visible, m, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE, FAST, TOPK)
     o = bf16(out / mass[:, None])
     if ROPE:
         pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
@@ -225,11 +231,82 @@ def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_row
 
 
 @triton.jit
+def _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D: tl.constexpr, KE: tl.constexpr,
+                 TOPK: tl.constexpr):
+    """Keys e0 .. e0 + KE of the row's compressed ones: (each entry's row offset in the slot's
+    compressed cache [KE], live [KE]). TOPK 0: the entries themselves, the first `visible` live;
+    else the row's selected entries, sel[j] (-1: none), the first TOPK of the list."""
+    j = e0 + tl.arange(0, KE)
+    if TOPK > 0:
+        e = tl.load(sel + j, mask=j < TOPK, other=-1)
+        live = e >= 0
+    else:
+        e = j
+        live = j < visible
+    return (slot * n_entries + tl.where(live, e, 0)) * D, live
+
+
+@triton.jit
+def _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries, visible, sel,
+                       scale, park, D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, KE: tl.constexpr,
+                       FAST: tl.constexpr, TOPK: tl.constexpr):
+    """The scaled logits of every visible compressed entry, block by block, parked at `park`
+    ([HB, EP] fp32, -inf past the visible ones); returns their max a head [HB]."""
+    top = tl.full((HB,), float("-inf"), tl.float32)
+    plain = (D - RD) // BD * BD
+    for e0 in range(0, visible, KE):
+        key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
+        logits = tl.zeros((HB, KE), dtype=tl.float32)
+        for d0 in range(0, plain, BD):
+            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, entries_ptr, key_rows,
+                                   live, D, RD, HB, BD, FAST, False)
+        for d0 in range(plain, D, BD):
+            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, entries_ptr, key_rows,
+                                   live, D, RD, HB, BD, FAST, True)
+        logits = tl.where(live[None, :], logits * scale, float("-inf"))
+        tl.store(park + tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE) + (e0 + tl.arange(0, KE))[None, :],
+                 logits)
+        top = tl.maximum(top, tl.max(logits, axis=1))
+    return top
+
+
+@triton.jit
+def _parked_mass(park, visible, m, HB: tl.constexpr, KE: tl.constexpr):
+    """sum of exp(parked logit - m) a head [HB]."""
+    mass = tl.zeros((HB,), tl.float32)
+    for e0 in range(0, visible, KE):
+        logits = tl.load(park + tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE)
+                         + (e0 + tl.arange(0, KE))[None, :])
+        mass += tl.sum(tl.exp(logits - m[:, None]), axis=1)
+    return mass
+
+
+@triton.jit
+def _entries_out(park, visible, m, d, entries_ptr, slot, n_entries, sel, D: tl.constexpr, HB: tl.constexpr,
+                 BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+    """probs @ entries[:, d] over the visible entries ([HB, BD] fp32, not yet divided by the mass)."""
+    out = tl.zeros((HB, BD), tl.float32)
+    for e0 in range(0, visible, KE):
+        key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
+        p = tl.exp(tl.load(park + tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE)
+                           + (e0 + tl.arange(0, KE))[None, :]) - m[:, None])
+        keys = _key_chunk(entries_ptr, key_rows, live, d)
+        if FAST:
+            hi = p.to(tl.bfloat16)
+            out = tl.dot((p - hi.to(tl.float32)).to(tl.bfloat16), keys, tl.dot(hi, keys, out))
+        else:
+            out = tl.dot(p, keys.to(tl.float32), out, input_precision="ieee")
+    return out
+
+
+@triton.jit
 def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps,
-                HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+                freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
+                selected_ptr, HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+                FAST: tl.constexpr, RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr):
     """Task (row, head block): o[row, block heads] from the raw heads (normalised and rotated as
-    they are loaded), the whole window in two passes over D (module docstring)."""
+    they are loaded), the whole window in two passes over D (module docstring); RATIO > 0: and
+    the row's visible compressed entries (TOPK 0), or the TOPK its indexer selected."""
     n_blocks = tl.cdiv(H, HB)
     row = t // n_blocks
     heads = (t % n_blocks) * HB + tl.arange(0, HB)
@@ -257,8 +334,18 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
         m = tl.maximum(tl.max(logits, axis=1), sink)
+        park = park_ptr + t * park_stride
+        sel = selected_ptr + row * TOPK
+        visible = 0
+        if RATIO > 0:  # the compressed keys: logits parked, one softmax over all keys
+            visible = TOPK if TOPK > 0 else (position + 1) // RATIO
+            m = tl.maximum(m, _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot,
+                                                 n_entries, visible, sel, scale, park, D, RD, HB, BD, KE, FAST,
+                                                 TOPK))
         p = tl.exp(logits - m[:, None])
         mass = tl.sum(p, axis=1) + tl.exp(sink - m)
+        if RATIO > 0:
+            mass += _parked_mass(park, visible, m, HB, KE)
         hi = p  # the output chunks' operands: p itself without FAST
         lo = p
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
@@ -266,10 +353,12 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
             lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
         for d0 in range(0, plain, BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
-                          D, RD, HB, BD, FAST, False)
+                          park, visible, m, entries_ptr, slot, n_entries, sel, D, RD, HB, BD, FAST, False, RATIO, KE,
+                          TOPK)
         for d0 in range(plain, D, BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
-                          D, RD, HB, BD, FAST, True)
+                          park, visible, m, entries_ptr, slot, n_entries, sel, D, RD, HB, BD, FAST, True, RATIO, KE,
+                          TOPK)
 
 
 # --- standalone launches --------------------------------------------------------------------------
@@ -285,11 +374,13 @@ def _norm_rope_kv(n_tasks, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw
 
 @triton.jit
 def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-            freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps,
-            HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
+            freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
+            selected_ptr, HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
+            FAST: tl.constexpr, RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
-                    freqs_ptr, H, D, RD, W, scale, eps, HB, KW, BD, BLOCK, FAST)
+                    freqs_ptr, H, D, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride, selected_ptr,
+                    HB, KW, BD, BLOCK, FAST, RATIO, KE, TOPK)
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -349,7 +440,9 @@ def window_keys(window: int) -> int:
 
 def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor,
            freqs: torch.Tensor, window: int, eps: float, *, block: int = 0, heads_per_task: int = HB,
-           d_chunk: int = BD, num_warps: int = 4, num_stages: int = 3, poison: bool = False) -> torch.Tensor:
+           d_chunk: int = BD, num_warps: int = 4, num_stages: int = 3, poison: bool = False,
+           entries: torch.Tensor | None = None, ratio: int = 0, entry_block: int = KE,
+           selected: torch.Tensor | None = None) -> torch.Tensor:
     """q_raw [R, H, D] bf16 (the wq_b GEMV's heads, before their norm and rope), ring the layer's
     window `PositionRing` (the step's rows already written), positions / slots int64 [R], sink fp32
     [H], freqs fp32 [RD / 2], eps the heads' rms_norm epsilon -> o [R, H, D] bf16 (the module
@@ -369,9 +462,22 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     assert ring_kv.numel() < 2**31, "the ring is addressed with int32 offsets"
     o = _empty((R, H, D), q, poison)
     n_tasks = attend_tasks(R, H, heads_per_task)
+    if ratio:  # a compressed layer: the visible entries too (a task's logits parked in `park`)
+        assert entries is not None and entries.dtype == torch.bfloat16 and entries.is_contiguous()
+        assert entries.shape[0] == ring_kv.shape[0] and entries.shape[2] == D and block == 0
+        keys = entries.shape[1] if selected is None else selected.shape[1]
+        park_stride = heads_per_task * triton.cdiv(keys, entry_block) * entry_block
+        park = torch.empty(n_tasks * park_stride, dtype=torch.float32, device=q.device)
+    else:
+        entries, park, park_stride = ring_kv, ring_kv, 0  # unread
+    if selected is not None:  # CSA: each row's selected entries [R, topk] (-1: none)
+        assert ratio and selected.shape[0] == R and selected.dtype == torch.int64 and selected.is_contiguous()
+    topk = 0 if selected is None else selected.shape[1]
     _attend[_grid(n_tasks)](n_tasks, q, o, positions.contiguous(), slots.contiguous(), ring_kv, ring_pos, ring.size,
                             sink.float().contiguous(), freqs, H, D, _check_rope(D, freqs), int(window),
-                            float(D ** -0.5), float(eps), HB=heads_per_task, KW=window_keys(window), BD=chunk,
-                            BLOCK=block,
-                            FAST=_fast(q), num_warps=num_warps, num_stages=num_stages)
+                            float(D ** -0.5), float(eps), entries, entries.shape[1] if ratio else 0, park, park_stride,
+                            positions if selected is None else selected,
+                            HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
+                            FAST=_fast(q), RATIO=ratio, KE=entry_block, TOPK=topk, num_warps=num_warps,
+                            num_stages=num_stages)
     return o

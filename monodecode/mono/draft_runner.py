@@ -32,7 +32,7 @@ def draft_stack(model, draft) -> LayerStack:
     config = c.replace(n_routed_experts=c.draft_n_routed_experts, num_experts_per_tok=c.draft_num_experts_per_tok,
                        num_hash_layers=0)
     n = len(draft.stages)
-    return LayerStack(config, draft.w, [WHOLE] * n, [f"mtp.{k}." for k in range(n)], draft.stages,
+    return LayerStack(config, draft.w, [WHOLE] * n, (0,) * n, [f"mtp.{k}." for k in range(n)], draft.stages,
                       [functools.partial(draft.replace_experts, k) for k in range(n)])
 
 

@@ -14,14 +14,21 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                attention site, x = attn_norm(collapse)
 2 wq_a|wkv  gemv_stage (FP8)   (ceil(q_lora/BN_QA) + ceil(D/BN_KV)) x -> qr_raw, kv_raw (bf16)
                                * SPLIT_D
+  (HCA) |   gemv_stage (bf16)  + 2 ceil(C D/BN_C) * SPLIT_C   x -> source_kv, source_gate: the
+  compressor                                                   compressor's wkv(x), wgate(x)
 3 norms     norm_rope_kv_task  2R                              qr_raw -> qr = q_norm(qr_raw); kv_raw ->
                                                                kv_norm, RoPE -> the KV ring (not for
                                                                pad rows, slot < 0)
+  (HCA)     source_write_task  + R                             source_kv, source_gate -> the layer's
+                                                               source ring (compress.py)
 4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw (K2's attend normalises and
                                                                rotates the heads as it loads them)
+  (HCA)     emit_task          + R                             the source ring -> the entry a row
+                                                               completes (compress.py)
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and `streams` is `residual`. K2 reads q_raw, the ring and the attention site's post/comb,
-after this launch ends (stream order).
+after this launch ends (stream order), and on an HCA layer (RATIO > 0) the compressed entries.
+A window layer and an HCA layer are two builds (RATIO a compile-time constant).
 Waits: a grid barrier after each stage but the last; an expired wait names the stage (STAGES).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes).
 Scratch: `Scratch` of the step's width; the ring is the layer's `LayerCache.window`; the split
@@ -38,6 +45,7 @@ import triton
 import triton.language as tl
 
 from . import attention as A
+from . import compress as C
 from . import hc as HC
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, begin_launch, end_launch
@@ -78,6 +86,19 @@ class K1Args(NamedTuple):
     freqs: torch.Tensor
     wq_b: Fp8Matrix
     q_raw: torch.Tensor
+    # an HCA layer's compressor (RATIO > 0; on a window layer any tensors, unread)
+    comp_wkv: torch.Tensor  # bf16 [C D, d]
+    comp_wgate: torch.Tensor
+    source_kv: torch.Tensor  # [R, C D] wkv(x), wgate(x)
+    source_gate: torch.Tensor
+    src_kv: torch.Tensor  # the layer's source ring (PositionRing: [S, span, C D], pos [S, span])
+    src_gate: torch.Tensor
+    src_pos: torch.Tensor
+    src_span: int
+    ape: torch.Tensor  # fp32 [ratio, C D]
+    comp_norm: torch.Tensor  # fp32 [D]
+    entries: torch.Tensor  # bf16 [S, n_entries, D]
+    n_entries: int
     sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
     tickets: torch.Tensor
     d: int
@@ -109,6 +130,12 @@ class K1Meta(NamedTuple):
     D: int  # head_dim
     RD: int  # rope dims of a head
     BQ: int  # q_lora padded to a power of two
+    RATIO: int  # the compression ratio of an HCA layer, 0 for a window layer
+    HALVES: int  # the compressor's halves C (2 where its windows overlap)
+    BN_C: int  # the compressor GEMVs' blocks
+    BK_C: int
+    SPLIT_C: int
+    ESB: int  # the emission's slots a block (compress.SB)
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
     TIMELINE: bool
 
@@ -135,26 +162,61 @@ def _k1(a, m):
                a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR),
                a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D), 0, m.SB, m.BN_KV, m.BK_D, m.SPLIT_D, m.BR,
                True, m.FAST, m.DENSE_STAGES)
+    if m.RATIO > 0:  # the compressor's wkv and wgate (bf16 weights) on the programs after wkv's tasks
+        width = m.HALVES * m.D
+        first = q_tasks + tl.cdiv(m.D, m.BN_KV) * m.SPLIT_D
+        sums = a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR) + split_sums_of(m.D, m.BN_KV, m.SPLIT_D,
+                                                                                           m.BR)
+        tickets = a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D) + split_tickets_of(m.D, m.BN_KV,
+                                                                                                 m.SPLIT_D)
+        gemv_stage(pid, grid, first, a.x, a.d, a.rows, a.comp_wkv, a.comp_wkv, a.source_kv, width, width, a.d, 0,
+                   sums, tickets, 1, m.SB, m.BN_C, m.BK_C, m.SPLIT_C, m.BR, True, m.FAST, m.DENSE_STAGES)
+        gemv_stage(pid, grid, first + tl.cdiv(width, m.BN_C) * m.SPLIT_C, a.x, a.d, a.rows, a.comp_wgate,
+                   a.comp_wgate, a.source_gate, width, width, a.d, 0, sums + split_sums_of(width, m.BN_C, m.SPLIT_C,
+                                                                                          m.BR),
+                   tickets + split_tickets_of(width, m.BN_C, m.SPLIT_C), 1, m.SB, m.BN_C, m.BK_C, m.SPLIT_C, m.BR,
+                   True, m.FAST, m.DENSE_STAGES)
     barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE, m.FAST)
 
-    for t in range(pid, 2 * a.rows, grid):
-        A.norm_rope_kv_task(t, a.qr_raw, a.q_lora, a.q_norm, a.qr, a.kv_raw, m.D, a.kv_norm, a.positions, a.slots,
-                            a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D, m.RD, a.norm_eps, m.BQ, m.D)
+    norm_tasks = 2 * a.rows
+    for t in range(pid, norm_tasks + (a.rows if m.RATIO > 0 else 0), grid):
+        if t < norm_tasks:
+            A.norm_rope_kv_task(t, a.qr_raw, a.q_lora, a.q_norm, a.qr, a.kv_raw, m.D, a.kv_norm, a.positions,
+                                a.slots, a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D, m.RD, a.norm_eps,
+                                m.BQ, m.D)
+        else:
+            C.source_write_task(t - norm_tasks, a.positions, a.slots, a.source_kv, a.source_gate, a.src_kv,
+                                a.src_gate, a.src_pos, a.src_span, m.HALVES * m.D, m.D)
     barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE, m.FAST)
 
     gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
                a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q,
                m.BR, True, m.FAST, m.DENSE_STAGES)
+    if m.RATIO > 0:  # the entries the step's rows complete (their source rows written a stage earlier)
+        for t in range(pid, a.rows, grid):
+            C.emit_task(t, a.positions, a.slots, a.src_kv, a.src_gate, a.src_pos, a.src_span, a.ape, a.comp_norm,
+                        a.freqs, a.entries, a.n_entries, m.D, m.RD, a.norm_eps, m.RATIO, m.HALVES, m.ESB, m.D)
     end_launch(a.sync, epoch, BARRIERS, m.TIMELINE)
 
 
 def dense_stages(runner, rows: int):
-    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a | wkv, wq_b."""
+    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a | wkv, then
+    (when the runner has an HCA layer) the compressor's wkv | wgate, and wq_b."""
     c = runner.config
     d, q_lora, hd = c.hidden_size, c.q_lora_rank, c.head_dim
     qa, kv = runner.gemv_blocks("k1", q_lora, d, rows), runner.gemv_blocks("k1", hd, d, rows)
     qb = runner.gemv_blocks("k1", c.num_attention_heads * hd, q_lora, rows)
-    return [[(q_lora, qa), (hd, kv)], [(c.num_attention_heads * hd, qb)]]
+    front = [(q_lora, qa), (hd, kv)]
+    width = source_width(runner)
+    if width:
+        comp = runner.gemv_blocks("k1", width, d, rows, fp8=False)
+        front += [(width, comp), (width, comp)]
+    return [front, [(c.num_attention_heads * hd, qb)]]
+
+
+def source_width(runner) -> int:
+    """The widest compressor projection (C D) of the runner's compressed layers taken whole, 0 if none."""
+    return max((lw.compressor.halves * runner.config.head_dim for lw in runner.layers if lw.compressor), default=0)
 
 
 def launch(runner, s, lw, cache, cur: int, owed) -> int:
@@ -165,8 +227,9 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
     residual = s.streams[cur]
     ring = cache.window
     d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
-    [(_, (bn_qa, bk_qa, split_d)), (_, (bn_kv, bk_kv, _))], [(_, (bn_qb, bk_q, split_q))] = \
-        dense_stages(runner, s.rows)
+    front, [(_, (bn_qb, bk_q, split_q))] = dense_stages(runner, s.rows)
+    (_, (bn_qa, bk_qa, split_d)), (_, (bn_kv, bk_kv, _)) = front[:2]
+    bn_c, bk_c, split_c = front[2][1] if len(front) > 2 else (1, 1, 1)  # (unused without an HCA layer)
     bk_d = min(bk_qa, bk_kv)  # one K step for the stage's two matrices (they share x and its slices)
     owed_y, owed_post, owed_comb = s.owed() if owed is None else owed  # (not read when nothing is owed)
     args = K1Args(
@@ -176,7 +239,7 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         hc_fn=lw.hc_attn[0], hc_base=lw.hc_attn[1], hc_scale=lw.hc_attn[2], attn_norm=lw.attn_norm,
         post=s.post_attn, comb=s.comb_attn, x=s.x, wq_a=lw.wq_a, wkv=lw.wkv, qr_raw=s.qr_raw, kv_raw=s.kv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
-        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw,
+        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw, **_compressor(lw, cache, s),
         sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
@@ -187,7 +250,25 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
+        RATIO=lw.compressor.ratio if lw.compressor else 0, HALVES=lw.compressor.halves if lw.compressor else 1,
+        BN_C=bn_c, BK_C=bk_c, SPLIT_C=split_c, ESB=min(C.SB, lw.compressor.ratio) if lw.compressor else C.SB,
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1", "k1", args, meta=meta)
     return cur if owed is None else 1 - cur
+
+
+def _compressor(lw, cache, s) -> dict:
+    """K1Args' compressor fields: an HCA layer's weights, its source ring and entries; on a window
+    layer the window ring's tensors in their place (not read: RATIO 0)."""
+    comp, ring = lw.compressor, cache.window
+    if comp is None:
+        kv = ring.data["kv"]
+        return dict(comp_wkv=kv, comp_wgate=kv, source_kv=s.source_kv, source_gate=s.source_gate, src_kv=kv,
+                    src_gate=kv, src_pos=ring.pos, src_span=ring.size, ape=lw.attn_norm, comp_norm=lw.attn_norm,
+                    entries=kv, n_entries=0)
+    source = cache.source
+    return dict(comp_wkv=comp.wkv, comp_wgate=comp.wgate, source_kv=s.source_kv, source_gate=s.source_gate,
+                src_kv=source.data["kv"], src_gate=source.data["gate"], src_pos=source.pos, src_span=source.size,
+                ape=comp.ape, comp_norm=comp.norm, entries=cache.entries if cache.entries.numel() else ring.data["kv"],
+                n_entries=cache.entries.shape[1])

@@ -10,8 +10,10 @@ K3 runs two programs a SM, twice the expert weight loads in flight.
 
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
-0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring,
-                                                      sinks -> o (inverse RoPE; zero for pad rows)
+0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on an
+                                                      HCA layer (RATIO > 0) its visible compressed
+                                                      entries (logits parked in `park`), sinks -> o
+                                                      (inverse RoPE; zero for pad rows)
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
@@ -98,6 +100,10 @@ class K2Attention(NamedTuple):
     heads: int
     o_groups: int
     o_lora: int
+    entries: torch.Tensor  # an HCA layer's compressed entries [S, n_entries, D] (RATIO > 0; else unread)
+    n_entries: int
+    park: torch.Tensor  # fp32, park_stride a task: each attend task's entry logits (Scratch.park)
+    park_stride: int
 
 
 class FfnArgs(NamedTuple):
@@ -163,6 +169,7 @@ class K2Meta(NamedTuple):
     KW: int  # window keys, padded to a power of two
     BDA: int  # head dims an attend task takes at once
     BLOCK: int  # the DSpark draft's block rows (attention.attend_task), 0 for a causal window
+    RATIO: int  # an HCA layer's compression ratio (its entries attended), 0 for a window layer
     HC: int
     MIXP: int
     RB: int
@@ -286,8 +293,8 @@ def _k2(a, f, m):
     if m.ATTENTION:
         for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
             A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
-                          a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, m.HB, m.KW, m.BDA, m.BLOCK,
-                          m.FAST)
+                          a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
+                          a.park_stride, f.positions, m.HB, m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, A.KE, 0)
         barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
         z_width = a.o_groups * a.o_lora
         gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -341,10 +348,12 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     attn = None
     if attention:
         ring = cache.window
+        entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads)
         attn = K2Attention(
             q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
             freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
-            wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank)
+            wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank, entries=entries,
+            n_entries=n_entries, park=park, park_stride=park_stride)
     kind = "k2" if attention else "ffn"
     ffn = FfnArgs(
         sync=runner.sync_args(kind), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
@@ -364,7 +373,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows)
     meta = K2Meta(
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
-        BLOCK=runner.draft_block,
+        BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if attention and lw.compressor else 0,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
@@ -383,3 +392,16 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline))
     return 1 - cur if attention else cur
+
+
+def _entries(lw, cache, s, heads: int):
+    """(entries, n_entries, park, park_stride) of K2Attention: an HCA layer's compressed entries and
+    its attend tasks' park (HB x its entries rounded up to KE, fp32, a task); on a window layer
+    the ring in their place (not read: RATIO 0)."""
+    kv = cache.window.data["kv"]
+    if lw.compressor is None:
+        return kv, 0, kv, 0
+    n_entries = cache.entries.shape[1]
+    stride = A.HB * triton.cdiv(n_entries, A.KE) * A.KE
+    park = s.park(A.attend_tasks(s.rows, heads), stride)
+    return (cache.entries if n_entries else kv), n_entries, park, stride

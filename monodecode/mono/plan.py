@@ -1,8 +1,8 @@
 """The layer plan and the refusals: which layers the mono kernels take, and why they would not.
 
-Plan (docs/ARCHITECTURE.md): a window-only layer runs `whole` (K1 + K2 + K3); a CSA or HCA layer
-runs `ffn` (its attention, compressor and indexer on the per-op path, then K2 without its
-attention part, then K3). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
+Plan (docs/ARCHITECTURE.md): a window-only or HCA layer runs `whole` (K1 + K2 + K3; an HCA
+layer's compressor in K1, its compressed entries in K2's attend); a CSA layer runs `ffn` (its
+attention, compressor and indexer on the per-op path, then K2 without its attention part, then K3). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
 logs each and runs per-op, `mono="on"` raises them.
 """
 
@@ -28,7 +28,8 @@ class MonoRefused(RuntimeError):
 
 
 def layer_plan(config: ModelConfig) -> list[str]:
-    return [WHOLE if ratio == 0 else FFN for ratio in config.compress_ratios]
+    """`whole` for window (ratio 0) and HCA layers, `ffn` for CSA (ratio 4: the lightning indexer)."""
+    return [FFN if ratio == 4 else WHOLE for ratio in config.compress_ratios]
 
 
 def interpreted() -> bool:

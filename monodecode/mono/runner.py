@@ -7,9 +7,10 @@ graph per (width, cache). `step` has Model.step's signature and result for the s
 cache can rewind, i.e. a prefill chunk), and the caller (`decode.Decoder`) runs that one per-op.
 
 A step on the mono path:
-  embed -> per layer: `whole`: K1 (fold the owed FFN output, attention seam, q/kv projections,
-  KV write) then K2 (attention, output projections, fold, FFN seam, MoE; the FFN output is owed);
-  `ffn`: fold and attention per-op (torch ops in fixed shapes: model/batched.py), then K2 without
+  embed -> per layer: `whole` (window and HCA layers): K1 (fold the owed FFN output, attention
+  seam, q/kv projections, KV write; HCA: the compressor and its entries) then K2 (attention,
+  output projections, fold, FFN seam, MoE; the FFN output is owed);
+  `ffn` (CSA layers): fold and attention per-op (torch ops in fixed shapes: model/batched.py), then K2 without
   its attention part -> fold the last owed output, hc_head, norm, lm_head (torch ops).
 Nothing in a step syncs with the host, so every step is graph-captured (one graph per width and
 cache), whatever the plan.
@@ -65,12 +66,14 @@ def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
 
 
 class LayerStack(NamedTuple):
-    """The layers a runner runs: their sizes (`config`), plan, checkpoint prefixes, per-op blocks,
-    and for each a callable that hands the per-op path the kernels' stacked experts."""
+    """The layers a runner runs: their sizes (`config`), plan, compression ratios, checkpoint
+    prefixes, per-op blocks, and for each a callable that hands the per-op path the kernels'
+    stacked experts."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # the per-op weights by checkpoint name
     plan: list[str]
+    ratios: tuple[int, ...]  # each layer's compression ratio (0: window)
     prefixes: list[str]
     blocks: list
     replace_experts: list
@@ -79,7 +82,8 @@ class LayerStack(NamedTuple):
 def target_stack(model) -> LayerStack:
     """The model's decoder layers."""
     n = model.config.num_hidden_layers
-    return LayerStack(model.config, model.w, layer_plan(model.config), [f"layers.{i}." for i in range(n)], model.blocks,
+    return LayerStack(model.config, model.w, layer_plan(model.config), tuple(model.config.compress_ratios),
+                      [f"layers.{i}." for i in range(n)], model.blocks,
                       [functools.partial(model.replace_experts, i) for i in range(n)])
 
 
@@ -104,9 +108,10 @@ class MonoRunner:
         shared = bool(self.config.n_shared_experts)
         names = [n for p, kind in zip(stack.prefixes, self.plan) for n in fp8_names(p, kind == WHOLE, shared)]
         fp8 = read_fp8(model.checkpoint, names, model.device)
-        self.layers = [layer_weights(stack.weights, self.config, p, block, replace, kind == WHOLE, fp8)
-                       for p, block, replace, kind in zip(stack.prefixes, stack.blocks, stack.replace_experts,
-                                                           self.plan)]
+        self.ratios = stack.ratios
+        self.layers = [layer_weights(stack.weights, self.config, p, block, replace, kind == WHOLE, fp8, ratio)
+                       for p, block, replace, kind, ratio in zip(stack.prefixes, stack.blocks, stack.replace_experts,
+                                                                  self.plan, self.ratios)]
         self.device = model.device
         self.fast = not interpreted()  # the NVIDIA paths (PTX decode, bf16 dots); refusals() ruled out others
         for lw in self.layers:

@@ -47,6 +47,10 @@ class Scratch:
         self.qr_raw, self.kv_raw, self.qr = bf16(r, c.q_lora_rank), bf16(r, hd), bf16(r, c.q_lora_rank)
         self.q_raw, self.o = bf16(r, heads * hd), bf16(r, heads, hd)
         self.z, self.attn_out = bf16(r, c.o_groups * c.o_lora_rank), bf16(r, d)
+        # a compressed layer's compressor projections (2 halves at most), before its source ring
+        self.source_kv, self.source_gate = bf16(r, 2 * hd), bf16(r, 2 * hd)
+        self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats a task
+        self.device = torch.device(device)
         # MoE
         self.logits = f32(r, c.n_routed_experts)
         self.ids, self.route_weights = i32(r, k), f32(r, k)
@@ -60,6 +64,17 @@ class Scratch:
         """The FFN output and its site's post / comb mixes that the next layer's fold takes."""
         return self.y, self.post_ffn, self.comb_ffn
 
+    def park(self, tasks: int, floats_a_task: int) -> torch.Tensor:
+        """The parked logits of a compressed layer's attend tasks (fp32, `floats_a_task` for each of
+        `tasks`), one buffer a size, made at its first use: a width's eager warm-up step, before
+        any graph of it is captured."""
+        if floats_a_task not in self.parks:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("mono: an attend park first needed inside a CUDA graph capture")
+            self.parks[floats_a_task] = torch.empty(max(tasks * floats_a_task, 1), dtype=torch.float32,
+                                                    device=self.device)
+        return self.parks[floats_a_task]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
@@ -69,3 +84,5 @@ class Scratch:
                 yield value
             elif isinstance(value, tuple):
                 yield from value
+            elif isinstance(value, dict):
+                yield from value.values()

@@ -14,7 +14,8 @@ What the kernels read, per layer:
   experts from the stack too (`StackedExperts`, handed to `Model.replace_experts`), so the
   experts are held once.
 - fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
-  table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors.
+  table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors; on a compressed
+  layer taken whole, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ ALIGN = 16  # bytes: the kernels issue 16-byte vector loads
 
 class WeightCheckError(ValueError):
     """A weight the mono kernels would read has the wrong shape, dtype or layout."""
+
+
+class CompressorWeights(NamedTuple):
+    """A compressed layer's compressor as the kernels read it (the per-op path's own tensors)."""
+
+    ratio: int
+    wkv: torch.Tensor  # bf16 [C * D, d] (C = 2 halves where the windows overlap, else 1)
+    wgate: torch.Tensor  # bf16 [C * D, d]
+    ape: torch.Tensor  # fp32 [ratio, C * D]
+    norm: torch.Tensor  # fp32 [D]
+
+    @property
+    def halves(self) -> int:
+        return 2 if self.ratio == 4 else 1
 
 
 class Fp8Matrix(NamedTuple):
@@ -64,7 +79,8 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None
     kv_norm: torch.Tensor | None = None
     attn_sink: torch.Tensor | None = None
-    rope_freqs: torch.Tensor | None = None
+    rope_freqs: torch.Tensor | None = None  # the compressed frequencies on a compressed layer
+    compressor: CompressorWeights | None = None  # a compressed layer taken whole
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
@@ -119,10 +135,11 @@ def stack_experts(bank, replace) -> X.ExpertWeights:
 
 
 def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replace_experts, whole: bool,
-                  fp8: dict[str, Fp8Matrix]) -> LayerWeights:
+                  fp8: dict[str, Fp8Matrix], ratio: int = 0) -> LayerWeights:
     """Kernel views of the block whose names start with `prefix` (`layers.{i}.`, or a draft
     stage's `mtp.{k}.`) in the per-op weights `w`, `config` its sizes (a draft stage's: its own
-    experts); `replace_experts` hands the per-op path the stacked experts (`stack_experts`)."""
+    experts); `replace_experts` hands the per-op path the stacked experts (`stack_experts`);
+    `ratio` the layer's compression ratio (0: a window layer)."""
     c, p = config, prefix
     shared = None
     if c.n_shared_experts:
@@ -139,7 +156,10 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
         a = f"{p}attn."
         lw.wq_a, lw.wkv, lw.wq_b, lw.wo_a, lw.wo_b = (fp8[f"{a}{m}"] for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b"))
         lw.q_norm, lw.kv_norm, lw.attn_sink = w[f"{a}q_norm"], w[f"{a}kv_norm"], w[f"{a}attn_sink"]
-        lw.rope_freqs = layer_frequencies(c, compressed=False).to(lw.attn_norm.device).contiguous()
+        lw.rope_freqs = layer_frequencies(c, compressed=ratio > 0).to(lw.attn_norm.device).contiguous()
+        if ratio:
+            k = f"{a}compressor."
+            lw.compressor = CompressorWeights(ratio, w[f"{k}wkv"], w[f"{k}wgate"], w[f"{k}ape"], w[f"{k}norm"])
     check_layer(c, p, lw)
     return lw
 
@@ -188,6 +208,14 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
             "attn.attn_sink": (lw.attn_sink, (heads,), torch.float32),
             "attn rope frequencies": (lw.rope_freqs, (c.qk_rope_head_dim // 2,), torch.float32),
         })
+    if lw.compressor is not None:
+        cw = lw.compressor.halves * hd
+        expect.update({
+            "attn.compressor.wkv": (lw.compressor.wkv, (cw, d), torch.bfloat16),
+            "attn.compressor.wgate": (lw.compressor.wgate, (cw, d), torch.bfloat16),
+            "attn.compressor.ape": (lw.compressor.ape, (lw.compressor.ratio, cw), torch.float32),
+            "attn.compressor.norm": (lw.compressor.norm, (hd,), torch.float32),
+        })
     for name, (matrix, shape) in fp8.items():
         grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
         expect[f"{name}.weight"] = (matrix.codes, shape, torch.uint8)
@@ -197,13 +225,23 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
 
 
 def check_cache(config, cache) -> None:
-    """The KV rings the kernels read and write (each layer's window): bf16 rows, int64 positions,
-    contiguous, aligned, on the kernels' shapes."""
+    """The rings the kernels read and write (each layer's window; a compressed layer's source ring
+    and entries): bf16 rows, int64 positions, contiguous, aligned, on the kernels' shapes."""
+    hd = config.head_dim
     for i, layer in enumerate(cache.layers):
         ring = layer.window
         slots, size = ring.pos.shape
-        _check(f"cache layer {i} window kv", ring.data["kv"], (slots, size, config.head_dim), torch.bfloat16)
+        _check(f"cache layer {i} window kv", ring.data["kv"], (slots, size, hd), torch.bfloat16)
         _check(f"cache layer {i} window positions", ring.pos, (slots, size), torch.int64)
+        if getattr(layer, "source", None) is not None:  # (a draft stage's cache has no compressor)
+            source = layer.source
+            span, width = source.size, source.data["kv"].shape[-1]
+            for part in ("kv", "gate"):
+                _check(f"cache layer {i} compressor source {part}", source.data[part], (slots, span, width),
+                       torch.bfloat16)
+            _check(f"cache layer {i} compressor source positions", source.pos, (slots, span), torch.int64)
+            _check(f"cache layer {i} compressed entries", layer.entries, (slots, layer.entries.shape[1], hd),
+                   torch.bfloat16)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
