@@ -10,10 +10,10 @@ from monodecode.cli import main
 from monodecode.model import Model
 
 
-@pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["window", "HCA"]],
-                         ids=["every_kind", "window_and_HCA"])
+@pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["window", "CSA"]],
+                         ids=["every_kind", "window_and_CSA"])
 def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds):
-    """Every kind is `slow`; by default a `whole` (window) and an `ffn` (HCA) layer."""
+    """Every kind is `slow`; by default a `whole` (window) and an `ffn` (CSA) layer."""
     assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "1,3", "--kinds", ",".join(kinds),
                  "--context", "20", "--reps", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_layer.json").read_text())
@@ -22,7 +22,7 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
     printed = capsys.readouterr().out
     assert "window layer, 3 rows, default: per-op graph" in printed  # each row shown as it comes
     assert [(r["kind"], r["plan"], r["width"]) for r in rows] == [
-        (kind, "whole" if kind == "window" else "ffn", width) for kind in kinds for width in (1, 3)]
+        (kind, "ffn" if kind == "CSA" else "whole", width) for kind in kinds for width in (1, 3)]
     for r in rows:
         assert 1 <= r["distinct_experts"] <= 2 * r["width"]  # tiny: top-2 of 8
         assert r["floor_bytes"] > 0 and r["per_op_eager_s"] > 0 and r["mono_s"] > 0 and r["mono_kernels_s"] > 0
@@ -48,7 +48,7 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
     (tmp_path / "cut.json").write_text(json.dumps(saved))
     assert main(["bench", "layer", "--replot", str(tmp_path / "cut.json"), "--out", str(tmp_path / "replot")]) == 0
     replotted = capsys.readouterr().out
-    assert "of floor" in replotted and "cut short" in replotted and "HCA" not in replotted.split("per-op us:")[0]
+    assert "of floor" in replotted and "cut short" in replotted and "CSA" not in replotted.split("per-op us:")[0]
     assert (tmp_path / "replot" / "bench_layer.png").stat().st_size > 0
     assert (tmp_path / "bench_layer.png").stat().st_size > 0  # matplotlib is in the test extra
 

@@ -174,6 +174,10 @@ def test_seam_blocks():
     assert H.seam_blocks(8, 4096, 20, 132, fold_rows=64) == (32, 32, 128, 4096)
     assert H.seam_blocks(8, 4096, 6, 132, fold_rows=64) == (16, 32, 128, 4096)
     assert H.fold_rows_refusal(32) is None and H.fold_rows_refusal(128) and H.fold_rows_refusal(24)
+    assert H.seam_blocks(8, 4096, 1, 132, settle_columns=1024) == (1, 32, 128, 1024)  # the settle in 4 tiles
+    assert H.seam_blocks(8, 256, 6, 132, settle_columns=1024)[3] == 256  # never wider than the row
+    assert H.settle_columns_refusal(0) is None and H.settle_columns_refusal(64) is None
+    assert H.settle_columns_refusal(8) and H.settle_columns_refusal(96)
     for rows in (1, 6, 48):
         _, chunk, _, _ = H.seam_blocks(4, 7168, rows, 132)
         assert H.MIN_CHUNK <= chunk <= H.MAX_CHUNK

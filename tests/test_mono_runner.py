@@ -377,7 +377,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 
 @pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2,k1_warps=4", 6),
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
-                                         "expert_programs_per_sm=1,expert_warps=4", 6),
+                                         "expert_programs_per_sm=1,expert_warps=4,settle_columns=64", 6),
                                         pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
@@ -385,8 +385,9 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     chosen for each), dense GEMVs split
     along K (slices of 32: 2 to 4 a block, summed by the last to arrive, in every layer of the
     step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of
-    32 and 16 rows (`experts.load_fragments`' 16-row blocks): the same result up to fp32
-    summation order; fold tasks of all 48 rows of a step (`slow`)."""
+    32 and 16 rows (`experts.load_fragments`' 16-row blocks), settle tiles of half a row (two
+    passes over it): the same result up to fp32 summation order; fold tasks of all 48 rows of a
+    step (`slow`)."""
     g = torch.Generator().manual_seed(21)
     caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)
     tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[width])
@@ -423,8 +424,10 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(expert_block_n=8))
     with pytest.raises(ValueError, match=r"K3 \(the routed experts\) needs at least one program a SM"):
         d.mono.configure(LaunchShape(expert_programs_per_sm=0))
-    with pytest.raises(ValueError, match=r"fold needs fold rows a power of two from 16 to 64 \(here 24\)"):
+    with pytest.raises(ValueError, match=r"fold and settle need fold rows a power of two from 16 to 64 \(here 24\)"):
         d.mono.configure(LaunchShape(fold_rows=24))
+    with pytest.raises(ValueError, match=r"settle columns 0 or a power of two from 16 \(here 48\)"):
+        d.mono.configure(LaunchShape(settle_columns=48))
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts

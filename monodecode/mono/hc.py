@@ -62,7 +62,8 @@ BD = 1024  # columns of a settle tile in the standalone launch
 CB = 16  # chunks of partials the standalone settle reduces at a time
 
 
-def seam_blocks(warps: int, d: int, rows: int, programs: int, fold_rows: int = RB) -> tuple[int, int, int, int]:
+def seam_blocks(warps: int, d: int, rows: int, programs: int, fold_rows: int = RB,
+                settle_columns: int = 0) -> tuple[int, int, int, int]:
     """(RB, CHUNK, CB, BD) of the kernels' fold and settle for `programs` programs of `warps` warps
     and a step of `rows` rows. A fold task covers the step's rows padded to a power of two, at
     least 16 (its dot's M side) and at most `fold_rows` (`LaunchShape.fold_rows`): RB; the fewer
@@ -70,13 +71,22 @@ def seam_blocks(warps: int, d: int, rows: int, programs: int, fold_rows: int = R
     are as large as leave none to a second round: CHUNK is the smallest power of two from
     MIN_CHUNK to MAX_CHUNK with at most one task a program. The settle sums all of a row's
     partials at once (CB, up to 256 chunks) and collapses the row in tiles of 512 x warps columns
-    (BD: 16 values a thread and a stream), in registers when one tile holds the row."""
+    (BD: 16 values a thread and a stream; `settle_columns` if not 0), in registers when one tile
+    holds the row."""
     rb = 1 if rows == 1 else max(RB, min(fold_rows, triton.next_power_of_2(rows)))
     chunk = MIN_CHUNK
     while chunk < MAX_CHUNK and fold_tasks(rows, d, chunk, rb) > programs:
         chunk *= 2
     cb = min(256, triton.next_power_of_2(triton.cdiv(d, chunk)))
-    return rb, chunk, cb, min(512 * warps, triton.next_power_of_2(d))
+    return rb, chunk, cb, min(settle_columns or 512 * warps, triton.next_power_of_2(d))
+
+
+def settle_columns_refusal(settle_columns: int) -> str | None:
+    """Why a settle task cannot take tiles of `settle_columns` columns (None if it can): 0 (the
+    default rule) or a power of two from 16."""
+    if settle_columns and (settle_columns < 16 or settle_columns & (settle_columns - 1)):
+        return f"settle columns 0 or a power of two from 16 (here {settle_columns})"
+    return None
 
 
 def fold_rows_refusal(fold_rows: int) -> str | None:

@@ -244,7 +244,8 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
-    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"], runner.shape.fold_rows)
+    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"], runner.shape.fold_rows,
+                                       runner.shape.settle_columns)
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,

@@ -370,7 +370,8 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
-    rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows)
+    rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows,
+                                       shape.settle_columns)
     meta = K2Meta(
         ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if attention and lw.compressor else 0,

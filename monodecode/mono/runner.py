@@ -194,7 +194,8 @@ class MonoRunner:
 
     def _check_shape(self, shape: LaunchShape) -> None:
         """A shape whose expert tiles the experts' fragment order cannot serve, without K3
-        programs, or whose fold rows no fold task takes, is a caller's error."""
+        programs, or whose fold rows or settle tiles no fold or settle task takes, is a caller's
+        error."""
         c = self.config
         if shape.expert_programs_per_sm < 1:
             raise ValueError(f"launch shape {shape.spec()}: K3 (the routed experts) needs at least one program a "
@@ -202,9 +203,9 @@ class MonoRunner:
         refusal = X.tiles_refusal(shape.expert_block_n, shape.expert_block_k, c.hidden_size, c.moe_intermediate_size)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the experts' fragment order needs {refusal}")
-        refusal = HC.fold_rows_refusal(shape.fold_rows)
+        refusal = HC.fold_rows_refusal(shape.fold_rows) or HC.settle_columns_refusal(shape.settle_columns)
         if refusal:
-            raise ValueError(f"launch shape {shape.spec()}: the mHC fold needs {refusal}")
+            raise ValueError(f"launch shape {shape.spec()}: the mHC fold and settle need {refusal}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

@@ -11,7 +11,9 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
-diagonal loop: experts.py); fold tasks of up to `fold_rows` rows (`hc.seam_blocks`).
+diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task collapsing
+its row in tiles of `settle_columns` columns (0: 512 a warp, the whole row at v4-flash sizes,
+in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -35,6 +37,7 @@ class LaunchShape:
     expert_programs_per_sm: int = 2
     expert_warps: int = 8
     fold_rows: int = 16
+    settle_columns: int = 0
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
