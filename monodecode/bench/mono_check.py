@@ -2,13 +2,13 @@
 [--shape FIELD=VALUE,...] [--skip CHECKS] [--out FILE]`.
 
 A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
-bf16 on the GPU; the window layers run `whole`, the CSA/HCA ones `ffn`, and the runner captures
+bf16 on the GPU; the window and HCA layers run `whole`, the CSA ones `ffn`, and the runner captures
 each width's step in a CUDA graph, so the agreement check runs through them.
 Four checks, results printed and written as JSON (`--skip` leaves some out):
 1. agreement: per layer (the mean of the hc streams after it, live rows) and on the logits, mono
    against per-op on copies of the same prefilled caches, at widths 1, 6, 16 and 48 (with pad
    rows at 48); cosine and relative L2, and each layer's worst row; the ring rows each path wrote,
-   compared. Rows whose last-layer (bias-routed) picks differ between the paths are counted with
+   compared, and a compressed layer's source ring and entries. Rows whose last-layer (bias-routed) picks differ between the paths are counted with
    the reference's routing margin there (a near-tie flips on bf16 noise) and left out of the last
    layer's and the logits' agreement (`logits_all_rows` keeps them);
 2. graph: whole steps (every layer: K1 + K2 + K3, or the fixed-shape attention, K2's `ffn`
@@ -41,7 +41,9 @@ from ..mono.sync import EPOCH, MonoSyncError
 from ..mono.timeline import format_times, stage_times
 
 RATIOS = (0, 0, 4, 128)
-PROMPTS = [150, 7, 40, 133, 1, 90, 260, 12]  # tokens already in each slot's cache
+# tokens already in each slot's cache: slot 3's rows complete an HCA entry (position 127) in the
+# 16- and 48-row steps, slot 6 sees two entries
+PROMPTS = [150, 7, 40, 126, 1, 90, 260, 12]
 WIDTHS = {1: ([(0, 1)], 0), 6: ([(s, 1) for s in range(6)], 0), 16: ([(s, 2) for s in range(8)], 0),
           48: ([(s, 5) for s in range(8)], 8)}
 
@@ -136,13 +138,26 @@ def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
         rings = [agreement(a.window.data["kv"].float(), b.window.data["kv"].float())
                  for a, b in zip(mono_cache.layers, ref_cache.layers)]
         same_positions = all(torch.equal(a.window.pos, b.window.pos) for a, b in zip(mono_cache.layers, ref_cache.layers))
+        compressed = {i: compressed_agreement(a, b) for i, (a, b) in enumerate(zip(mono_cache.layers, ref_cache.layers))
+                      if b.source is not None}
         kept = live & ~flipped
         results[width] = {"layers": layers, "logits": agreement(logits[kept], ref_logits[kept]),
                           "worst_row_rel_l2": worst_row, "last_layer_routing_flips": flips,
                           "logits_all_rows": agreement(logits[live], ref_logits[live]), "rings": rings,
-                          "ring_positions_equal": same_positions,
+                          "ring_positions_equal": same_positions, "compressed": compressed,
                           **greedy_agreement(logits[live], ref_logits[live])}
     return results
+
+
+def compressed_agreement(a, b) -> dict:
+    """A compressed layer's caches after a step on each path: the source ring (positions equal,
+    projections' agreement) and the entries (the same rows emitted, their agreement)."""
+    emitted = [layer.entries.float().abs().sum(-1) > 0 for layer in (a, b)]
+    return {"source_positions_equal": torch.equal(a.source.pos, b.source.pos),
+            "source_kv": agreement(a.source.data["kv"].float(), b.source.data["kv"].float()),
+            "source_gate": agreement(a.source.data["gate"].float(), b.source.data["gate"].float()),
+            "entries_emitted_equal": torch.equal(*emitted), "entries_emitted": int(emitted[1].sum()),
+            "entries": agreement(a.entries.float(), b.entries.float())}
 
 
 def greedy_agreement(logits: torch.Tensor, ref_logits: torch.Tensor) -> dict:
