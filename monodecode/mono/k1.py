@@ -30,9 +30,12 @@ partials and `streams` is `residual`. K2 reads q_raw, the ring and the attention
 after this launch ends (stream order), and on an HCA layer (RATIO > 0) the compressed entries.
 A window layer and an HCA layer are two builds (RATIO a compile-time constant).
 Waits: a grid barrier after each stage but the last; an expired wait names the stage (STAGES).
-Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes).
-Scratch: `Scratch` of the step's width; the ring is the layer's `LayerCache.window`; the split
-GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them).
+Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes; the
+compressor's, compress.py).
+Scratch: `Scratch` of the step's width (on an HCA layer also `source_kv` / `source_gate`); the
+rings are the layer's `LayerCache.window` and, on an HCA layer, `LayerCache.source`, written
+into `LayerCache.entries`; the split GEMVs' slice sums and tickets (the runner's: `dense_stages`
+sizes them).
 Arguments: `K1Args` (pointers and runtime scalars) and `K1Meta` (compile-time constants), by name.
 """
 

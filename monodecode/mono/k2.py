@@ -42,8 +42,10 @@ on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a tic
 nothing, it only finds out that it is last. Rounding points: those of each stage module (bf16
 where the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert
 output rounded to bf16).
-Scratch: `Scratch` of the step's width; the KV ring is the layer's `LayerCache.window`; the split
-GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them); the route ticket.
+Scratch: `Scratch` of the step's width (on an HCA layer also its attend park, `Scratch.park`); the
+KV ring is the layer's `LayerCache.window` (an HCA layer's entries `LayerCache.entries`, read);
+the split GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them); the route
+ticket.
 Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`; K3 the
 same `FfnArgs` with its own sync, and `K3Meta`.
 """
