@@ -208,6 +208,22 @@ def _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring
 
 
 @triton.jit
+def _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, keys_ptr, key_rows, live, scale,
+                   D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, NK: tl.constexpr, FAST: tl.constexpr):
+    """scale * q . keys ([HB, NK] fp32; -inf where a key is not live), over D in chunks of BD: the
+    chunks before any rope channel first, with no rotation to compute."""
+    logits = tl.zeros((HB, NK), dtype=tl.float32)
+    plain = (D - RD) // BD * BD
+    for d0 in range(0, plain, BD):
+        logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, keys_ptr, key_rows, live,
+                               D, RD, HB, BD, FAST, False)
+    for d0 in range(plain, D, BD):
+        logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, keys_ptr, key_rows, live,
+                               D, RD, HB, BD, FAST, True)
+    return tl.where(live[None, :], logits * scale, float("-inf"))
+
+
+@triton.jit
 def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
                   park, visible, m, entries_ptr, slot, n_entries, sel,
                   D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr,
@@ -253,21 +269,20 @@ def _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr
     """The scaled logits of every visible compressed entry, block by block, parked at `park`
     ([HB, EP] fp32, -inf past the visible ones); returns their max a head [HB]."""
     top = tl.full((HB,), float("-inf"), tl.float32)
-    plain = (D - RD) // BD * BD
     for e0 in range(0, visible, KE):
         key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
-        logits = tl.zeros((HB, KE), dtype=tl.float32)
-        for d0 in range(0, plain, BD):
-            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, entries_ptr, key_rows,
-                                   live, D, RD, HB, BD, FAST, False)
-        for d0 in range(plain, D, BD):
-            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, entries_ptr, key_rows,
-                                   live, D, RD, HB, BD, FAST, True)
-        logits = tl.where(live[None, :], logits * scale, float("-inf"))
-        tl.store(park + tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE) + (e0 + tl.arange(0, KE))[None, :],
-                 logits)
+        logits = _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, key_rows, live, scale, D,
+                                RD, HB, BD, KE, FAST)
+        tl.store(park + _parked(visible, e0, HB, KE), logits)
         top = tl.maximum(top, tl.max(logits, axis=1))
     return top
+
+
+@triton.jit
+def _parked(visible, e0, HB: tl.constexpr, KE: tl.constexpr):
+    """Offsets [HB, KE] of entries e0 .. e0 + KE's logits in a task's park (a head's row: the
+    visible entries rounded up to KE)."""
+    return tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE) + (e0 + tl.arange(0, KE))[None, :]
 
 
 @triton.jit
@@ -275,9 +290,7 @@ def _parked_mass(park, visible, m, HB: tl.constexpr, KE: tl.constexpr):
     """sum of exp(parked logit - m) a head [HB]."""
     mass = tl.zeros((HB,), tl.float32)
     for e0 in range(0, visible, KE):
-        logits = tl.load(park + tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE)
-                         + (e0 + tl.arange(0, KE))[None, :])
-        mass += tl.sum(tl.exp(logits - m[:, None]), axis=1)
+        mass += tl.sum(tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None]), axis=1)
     return mass
 
 
@@ -288,8 +301,7 @@ def _entries_out(park, visible, m, d, entries_ptr, slot, n_entries, sel, D: tl.c
     out = tl.zeros((HB, BD), tl.float32)
     for e0 in range(0, visible, KE):
         key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
-        p = tl.exp(tl.load(park + tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE)
-                           + (e0 + tl.arange(0, KE))[None, :]) - m[:, None])
+        p = tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None])
         keys = _key_chunk(entries_ptr, key_rows, live, d)
         if FAST:
             hi = p.to(tl.bfloat16)
@@ -322,16 +334,9 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         position = tl.load(positions_ptr + row)
         end = position if BLOCK == 0 else position - row % BLOCK + BLOCK - 1  # the window's last key
         key_rows, valid = _window(end, slot, ring_pos_ptr, ring_size, W, D, KW)
-        logits = tl.zeros((HB, KW), dtype=tl.float32)
-        plain = (D - RD) // BD * BD  # the chunks before any rope channel: no rotation to compute
-        for d0 in range(0, plain, BD):
-            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring_kv_ptr, key_rows,
-                                   valid, D, RD, HB, BD, FAST, False)
-        for d0 in range(plain, D, BD):
-            logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring_kv_ptr, key_rows,
-                                   valid, D, RD, HB, BD, FAST, True)
+        logits = _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, ring_kv_ptr, key_rows, valid, scale, D,
+                                RD, HB, BD, KW, FAST)
         # one softmax over the valid keys and the sink (a key with no value)
-        logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
         m = tl.maximum(tl.max(logits, axis=1), sink)
         park = park_ptr + t * park_stride
@@ -351,6 +356,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
             hi = p.to(tl.bfloat16)
             lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
+        plain = (D - RD) // BD * BD  # the chunks before any rope channel: no inverse rotation to compute
         for d0 in range(0, plain, BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
                           park, visible, m, entries_ptr, slot, n_entries, sel, D, RD, HB, BD, FAST, False, RATIO, KE,
