@@ -45,6 +45,13 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   pass's loop body without the rotation: a task's time follows its instructions more than its
   loads, and the rotation's sines and cosines were a large part of them.
   The ring's kv is addressed with int32 offsets: S * ring_size * D < 2^31.
+  A compressed layer (RATIO > 0): the row also attends its slot's compressed entries
+  (entries [S, E, D] bf16, already rotated): TOPK 0 (HCA) the first (p + 1) // RATIO, else (CSA)
+  the TOPK ids of the row's selection list (-1: none). Their scaled logits go block by block (KE
+  entries) into the task's park (fp32, HB x the entries rounded up to KE, at t * park_stride),
+  so that one softmax covers the window, the entries and the sink, as the reference's single
+  softmax over [window; entries]; each output chunk adds probs @ entries before dividing by the
+  mass. A window layer (RATIO 0) compiles none of it.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
   reads what both wrote, so grid barriers (or the end of a launch) must separate them.
