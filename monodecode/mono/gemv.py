@@ -1,6 +1,6 @@
 """The dense GEMV stage: y = x @ W.T for all R rows of a step, in tasks of BN outputs.
 
-Used by K1 (wq_a, wkv, wq_b) and K2 (grouped wo_a, wo_b, the router gate, the shared expert's
+Used by K1 (wq_a and wkv stacked, wq_b) and K2 (grouped wo_a, wo_b, the router gate, the shared expert's
 w1 / w3 / w2). `gemv_stage` is the device function the mono kernels call for a program's share
 of a stage; `_gemv_stage` is the standalone launch that `gemv` and the tests use.
 

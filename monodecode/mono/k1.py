@@ -12,13 +12,13 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                mix partials (hc_attn_fn)
 1 settle    hc.settle_task     R                               partials, streams -> post/comb of the
                                                                attention site, x = attn_norm(collapse)
-2 wq_a|wkv  gemv_stage (FP8)   (ceil(q_lora/BN_QA) + ceil(D/BN_KV)) x -> qr_raw, kv_raw (bf16)
-                               * SPLIT_D
+2 wq_a|wkv  gemv_stage (FP8)   ceil((q_lora+D)/BN_QKV)         x -> qkv_raw (bf16): wq_a and wkv
+                               * SPLIT_D                       stacked (weights.stack_rows), one GEMV
   (HCA) |   gemv_stage (bf16)  + 2 ceil(C D/BN_C) * SPLIT_C   x -> source_kv, source_gate: the
   compressor                                                   compressor's wkv(x), wgate(x)
-3 norms     norm_rope_kv_task  2R                              qr_raw -> qr = q_norm(qr_raw); kv_raw ->
-                                                               kv_norm, RoPE -> the KV ring (not for
-                                                               pad rows, slot < 0)
+3 norms     norm_rope_kv_task  2R                              qkv_raw -> qr = q_norm(its first q_lora
+                                                               columns); the other D -> kv_norm, RoPE ->
+                                                               the KV ring (not for pad rows, slot < 0)
   (HCA)     source_write_task  + R                             source_kv, source_gate -> the layer's
                                                                source ring (compress.py)
 4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw (K2's attend normalises and
@@ -76,10 +76,8 @@ class K1Args(NamedTuple):
     post: torch.Tensor  # the attention site's mixes, for K2's fold
     comb: torch.Tensor
     x: torch.Tensor
-    wq_a: Fp8Matrix
-    wkv: Fp8Matrix
-    qr_raw: torch.Tensor
-    kv_raw: torch.Tensor
+    wqkv_a: Fp8Matrix  # wq_a and wkv stacked
+    qkv_raw: torch.Tensor  # [R, q_lora + D]
     q_norm: torch.Tensor
     kv_norm: torch.Tensor
     qr: torch.Tensor
@@ -121,8 +119,7 @@ class K1Meta(NamedTuple):
     BD: int  # hidden columns a settle task normalises at once
     HAS_OWED: bool
     SB: int  # the FP8 scale block
-    BN_QA: int
-    BN_KV: int
+    BN_QKV: int
     BN_QB: int
     BK_D: int  # GEMV K steps over the hidden size and over q_lora
     BK_Q: int
@@ -158,20 +155,14 @@ def _k1(a, m):
                        a.hc_eps, a.norm_eps, a.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
     barrier(a.sync, epoch, 1, BARRIERS, m.TIMELINE, m.FAST)
 
-    q_tasks = tl.cdiv(a.q_lora, m.BN_QA) * m.SPLIT_D
-    gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wq_a.codes, a.wq_a.scales, a.qr_raw, a.q_lora, a.q_lora, a.d, 0,
-               a.sums, a.tickets, 0, m.SB, m.BN_QA, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST, m.DENSE_STAGES)
-    gemv_stage(pid, grid, q_tasks, a.x, a.d, a.rows, a.wkv.codes, a.wkv.scales, a.kv_raw, m.D, m.D, a.d, 0,
-               a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR),
-               a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D), 0, m.SB, m.BN_KV, m.BK_D, m.SPLIT_D, m.BR,
-               True, m.FAST, m.DENSE_STAGES)
-    if m.RATIO > 0:  # the compressor's wkv and wgate (bf16 weights) on the programs after wkv's tasks
+    qkv = a.q_lora + m.D
+    gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wqkv_a.codes, a.wqkv_a.scales, a.qkv_raw, qkv, qkv, a.d, 0,
+               a.sums, a.tickets, 0, m.SB, m.BN_QKV, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST, m.DENSE_STAGES)
+    if m.RATIO > 0:  # the compressor's wkv and wgate (bf16 weights) on the programs after wq_a|wkv's tasks
         width = m.HALVES * m.D
-        first = q_tasks + tl.cdiv(m.D, m.BN_KV) * m.SPLIT_D
-        sums = a.sums + split_sums_of(a.q_lora, m.BN_QA, m.SPLIT_D, m.BR) + split_sums_of(m.D, m.BN_KV, m.SPLIT_D,
-                                                                                           m.BR)
-        tickets = a.tickets + split_tickets_of(a.q_lora, m.BN_QA, m.SPLIT_D) + split_tickets_of(m.D, m.BN_KV,
-                                                                                                 m.SPLIT_D)
+        first = tl.cdiv(qkv, m.BN_QKV) * m.SPLIT_D
+        sums = a.sums + split_sums_of(qkv, m.BN_QKV, m.SPLIT_D, m.BR)
+        tickets = a.tickets + split_tickets_of(qkv, m.BN_QKV, m.SPLIT_D)
         gemv_stage(pid, grid, first, a.x, a.d, a.rows, a.comp_wkv, a.comp_wkv, a.source_kv, width, width, a.d, 0,
                    sums, tickets, 1, m.SB, m.BN_C, m.BK_C, m.SPLIT_C, m.BR, True, m.FAST, m.DENSE_STAGES)
         gemv_stage(pid, grid, first + tl.cdiv(width, m.BN_C) * m.SPLIT_C, a.x, a.d, a.rows, a.comp_wgate,
@@ -184,9 +175,9 @@ def _k1(a, m):
     norm_tasks = 2 * a.rows
     for t in range(pid, norm_tasks + (a.rows if m.RATIO > 0 else 0), grid):
         if t < norm_tasks:
-            A.norm_rope_kv_task(t, a.qr_raw, a.q_lora, a.q_norm, a.qr, a.kv_raw, m.D, a.kv_norm, a.positions,
-                                a.slots, a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D, m.RD, a.norm_eps,
-                                m.BQ, m.D)
+            A.norm_rope_kv_task(t, a.qkv_raw, qkv, a.q_norm, a.qr, a.qkv_raw + a.q_lora, qkv, a.kv_norm,
+                                a.positions, a.slots, a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D,
+                                m.RD, a.norm_eps, m.BQ, m.D)
         else:
             C.source_write_task(t - norm_tasks, a.positions, a.slots, a.source_kv, a.source_gate, a.src_kv,
                                 a.src_gate, a.src_pos, a.src_span, m.HALVES * m.D, m.D)
@@ -203,13 +194,13 @@ def _k1(a, m):
 
 
 def dense_stages(runner, rows: int):
-    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a | wkv, then
-    (when the runner has an HCA layer) the compressor's wkv | wgate, and wq_b."""
+    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a and wkv
+    stacked, then (when the runner has an HCA layer) the compressor's wkv | wgate, and wq_b."""
     c = runner.config
     d, q_lora, hd = c.hidden_size, c.q_lora_rank, c.head_dim
-    qa, kv = runner.gemv_blocks("k1", q_lora, d, rows), runner.gemv_blocks("k1", hd, d, rows)
+    qkv = runner.gemv_blocks("k1", q_lora + hd, d, rows)
     qb = runner.gemv_blocks("k1", c.num_attention_heads * hd, q_lora, rows)
-    front = [(q_lora, qa), (hd, kv)]
+    front = [(q_lora + hd, qkv)]
     width = source_width(runner)
     if width:
         comp = runner.gemv_blocks("k1", width, d, rows, fp8=False)
@@ -231,16 +222,15 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
     ring = cache.window
     d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
     front, [(_, (bn_qb, bk_q, split_q))] = dense_stages(runner, s.rows)
-    (_, (bn_qa, bk_qa, split_d)), (_, (bn_kv, bk_kv, _)) = front[:2]
-    bn_c, bk_c, split_c = front[2][1] if len(front) > 2 else (1, 1, 1)  # (unused without an HCA layer)
-    bk_d = min(bk_qa, bk_kv)  # one K step for the stage's two matrices (they share x and its slices)
+    (_, (bn_qkv, bk_d, split_d)) = front[0]
+    bn_c, bk_c, split_c = front[1][1] if len(front) > 1 else (1, 1, 1)  # (unused without an HCA layer)
     owed_y, owed_post, owed_comb = s.owed() if owed is None else owed  # (not read when nothing is owed)
     args = K1Args(
         sync=runner.sync_args("k1"), rows=s.rows, positions=s.positions, slots=s.slots,
         residual=residual, owed_y=owed_y, owed_post=owed_post, owed_comb=owed_comb,
         streams=residual if owed is None else s.streams[1 - cur], partials=s.partials,
         hc_fn=lw.hc_attn[0], hc_base=lw.hc_attn[1], hc_scale=lw.hc_attn[2], attn_norm=lw.attn_norm,
-        post=s.post_attn, comb=s.comb_attn, x=s.x, wq_a=lw.wq_a, wkv=lw.wkv, qr_raw=s.qr_raw, kv_raw=s.kv_raw,
+        post=s.post_attn, comb=s.comb_attn, x=s.x, wqkv_a=lw.wqkv_a, qkv_raw=s.qkv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
         ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw, **_compressor(lw, cache, s),
         sums=runner.split_sums, tickets=runner.split_tickets,
@@ -251,7 +241,7 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
                                        runner.shape.settle_columns)
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
-        HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QA=bn_qa, BN_KV=bn_kv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
+        HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QKV=bn_qkv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         RATIO=lw.compressor.ratio if lw.compressor else 0, HALVES=lw.compressor.halves if lw.compressor else 1,

@@ -21,7 +21,7 @@ K2:
 4 settle    hc.settle_task         R                  -> post/comb of the FFN site (owed to the next
                                                       layer), x = ffn_norm(collapse)
 5 gate|w1|w3 gemv_stage            ceil(E/BN_G) * SPLIT_G       x -> logits (fp32), shared gate/up
-                                   + 2 ceil(I/BN_SH) * SPLIT_D
+                                   + ceil(2I/BN_SH) * SPLIT_D   (w1 and w3 stacked: one GEMV)
 6 route, group route_task (the last  R                  -> ids, weights; order/experts/counts
   | w2        to arrive groups),    + ceil(d/BN_S2) * SPLIT_I   shared gate/up -> shared_out (the
             gemv_stage (SWIGLU)                                 SwiGLU taken as w2 loads its x)
@@ -138,9 +138,8 @@ class FfnArgs(NamedTuple):
     order: torch.Tensor
     experts: torch.Tensor
     counts: torch.Tensor
-    shared: tuple[Fp8Matrix, Fp8Matrix, Fp8Matrix] | None  # w1, w2, w3 of the shared expert
-    shared_gate: torch.Tensor
-    shared_up: torch.Tensor
+    shared: tuple[Fp8Matrix, Fp8Matrix] | None  # w1 and w3 stacked, w2 of the shared expert
+    shared_gate_up: torch.Tensor  # [R, 2 I]: w1's outputs (the gate), then w3's (the up)
     shared_out: torch.Tensor
     route_ticket: torch.Tensor  # int32 [1], 0 between launches: route tasks' arrivals (router.group_when_routed)
     w1: tuple[torch.Tensor, torch.Tensor]  # the routed experts: (fragment halves int16, scale codes)
@@ -236,21 +235,15 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
                        f.hc_eps, f.norm_eps, f.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
     barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE, m.FAST)
 
-    # the router gate (bf16 weights, fp32 logits), then the shared expert's w1 and w3 on the programs after it
+    # the router gate (bf16 weights, fp32 logits), then the shared expert's stacked w1 | w3 on the programs after it
     gemv_stage(pid, grid, 0, f.x, f.d, R, f.gate, f.gate, f.logits, f.n_experts, f.n_experts, f.d, 0, f.sums,
                f.tickets, 1, m.SB, m.BN_G, m.BK_G, m.SPLIT_G, m.BR, False, m.FAST, m.DENSE_STAGES)
     if m.SHARED:
         first = tl.cdiv(f.n_experts, m.BN_G) * m.SPLIT_G
         sums = f.sums + split_sums_of(f.n_experts, m.BN_G, m.SPLIT_G, m.BR)
         tickets = f.tickets + split_tickets_of(f.n_experts, m.BN_G, m.SPLIT_G)
-        gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate, f.inter,
-                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
-                   m.BR, True, m.FAST, m.DENSE_STAGES)
-        first += tl.cdiv(f.inter, m.BN_SH) * m.SPLIT_D
-        sums += split_sums_of(f.inter, m.BN_SH, m.SPLIT_D, m.BR)
-        tickets += split_tickets_of(f.inter, m.BN_SH, m.SPLIT_D)
-        gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[2].codes, f.shared[2].scales, f.shared_up, f.inter,
-                   f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
+        gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate_up,
+                   2 * f.inter, 2 * f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
                    m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE, m.FAST)
 
@@ -261,9 +254,9 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
                       f.n_experts, f.topk, f.route_scale, m.BE, m.BTOPK, m.HASH, m.FAST)
         RT.group_when_routed(f.route_ticket, R, f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
     if m.SHARED:
-        gemv_stage(pid, grid, R, f.shared_gate, f.inter, R, f.shared[1].codes, f.shared[1].scales, f.shared_out, f.d,
-                   f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
-                   m.BR, True, m.FAST, m.DENSE_STAGES, f.shared_up, f.limit, True)
+        gemv_stage(pid, grid, R, f.shared_gate_up, 2 * f.inter, R, f.shared[1].codes, f.shared[1].scales,
+                   f.shared_out, f.d, f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
+                   m.BR, True, m.FAST, m.DENSE_STAGES, f.shared_gate_up + f.inter, f.limit, True)
 
 
 @triton.jit
@@ -322,16 +315,16 @@ def _k3(f, m):
 
 def dense_stages(runner, rows: int):
     """K2's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wo_a, wo_b,
-    gate | w1 | w3, w2 (the `ffn` launch runs the last two)."""
+    gate | w1 w3 (stacked), w2 (the `ffn` launch runs the last two)."""
     c = runner.config
     inter, d = c.moe_intermediate_size, c.hidden_size
     z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups
     oa = runner.gemv_blocks("k2", z_width, o_in, rows, group_rows=c.o_lora_rank)
     ob = runner.gemv_blocks("k2", d, z_width, rows)
     g = runner.gemv_blocks("k2", c.n_routed_experts, d, rows, fp8=False)
-    sh = runner.gemv_blocks("k2", inter, d, rows)
+    sh = runner.gemv_blocks("k2", 2 * inter, d, rows)
     s2 = runner.gemv_blocks("k2", d, inter, rows)
-    return [[(z_width, oa)], [(d, ob)], [(c.n_routed_experts, g), (inter, sh), (inter, sh)], [(d, s2)]]
+    return [[(z_width, oa)], [(d, ob)], [(c.n_routed_experts, g), (2 * inter, sh)], [(d, s2)]]
 
 
 def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
@@ -343,7 +336,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
     rows = s.rows
     [[(_, (bn_oa, bk_o, split_o))], [(_, (bn_ob, bk_z, split_z))],
-     [(_, (bn_g, bk_g, split_g)), (_, (bn_sh, bk_d, split_d)), _], [(_, (bn_s2, bk_i, split_i))]] = \
+     [(_, (bn_g, bk_g, split_g)), (_, (bn_sh, bk_d, split_d))], [(_, (bn_s2, bk_i, split_i))]] = \
         dense_stages(runner, rows)
     shape, ex = runner.shape, lw.experts
     window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
@@ -364,7 +357,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         hc_fn=lw.hc_ffn[0], hc_base=lw.hc_ffn[1], hc_scale=lw.hc_ffn[2], ffn_norm=lw.ffn_norm,
         post=s.post_ffn, comb=s.comb_ffn, x=s.x, gate=lw.gate, route_bias=lw.route_bias, tid2eid=lw.tid2eid,
         logits=s.logits, ids=s.ids, route_weights=s.route_weights, order=s.order, experts=s.experts,
-        counts=s.counts, shared=lw.shared, shared_gate=s.shared_gate, shared_up=s.shared_up,
+        counts=s.counts, shared=lw.shared, shared_gate_up=s.shared_gate_up,
         shared_out=s.shared_out, route_ticket=s.route_ticket, w1=(ex.w1[0].view(torch.int16), ex.w1[1]),
         w2=(ex.w2[0].view(torch.int16), ex.w2[1]), w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up,
         h=s.h, per_pick=s.per_pick, y=s.y,

@@ -44,7 +44,7 @@ class Scratch:
         self.post_ffn, self.comb_ffn = f32(r, hc), f32(r, hc, hc)
         self.x = bf16(r, d)  # the collapsed, normalised sub-block input
         # attention
-        self.qr_raw, self.kv_raw, self.qr = bf16(r, c.q_lora_rank), bf16(r, hd), bf16(r, c.q_lora_rank)
+        self.qkv_raw, self.qr = bf16(r, c.q_lora_rank + hd), bf16(r, c.q_lora_rank)  # qkv_raw: wq_a's, then wkv's
         self.q_raw, self.o = bf16(r, heads * hd), bf16(r, heads, hd)
         self.z, self.attn_out = bf16(r, c.o_groups * c.o_lora_rank), bf16(r, d)
         # a compressed layer's compressor projections (2 halves at most), before its source ring
@@ -55,7 +55,7 @@ class Scratch:
         self.logits = f32(r, c.n_routed_experts)
         self.ids, self.route_weights = i32(r, k), f32(r, k)
         self.order, self.experts, self.counts = i32(picks), i32(picks), i32(picks)
-        self.shared_gate, self.shared_up, self.shared_out = bf16(r, inter), bf16(r, inter), bf16(r, d)
+        self.shared_gate_up, self.shared_out = bf16(r, 2 * inter), bf16(r, d)  # gate: inter columns, then up
         self.route_ticket = torch.zeros(1, dtype=torch.int32, device=device)  # 0 between launches
         self.gate_up, self.h, self.per_pick = f32(picks, 2, inter), bf16(picks, inter), f32(picks, d)
         self.y = bf16(r, d)  # the FFN output, owed to the next layer's fold

@@ -69,10 +69,9 @@ class LayerWeights:
     gate: torch.Tensor  # bf16 [E, d]
     route_bias: torch.Tensor | None  # fp32 [E] (bias-routed layers)
     tid2eid: torch.Tensor | None  # int64 [vocab, k] (hash-routed layers)
-    shared: tuple[Fp8Matrix, Fp8Matrix, Fp8Matrix] | None  # w1, w2, w3
+    shared: tuple[Fp8Matrix, Fp8Matrix] | None  # w1 and w3 stacked [2 I, d] (`stack_rows`), w2
     experts: X.ExpertWeights
-    wq_a: Fp8Matrix | None = None
-    wkv: Fp8Matrix | None = None
+    wqkv_a: Fp8Matrix | None = None  # wq_a and wkv stacked [q_lora + D, d] (`stack_rows`)
     wq_b: Fp8Matrix | None = None
     wo_a: Fp8Matrix | None = None
     wo_b: Fp8Matrix | None = None
@@ -84,7 +83,7 @@ class LayerWeights:
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
-        matrices = [self.wq_a, self.wkv, self.wq_b, self.wo_a, self.wo_b, *(self.shared or ())]
+        matrices = [self.wqkv_a, self.wq_b, self.wo_a, self.wo_b, *(self.shared or ())]
         return sum(m.codes.numel() + m.scales.numel() for m in matrices if m is not None)
 
 
@@ -134,6 +133,14 @@ def stack_experts(bank, replace) -> X.ExpertWeights:
     return stack
 
 
+def stack_rows(*matrices: Fp8Matrix) -> Fp8Matrix:
+    """FP8 matrices of the same K as one: their rows one after another, their scale blocks
+    likewise (each one's rows a multiple of the block: `refusals` checks the sizes). Two GEMVs
+    on the same input then run as one: one copy of the GEMV loop in a kernel's code instead of
+    two (K1's wq_a and wkv, K2's shared w1 and w3)."""
+    return Fp8Matrix(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
+
+
 def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replace_experts, whole: bool,
                   fp8: dict[str, Fp8Matrix], ratio: int = 0) -> LayerWeights:
     """Kernel views of the block whose names start with `prefix` (`layers.{i}.`, or a draft
@@ -143,7 +150,8 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
     c, p = config, prefix
     shared = None
     if c.n_shared_experts:
-        shared = tuple(fp8[f"{p}ffn.shared_experts.{m}"] for m in ("w1", "w2", "w3"))
+        w1, w2, w3 = (fp8[f"{p}ffn.shared_experts.{m}"] for m in ("w1", "w2", "w3"))
+        shared = (stack_rows(w1, w3), w2)
     lw = LayerWeights(
         hc_attn=tuple(w[f"{p}hc_attn_{s}"] for s in ("fn", "base", "scale")),
         hc_ffn=tuple(w[f"{p}hc_ffn_{s}"] for s in ("fn", "base", "scale")),
@@ -154,7 +162,8 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
     )
     if whole:
         a = f"{p}attn."
-        lw.wq_a, lw.wkv, lw.wq_b, lw.wo_a, lw.wo_b = (fp8[f"{a}{m}"] for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b"))
+        lw.wq_b, lw.wo_a, lw.wo_b = (fp8[f"{a}{m}"] for m in ("wq_b", "wo_a", "wo_b"))
+        lw.wqkv_a = stack_rows(fp8[f"{a}wq_a"], fp8[f"{a}wkv"])
         lw.q_norm, lw.kv_norm, lw.attn_sink = w[f"{a}q_norm"], w[f"{a}kv_norm"], w[f"{a}attn_sink"]
         lw.rope_freqs = layer_frequencies(c, compressed=ratio > 0).to(lw.attn_norm.device).contiguous()
         if ratio:
@@ -196,9 +205,9 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
     fp8 = {}
     if lw.shared is not None:
         fp8.update({f"ffn.shared_experts.{m}": (t, s) for m, t, s in
-                    zip(("w1", "w2", "w3"), lw.shared, ((inter, d), (d, inter), (inter, d)))})
-    if lw.wq_a is not None:
-        fp8.update({"attn.wq_a": (lw.wq_a, (c.q_lora_rank, d)), "attn.wkv": (lw.wkv, (hd, d)),
+                    zip(("w1 and w3", "w2"), lw.shared, ((2 * inter, d), (d, inter)))})
+    if lw.wqkv_a is not None:
+        fp8.update({"attn.wq_a and wkv": (lw.wqkv_a, (c.q_lora_rank + hd, d)),
                     "attn.wq_b": (lw.wq_b, (heads * hd, c.q_lora_rank)),
                     "attn.wo_a": (lw.wo_a, (c.o_groups * c.o_lora_rank, heads * hd // c.o_groups)),
                     "attn.wo_b": (lw.wo_b, (d, c.o_groups * c.o_lora_rank))})
