@@ -2,8 +2,8 @@
 
 On the CPU the kernels run under Triton's interpreter with grid (1,); with
 MONODECODE_TEST_DEVICE=cuda they run compiled, one program per SM. The model: tiny dims, three
-layers, one of each kind: window-only (`whole`: K1 + K2, hash-routed), CSA (`ffn`, hash-routed)
-and HCA (`ffn`, bias-routed); bf16, as the kernels run.
+layers, one of each kind, all `whole` (K1 + K2 + K3): window-only (hash-routed), CSA
+(hash-routed; its indexer in K1) and HCA (ratio 16, bias-routed); bf16, as the kernels run.
 """
 
 import logging
@@ -22,8 +22,8 @@ SLOTS, CONTEXT, STEP_ROWS = 8, 96, 8
 # Where a top-k choice nearly ties, a last-bit difference in its input
 # picks another element, and the row then legitimately differs. Two such choices differ between the
 # paths here: the routed experts of the last layer (bias-routed; the earlier layers are hash-routed,
-# the token picks) and the entries the CSA layer's indexer keeps (per-op in both paths, on inputs
-# that differ in the last bits). The tests set aside the rows whose choice actually differs, and
+# the token picks) and the entries the CSA layer's indexer keeps (on inputs that differ in the
+# last bits). The tests set aside the rows whose choice actually differs, and
 # require each to have been a near-tie in the reference (a gap below these) and at most a quarter
 # of the rows to flip: a wrong kernel would flip rows with wide gaps.
 ROUTING_NEAR_TIE = 2e-2  # absolute gap of the biased router scores
@@ -40,7 +40,7 @@ def tiny(**overrides):
 @pytest.fixture(scope="module")
 def decoder(device):
     d = Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16), "on")
-    assert d.mono is not None and d.mono.plan == ["whole", "ffn", "whole"]
+    assert d.mono is not None and d.mono.plan == ["whole", "whole", "whole"]
     d.mono.poison = True  # every width's scratch starts as NaN: an unwritten element would show
     return d
 
@@ -79,9 +79,9 @@ class Choices:
     """The top-k choices of each step that may flip (ROUTING_NEAR_TIE above): the last layer's
     picks (per-op steps through its `MoE.route`, with the gap between the k-th and (k+1)-th
     biased scores; mono steps from the kernels' scratch: the picks of the step's last K2 launch,
-    which is the last layer's) and the CSA indexer's kept entries per row, with their gap (the
-    per-op path through `Attention._compressed_keys`, the mono path's fixed-shape attention
-    through `Indexer.top`). The mono steps run eagerly while recording (the runner's graphs
+    which is the last layer's) and the CSA indexer's kept entries per row (per-op steps through
+    `Attention._compressed_keys`, with their gap; mono steps from the selection list that K1 of
+    the only CSA layer leaves in the scratch). The mono steps run eagerly while recording (the runner's graphs
     are off): Python hooks see nothing inside a replayed graph, and a capture cannot copy to the
     host; that replays equal eager runs is tested on its own
     (test_cuda_graphs_of_alternating_widths_replay_the_eager_results).
@@ -104,7 +104,7 @@ class Choices:
             self.routed = (ids.sort(dim=-1).values.cpu(), moe.margin(x).cpu())
             return ids, weights
 
-        indexer, top = attention.indexer, attention.indexer.top
+        indexer = attention.indexer
 
         def record(rows, q, weights, keys, positions, kept):
             """kept [n, E] bool: the entries each of `rows` attends."""
@@ -126,27 +126,21 @@ class Choices:
                        g.positions, mask)
             return entries, mask
 
-        def recording_top(q, weights, keys, positions):  # the fixed-shape attention: every row at once
-            indices, valid = top(q, weights, keys, positions)
-            if keys.dim() == 3 and keys.shape[1]:
-                kept = torch.zeros(keys.shape[:2], dtype=torch.bool, device=keys.device).scatter_(1, indices, valid)
-                record(range(len(positions)), q, weights, keys, positions, kept)
-            return indices, valid
-
-        moe.route, attention._compressed_keys, indexer.top = recording_route, recording_keys, recording_top
+        moe.route, attention._compressed_keys = recording_route, recording_keys
         return self
 
     def __exit__(self, *exc):
         self.decoder.mono.graphs_enabled = self.graphs_were_enabled
         self.moe.__dict__.pop("route", None)
         self.attention.__dict__.pop("_compressed_keys", None)
-        self.attention.indexer.__dict__.pop("top", None)
 
     def take(self, rows: int) -> dict:
         """The choices of the step that just ran: picks [N, k] sorted, their gaps [N] (None on a
         mono step), and {row: (kept entries, gap)} of the indexer."""
         if self.routed is None:  # a mono step: MoE.route did not run
             picks, gaps = self.decoder.mono.scratch[rows].ids.sort(dim=-1).values.cpu(), None
+            selected = self.decoder.mono.scratch[rows].selected.cpu()
+            self.index = {r: (tuple(sorted(e for e in ids if e >= 0)), None) for r, ids in enumerate(selected.tolist())}
         else:
             (picks, gaps), self.routed = self.routed, None
         index, self.index = self.index, {}
@@ -195,7 +189,8 @@ def test_a_step_matches_the_per_op_path(decoder, width):
     # hidden 128): a step whose only row flips leaves no row to compare.
     seed = width + 100
     g = torch.Generator().manual_seed(seed)
-    (ref_cache, mono_cache), next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=seed)
+    # slots 1 and 6 far enough on that the CSA layer's indexer keeps 8 of 17-21 visible entries
+    (ref_cache, mono_cache), next_pos = prefilled(decoder, [3, 70, 9, 30, 1, 12, 81, 5], seed=seed)
     groups, pads = STEPS[width]
     tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, groups, pads)
     assert len(tokens) == width
@@ -209,7 +204,7 @@ def test_a_step_matches_the_per_op_path(decoder, width):
     index_flips, routing_flips = flips(out_choices, ref_choices, live)
     assert_few_flips(index_flips | routing_flips, live)
     d = decoder.config.hidden_size
-    for layer in range(3):  # each layer's residual (mean over the hc streams): whole, ffn (CSA), ffn (HCA)
+    for layer in range(3):  # each layer's residual (mean over the hc streams): window, CSA, HCA
         cols = slice(layer * d, (layer + 1) * d)
         rows = live & ~(index_flips & (layer >= CSA)) & ~(routing_flips & (layer >= LAST))
         assert_rows_agree(hidden[:, cols].cpu(), ref_hidden[:, cols].cpu(), rows, f"layer {layer}")
@@ -222,18 +217,22 @@ def test_a_step_matches_the_per_op_path(decoder, width):
 
 
 def assert_compressed_caches_agree(a, b, layer):
-    """A compressed layer's source ring (positions equal, projections close) and its entries
-    (close; an entry one path emitted and the other did not would be a zero row against a full one)."""
-    if b.source is None:
-        return
-    assert torch.equal(a.source.pos, b.source.pos), f"layer {layer}: source ring positions differ"
-    for part in ("kv", "gate"):
-        cos, rel = agreement(a.source.data[part].float().cpu(), b.source.data[part].float().cpu())
-        assert cos >= 0.9999 and rel <= 1e-2, (layer, part, cos, rel)
-    emitted = b.entries.float().cpu().abs().sum(-1) > 0
-    assert torch.equal(a.entries.float().cpu().abs().sum(-1) > 0, emitted), f"layer {layer}: entries emitted differ"
-    cos, rel = agreement(a.entries.float().cpu(), b.entries.float().cpu())
-    assert cos >= 0.9999 and rel <= 1e-2, (layer, "entries", cos, rel)
+    """A compressed layer's source rings (positions equal, projections close) and entries (close;
+    an entry one path emitted and the other did not would be a zero row against a full one): its
+    compressor's and, on a CSA layer, its indexer's."""
+    for ring, entries in (("source", "entries"), ("index_source", "index_entries")):
+        if getattr(b, ring) is None:
+            continue
+        source_a, source_b = getattr(a, ring), getattr(b, ring)
+        assert torch.equal(source_a.pos, source_b.pos), f"layer {layer}: {ring} ring positions differ"
+        for part in ("kv", "gate"):
+            cos, rel = agreement(source_a.data[part].float().cpu(), source_b.data[part].float().cpu())
+            assert cos >= 0.9999 and rel <= 1e-2, (layer, ring, part, cos, rel)
+        entries_a, entries_b = getattr(a, entries).float().cpu(), getattr(b, entries).float().cpu()
+        emitted = entries_b.abs().sum(-1) > 0
+        assert torch.equal(entries_a.abs().sum(-1) > 0, emitted), f"layer {layer}: {entries} emitted differ"
+        cos, rel = agreement(entries_a, entries_b)
+        assert cos >= 0.9999 and rel <= 1e-2, (layer, entries, cos, rel)
 
 
 def greedy(decoder, step, cache, prompts, steps, forced=None):
@@ -358,8 +357,8 @@ def test_refused_configurations_say_why(device, caplog):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratios", [(0, 0, 0), (0, 4, 16)])
 def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, ratios):
-    """Every layer `whole`, or `ffn` layers with their fixed-shape per-op attention in the graph:
-    each width's step is captured once and replayed; replays equal eager runs."""
+    """Window layers only, or one of each kind (a CSA layer's indexer in K1): each width's step is
+    captured once and replayed; replays equal eager runs."""
     m = Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(compress_ratios=ratios), seed=9), device,
                                       torch.bfloat16), "on")
     assert m.mono.graphs_enabled
@@ -433,66 +432,12 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
     assert again.mono.layers[0].experts is experts
 
 
-def test_the_attention_is_compiled_by_default_on_a_gpu_only(decoder, device):
-    """`compile_attention` None (the default): compiled on a GPU, eager under the interpreter."""
-    from monodecode.model.batched import attention_site
-
-    assert (decoder.mono.attention_site is attention_site) == (device == "cpu")
-
-
-@pytest.mark.parametrize("ratios, widths", [pytest.param((0, 4, 16), (6, 1, 5), marks=pytest.mark.slow),
-                                             ((4,), (6, 5))],
-                         ids=["every_kind_1_and_2+_rows", "CSA_2+_rows"])
-def test_compiled_ffn_attention_gives_the_same_steps(device, ratios, widths):
-    """`compile_attention`: the `ffn` layers' per-op attention under torch.compile (inductor with
-    the eager rounding points) gives the eager steps up to summation order: bit-equal on the CPU
-    from 2 rows; one compiled graph a layer kind serves every width of 2+ rows, one more each for
-    1 row; building the runner (its residency check) compiles nothing, steps of pad rows (the
-    engine's warm-up) compile what the real steps then use. Each compile is the most of the time
-    (inductor builds C++ on the CPU): both `ffn` kinds (CSA, HCA) in the three-layer model are
-    `slow`, with 1 row too two compiles more; by default one CSA layer (the indexer: the most code)
-    at two widths of 2+ rows."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    from monodecode.mono.runner import MonoRunner
-
-    layers = len(ratios)
-    model = Model.from_checkpoint(SyntheticCheckpoint(tiny(num_hidden_layers=layers, compress_ratios=ratios,
-                                                           dspark_target_layer_ids=tuple(range(layers))), seed=5),
-                                  device, torch.bfloat16)
-    decoder = Decoder(model)  # the per-op prefills; the runners under test are built below
-    g = torch.Generator().manual_seed(23)
-    caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=23)
-    steps = [step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[w]) for w in widths]
-    eager_runner = MonoRunner(decoder.model, compile_attention=False)
-    eager = [eager_runner.step(caches[0], *step) for step in steps]
-    torch._dynamo.reset()
-    graphs = counters["stats"]["unique_graphs"]
-    runner = MonoRunner(decoder.model, compile_attention=True)
-    assert counters["stats"]["unique_graphs"] == graphs
-    empty = decoder.make_cache(SLOTS, CONTEXT, STEP_ROWS)  # as the server's before its first request
-    warm_up = {w > 1: w for w in reversed(widths)}.values()  # the first width of 1 row and of 2+ rows
-    for width in warm_up:  # as Engine.warm_up does it: pad rows only
-        runner.step(empty, [0] * width, [0] * width, [-1] * width)
-    expected = len(set(ratios) - {0}) * len(warm_up)  # the ffn kinds (CSA, HCA) x (1 row, 2+ rows)
-    assert counters["stats"]["unique_graphs"] - graphs == expected
-    compiled = [runner.step(caches[1], *step) for step in steps]  # the other widths: nothing new
-    assert counters["stats"]["unique_graphs"] - graphs == expected
-    for width, a, b in zip(widths, compiled, eager):
-        if device == "cpu" and width > 1:
-            assert torch.equal(a, b)
-        else:  # seen on the CPU at 1 row: 0.999985 / 5.5e-3 (inductor reduces the 1-row matmuls itself)
-            cos, rel = agreement(a, b)
-            assert cos >= 0.9999 and rel <= 1e-2, (width, cos, rel)
-
-
 def test_the_residency_check_launches_every_kernel_at_the_widest_build(decoder):
     """On a GPU it runs at build (and at configure); here it is called to run its code."""
     epochs = {name: state.epoch for name, state in decoder.mono.sync.items()}
     decoder.mono.check_residency()
     advanced = {name: state.epoch - epochs[name] for name, state in decoder.mono.sync.items()}
-    assert advanced == {"k1": 2, "k2": 2, "ffn": 1, "k3": 3}  # K3 after every layer's K2 or ffn launch
+    assert advanced == {"k1": 2, "k1c": 1, "k2": 3, "k3": 3}  # k1c: the CSA layer's K1
     assert 48 in decoder.mono.scratch
 
 
@@ -551,10 +496,14 @@ def test_the_gpu_check_reports_agreement_and_routing_flips(decoder):
     assert all(margin < ROUTING_NEAR_TIE for margin in flips["margins"]) and flips["rows"] <= 4
     for report in reports.values():
         assert all(layer["cos"] >= 0.9999 for layer in report["layers"]) and report["ring_positions_equal"]
-        for layer in report["compressed"].values():  # the CSA layer (per-op on both paths) and the HCA one
+        compressors = [*report["compressed"].values(), report["compressed"][1]["index"]]  # CSA's indexer too
+        for layer in compressors:  # the CSA layer, the HCA one, the CSA layer's indexer
             assert layer["source_positions_equal"] and layer["entries_emitted_equal"]
             assert min(layer[k]["cos"] for k in ("source_kv", "source_gate", "entries")) >= 0.9999
     assert sorted(reports[16]["compressed"]) == [1, 2]
+    for report in reports.values():  # the CSA layer's selection against the per-op path's
+        selection = report["index_selection"]
+        assert selection["entries_compared"] > 0 and selection["rows_differing"] <= 1, selection
     emitted = {width: reports[width]["compressed"][2]["entries_emitted"] for width in (6, 16)}
     assert emitted[16] == emitted[6] + 1  # slot 3's rows at 126, 127 complete an HCA entry (ratio 16)
 

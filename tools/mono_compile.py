@@ -9,10 +9,10 @@ step at each width (default 1 and 48) with the launches recorded instead of run,
 each distinct recorded launch with `triton.compile` for sm_90 (and the first K1, K2 and K3 with the
 timeline's stamps), and prints one line a kernel: shared memory, and registers and spills from
 ptxas -v.
-- `--dims tiny` (default): a three-layer tiny model (a window `whole`, a hash-routed CSA `ffn`
-  and a bias-routed HCA `whole` layer), seconds.
-- `--dims v4-flash`: three layers at v4-flash sizes (a hash-routed window `whole`, CSA `ffn` and
-  HCA `whole`, bias-routed; a 1024-token vocabulary; ~12 GB of memory, ~3 min): the tiles a launch shape gives at real
+- `--dims tiny` (default): a three-layer tiny model (a window, a hash-routed CSA and a
+  bias-routed HCA layer), seconds.
+- `--dims v4-flash`: three layers at v4-flash sizes (a hash-routed window, CSA and HCA layer,
+  bias-routed; a 1024-token vocabulary; ~12 GB of memory, ~3 min): the tiles a launch shape gives at real
   sizes, so that a shape's registers and spills are known before a GPU times it (registers are
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
   This machine's Triton may allocate a little differently from the GPU's.

@@ -11,9 +11,8 @@ over them as verify rows) and each layer, with a random residual as the layer's 
   once (`bench/batched.py`: the fair per-op baseline), in a CUDA graph; with `--compile MODE`,
   also that layer under torch.compile (MODE, e.g. max-autotune-no-cudagraphs; one compile a
   width), in a CUDA graph;
-- `mono`: a `whole` layer's K1 + K2 + K3, or an `ffn` layer's per-op attention (fixed shapes,
-  model/batched.py) + K2's FFN launch + K3, in a CUDA graph (`mono kernels`: the kernels alone;
-  of them K1 timed alone in a graph of its own, K2 the rest, K3 with it). Mono's layer first folds
+- `mono`: the layer's K1 + K2 + K3 in a CUDA graph (K1 also timed alone in a graph of its own,
+  K2 the rest, K3 with it). Mono's layer first folds
   an owed FFN output that leaves the residual unchanged (`identity_owed`), as a model's layers
   after the first fold the one before's: so it pays for one FFN fold, as the per-op block does.
 Every graph is timed as the median over `--reps` samples of `REPLAYS_IN_A_ROW` replays in a row
@@ -54,7 +53,7 @@ from ..config import preset
 from ..decode import Decoder
 from ..model import Model
 from ..model.attention import RequestRows
-from ..mono.plan import WHOLE, MonoRefused
+from ..mono.plan import MonoRefused
 from ..mono.shape import LaunchShape
 from ..mono.timeline import format_times, launch_gaps, launch_span, stage_times
 from ..schema import step_bytes, tensor_specs
@@ -111,8 +110,7 @@ class LayerStep(NamedTuple):
     streams: torch.Tensor  # the layer's input residual [rows, hc, d]
     cache: object  # the layer's cache (a copy of the prefilled one)
     groups: list  # the step's rows by request (model.group_rows)
-    whole: bool  # the layer runs whole on the kernels (K1 + K2 + K3)
-    kernels: Callable  # kernels(attention_too, k2_too=True): launch mono's kernels on the step
+    kernels: Callable  # kernels(k2_too=True): launch mono's kernels on the step (K1 alone without K2 and K3)
 
 
 class LayerBench:
@@ -138,21 +136,16 @@ class LayerBench:
         s.slots.copy_(torch.tensor(slots))
         streams = torch.randn(width, c.hc_mult, c.hidden_size, generator=g).to(torch.bfloat16).to(self.device)
         lw, lc = runner.layers[layer], cache.layers[layer]
-        whole = runner.plan[layer] == WHOLE
         owed = identity_owed(width, c.hc_mult, c.hidden_size, self.device)
 
-        def kernels(attention_too: bool, k2_too: bool = True):
+        def kernels(k2_too: bool = True):
             s.streams[0].copy_(streams)
-            cur = 0
-            if whole:
-                cur = k1.launch(runner, s, lw, lc, cur, owed=owed)
-            elif attention_too:
-                runner._attention_per_op(layer, s, lc, 0, owed)
+            cur = k1.launch(runner, s, lw, lc, 0, owed=owed)
             if k2_too:
-                k2.launch(runner, s, lw, lc, cur, attention=whole)
+                k2.launch(runner, s, lw, lc, cur)
 
         groups = model.group_rows(cache, s.tokens, s.positions, s.slots)
-        return LayerStep(scratch=s, streams=streams, cache=lc, groups=groups, whole=whole, kernels=kernels)
+        return LayerStep(scratch=s, streams=streams, cache=lc, groups=groups, kernels=kernels)
 
     @torch.no_grad()  # as the model's steps run: a compiled region is guarded on the grad mode
     def measure(self, layer: int, width: int, g: torch.Generator, shapes: list[LaunchShape],
@@ -161,7 +154,7 @@ class LayerBench:
         runner = self.runner
         inputs = self.step(layer, width, g)
         s, streams, lc, groups = inputs.scratch, inputs.streams, inputs.cache, inputs.groups
-        whole, kernels = inputs.whole, inputs.kernels
+        kernels = inputs.kernels
         block = self.model.blocks[layer]
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
         experts = distinct_experts(block, lambda: block(streams, s.tokens, s.positions, groups, lc))
@@ -185,24 +178,23 @@ class LayerBench:
             row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
                    "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
                    "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
-                   "mono_s": None, "mono_kernels_s": None, "mono_k1_s": None, "mono_k2_s": None, "stages": None,
+                   "mono_s": None, "mono_k1_s": None, "mono_k2_s": None, "stages": None,
                    "launches_in_graph": None}
             try:
                 runner.configure(shape)
             except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
                 rows.append({**row, "refused": "; ".join(refused.reasons), "kernels_launched": dict(launches)})
                 continue
-            row["mono_kernels_s"] = self.replay_time(lambda: kernels(False))
+            row["mono_s"] = self.replay_time(kernels)
             # K1 alone (its own epoch: nothing waits across launches), K2 the rest of the pair
-            row["mono_k1_s"] = self.replay_time(lambda: kernels(False, k2_too=False)) if whole else None
-            row["mono_k2_s"] = row["mono_kernels_s"] - (row["mono_k1_s"] or 0.0)
-            row["mono_s"] = row["mono_kernels_s"] if whole else self.replay_time(lambda: kernels(True))
+            row["mono_k1_s"] = self.replay_time(lambda: kernels(k2_too=False))
+            row["mono_k2_s"] = row["mono_s"] - row["mono_k1_s"]
             runner.check()
-            launches["mono"] = kernels_launched(lambda: kernels(True), self.device)
+            launches["mono"] = kernels_launched(kernels, self.device)
             row["kernels_launched"] = dict(launches)
             row["kernel_resources"] = runner.kernel_resources()  # registers, spills: why a shape is slow
             if timeline:
-                row["stages"], row["launches_in_graph"] = self.stage_times(lambda: kernels(False), whole)
+                row["stages"], row["launches_in_graph"] = self.stage_times(kernels)
             rows.append(row)
         return rows
 
@@ -212,7 +204,7 @@ class LayerBench:
         before and not after an idle GPU waiting for the host's launch of the graph."""
         return timed(graphed(fn, self.device), self.device, self.reps, back_to_back=REPLAYS_IN_A_ROW)
 
-    def stage_times(self, kernels, whole: bool) -> tuple[dict, dict]:
+    def stage_times(self, kernels) -> tuple[dict, dict]:
         """Per-stage times (mono/timeline.py) of the layer's kernels as a CUDA graph replays them
         (the stamps of the last of `reps` replays: what the timed graph runs, the stamps costing a
         little), and the gaps between the launches of that replay (`timeline.launch_gaps`)."""
@@ -224,7 +216,7 @@ class LayerBench:
                 replay()
             torch.cuda.synchronize(self.device)
             runner.check()  # an expired wait would leave stamps of a launch that gave up
-            kinds = ["k1", "k2", "k3"] if whole else ["ffn", "k3"]
+            kinds = list(runner.timelines)  # the families this layer's launches stamped, in launch order
             names = {kind: runner.sync[kind].stage_names for kind in kinds}
             stages = {kind: stage_times(runner.timelines[kind], names[kind]) for kind in kinds}
             spans = [(kind, launch_span(runner.timelines[kind], len(names[kind]))) for kind in kinds]
@@ -409,7 +401,7 @@ def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
     cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
-            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'kernels':>12}{'K1':>9}{'K2':>9}{'of floor':>9}"
+            f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'K1':>9}{'K2':>9}{'of floor':>9}"
             f"{'speedup':>9}"
             f"{'launches':>14}  shape")
     lines = [head, cols]
@@ -418,15 +410,14 @@ def table(report: dict) -> str:
         lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
                      f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
                      f"{_us(r['per_op_compiled_s']):>12}"
-                     f"{r['per_op_of_floor']:>9.1%}{_us(r['mono_s']):>12}{_us(r['mono_kernels_s']):>12}"
+                     f"{r['per_op_of_floor']:>9.1%}{_us(r['mono_s']):>12}"
                      f"{_us(r.get('mono_k1_s')):>9}{_us(r.get('mono_k2_s')):>9}{versus}"
                      f"{_launches(r['kernels_launched']):>14}  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
-                 "mono: in a CUDA graph, the kernels and, on `ffn` layers, the per-op attention; kernels: mono's "
-                 "kernels alone, K1 (timed alone) and K2 (the rest: kernels - K1, K3 with it; on `ffn` layers the "
-                 "`ffn` launch and K3); shape: the "
+                 "mono: the layer's kernels in a CUDA graph, K1 (timed alone) and K2 (the rest: mono - K1, K3 "
+                 "with it); shape: the "
                  "kernels' launch shape (mono/shape.py LaunchShape); launches: GPU kernels one eager step launches "
                  "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
     lines += whole_model(report)

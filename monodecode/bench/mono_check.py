@@ -2,19 +2,19 @@
 [--shape FIELD=VALUE,...] [--skip CHECKS] [--out FILE]`.
 
 A v4-flash-sized model (synthetic weights, the first N layers: window, window, CSA, HCA, ...),
-bf16 on the GPU; the window and HCA layers run `whole`, the CSA ones `ffn`, and the runner captures
-each width's step in a CUDA graph, so the agreement check runs through them.
+bf16 on the GPU; every layer runs `whole` (K1 + K2 + K3), and the runner captures each width's
+step in a CUDA graph, so the agreement check runs through them.
 Four checks, results printed and written as JSON (`--skip` leaves some out):
 1. agreement: per layer (the mean of the hc streams after it, live rows) and on the logits, mono
    against per-op on copies of the same prefilled caches, at widths 1, 6, 16 and 48 (with pad
    rows at 48); cosine and relative L2, and each layer's worst row; the ring rows each path wrote,
-   compared, and a compressed layer's source ring and entries. Rows whose last-layer (bias-routed) picks differ between the paths are counted with
+   compared, a compressed layer's source rings and entries (a CSA layer's indexer's too), and
+   the last CSA layer's index selection (entries compared, and how many differ: near-ties). Rows whose last-layer (bias-routed) picks differ between the paths are counted with
    the reference's routing margin there (a near-tie flips on bf16 noise) and left out of the last
    layer's and the logits' agreement (`logits_all_rows` keeps them);
-2. graph: whole steps (every layer: K1 + K2 + K3, or the fixed-shape attention, K2's `ffn`
-   launch and K3; the head) for widths 1, 6, 16, 48, 6, 1 captured in one CUDA graph, replayed 300 times; every
+2. graph: whole steps (every layer: K1 + K2 + K3; the head) for widths 1, 6, 16, 48, 6, 1 captured in one CUDA graph, replayed 300 times; every
    replay's outputs (logits, y, streams) bit-for-bit equal to the first's;
-3. timeline: per-stage times of the last layer's K1 / K2 / ffn / K3 launches, one eager step a width
+3. timeline: per-stage times of each kernel family's last launch (K1 / K1c / K2 / K3), one eager step a width
    (where the time goes; not a benchmark);
 4. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
    with a short poll bound: the launch ends, the host raises MonoSyncError naming the stage.
@@ -86,11 +86,14 @@ def step_rows(width: int, g: torch.Generator, vocab: int):
     return tokens + [0] * pads, positions + [0] * pads, slots + [-1] * pads
 
 
-def per_op_last_routing(decoder: Decoder, *step_args) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """A per-op step that records its last layer's routing: (logits, hidden, (picks [N, k] sorted,
-    margins [N], `MoE.margin`))."""
+def per_op_last_routing(decoder: Decoder, *step_args) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
+    """A per-op step that records its last layer's routing and its last CSA layer's index
+    selection: (logits, hidden, (picks [N, k] sorted, margins [N], `MoE.margin`), {row: the
+    entries its indexer kept})."""
     moe = decoder.model.blocks[-1].moe
-    seen = {}
+    csa = last_csa_layer(decoder)
+    attention = decoder.model.blocks[csa].attention if csa is not None else None
+    seen = {"index": {}}
 
     def recording_route(x, tokens):
         ids, weights = type(moe).route(moe, x, tokens)
@@ -98,12 +101,41 @@ def per_op_last_routing(decoder: Decoder, *step_args) -> tuple[torch.Tensor, tor
         seen["margins"] = moe.margin(x)
         return ids, weights
 
+    def recording_keys(g, side, cache):
+        entries, mask = type(attention)._compressed_keys(attention, g, side, cache)
+        for row, kept in zip(g.index.tolist(), mask.cpu()):
+            seen["index"][row] = set(kept.nonzero().flatten().tolist())
+        return entries, mask
+
     moe.route = recording_route
+    if attention is not None:
+        attention._compressed_keys = recording_keys
     try:
         logits, hidden = decoder.model.step(*step_args, return_hidden=True)
     finally:
         del moe.route
-    return logits, hidden, (seen["picks"], seen["margins"])
+        if attention is not None:
+            del attention._compressed_keys
+    return logits, hidden, (seen["picks"], seen["margins"]), seen["index"]
+
+
+def last_csa_layer(decoder: Decoder) -> int | None:
+    """The last CSA layer (ratio 4): its K1 leaves its selection in the scratch after a step."""
+    return max((i for i, ratio in enumerate(decoder.config.compress_ratios) if ratio == 4), default=None)
+
+
+def index_agreement(decoder: Decoder, width: int, reference: dict, live: torch.Tensor) -> dict:
+    """The last CSA layer's index selection on each path, live rows: entries the per-op path kept,
+    how many of them the kernels did not keep, and in how many rows (a near-tie of the scores
+    flips on bf16 noise, as a routing pick does)."""
+    selected = decoder.mono.scratch[width].selected.cpu().tolist()
+    compared = differing = rows = 0
+    for r in torch.nonzero(live).flatten().tolist():
+        ref, ours = reference.get(r, set()), {e for e in selected[r] if e >= 0}
+        compared += len(ref)
+        differing += len(ref - ours) + max(len(ours) - len(ref), 0)
+        rows += ref != ours
+    return {"entries_compared": compared, "entries_differing": differing, "rows_differing": rows}
 
 
 def routing_flips(decoder: Decoder, width: int, reference, live: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -123,7 +155,7 @@ def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
     for width in widths:
         tokens, positions, slots = step_rows(width, g, decoder.config.vocab_size)
         ref_cache, mono_cache = copy.deepcopy(base_cache), copy.deepcopy(base_cache)
-        ref_logits, ref_hidden, routing = per_op_last_routing(decoder, ref_cache, tokens, positions, slots)
+        ref_logits, ref_hidden, routing, index = per_op_last_routing(decoder, ref_cache, tokens, positions, slots)
         logits, hidden = decoder.step(mono_cache, tokens, positions, slots, return_hidden=True)
         assert decoder.last_path == "mono"
         live = torch.tensor(slots, device=logits.device) >= 0
@@ -145,19 +177,29 @@ def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
                           "worst_row_rel_l2": worst_row, "last_layer_routing_flips": flips,
                           "logits_all_rows": agreement(logits[live], ref_logits[live]), "rings": rings,
                           "ring_positions_equal": same_positions, "compressed": compressed,
+                          "index_selection": (index_agreement(decoder, width, index, live)
+                                              if last_csa_layer(decoder) is not None else None),
                           **greedy_agreement(logits[live], ref_logits[live])}
     return results
 
 
 def compressed_agreement(a, b) -> dict:
     """A compressed layer's caches after a step on each path: the source ring (positions equal,
-    projections' agreement) and the entries (the same rows emitted, their agreement)."""
-    emitted = [layer.entries.float().abs().sum(-1) > 0 for layer in (a, b)]
-    return {"source_positions_equal": torch.equal(a.source.pos, b.source.pos),
-            "source_kv": agreement(a.source.data["kv"].float(), b.source.data["kv"].float()),
-            "source_gate": agreement(a.source.data["gate"].float(), b.source.data["gate"].float()),
+    projections' agreement) and the entries (the same rows emitted, their agreement); on a CSA
+    layer its indexer's too, under `index`."""
+    report = _compressor_agreement(a.source, b.source, a.entries, b.entries)
+    if b.index_source is not None:
+        report["index"] = _compressor_agreement(a.index_source, b.index_source, a.index_entries, b.index_entries)
+    return report
+
+
+def _compressor_agreement(source_a, source_b, entries_a, entries_b) -> dict:
+    emitted = [entries.float().abs().sum(-1) > 0 for entries in (entries_a, entries_b)]
+    return {"source_positions_equal": torch.equal(source_a.pos, source_b.pos),
+            "source_kv": agreement(source_a.data["kv"].float(), source_b.data["kv"].float()),
+            "source_gate": agreement(source_a.data["gate"].float(), source_b.data["gate"].float()),
             "entries_emitted_equal": torch.equal(*emitted), "entries_emitted": int(emitted[1].sum()),
-            "entries": agreement(a.entries.float(), b.entries.float())}
+            "entries": agreement(entries_a.float(), entries_b.float())}
 
 
 def greedy_agreement(logits: torch.Tensor, ref_logits: torch.Tensor) -> dict:
@@ -175,7 +217,7 @@ def check_graph(decoder: Decoder, base_cache, replays: int = 300) -> dict:
     g = torch.Generator().manual_seed(3)
     order = [1, 6, 16, 48, 6, 1]
 
-    def step(width):  # embed, every layer (K1 + K2 + K3, or the fixed-shape attention + ffn + K3), head
+    def step(width):  # embed, every layer (K1 + K2 + K3), head
         return runner._run(runner._scratch(width), cache, return_hidden=False)
 
     for width in WIDTHS:  # inputs of each width, fixed for the graph's life
@@ -208,7 +250,7 @@ def check_graph(decoder: Decoder, base_cache, replays: int = 300) -> dict:
 
 
 def check_timeline(decoder: Decoder, base_cache) -> dict:
-    """Per-stage times (timeline.py) of the last layer's launches of each kind, one eager step a
+    """Per-stage times (timeline.py) of each kernel family's last launch, one eager step a
     width. Not a benchmark (one step, stamps on); it says where a launch's time goes."""
     runner, g = decoder.mono, torch.Generator().manual_seed(5)
     graphs, runner.graphs_enabled, runner.timeline = runner.graphs_enabled, False, True
@@ -222,7 +264,7 @@ def check_timeline(decoder: Decoder, base_cache) -> dict:
         out[width] = {kind: stage_times(stamps, runner.sync[kind].stage_names) for kind, stamps in
                       runner.timelines.items()}
         for kind, times in out[width].items():
-            print(f"width {width}, {kind} (last layer):\n{format_times(times)}")
+            print(f"width {width}, {kind} (its last launch):\n{format_times(times)}")
     runner.graphs_enabled, runner.timeline = graphs, False
     return out
 

@@ -41,7 +41,7 @@ class DraftRunner(MonoRunner):
         """`draft`: the model's `Draft`; `options` as `MonoRunner`'s (graphs, max_polls, poison,
         shape)."""
         self.draft, self.draft_block = draft, draft.block_size
-        super().__init__(model, stack=draft_stack(model, draft), compile_attention=False, **options)
+        super().__init__(model, stack=draft_stack(model, draft), **options)
 
     def stages(self, cache):
         """`Draft.propose`'s `stages` on the kernels for this draft cache."""
@@ -67,6 +67,6 @@ class DraftRunner(MonoRunner):
         cur, owed = 0, None
         for lw, lc in zip(self.layers, cache.layers):
             cur = k1.launch(self, s, lw, lc, cur, owed)
-            cur = k2.launch(self, s, lw, lc, cur, attention=True)
+            cur = k2.launch(self, s, lw, lc, cur)
             owed = s.owed()
         return self._settled(s, cur)

@@ -14,29 +14,42 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                attention site, x = attn_norm(collapse)
 2 wq_a|wkv  gemv_stage (FP8)   ceil((q_lora+D)/BN_QKV)         x -> qkv_raw (bf16): wq_a and wkv
                                * SPLIT_D                       stacked (weights.stack_rows), one GEMV
-  (HCA) |   gemv_stage (bf16)  + 2 ceil(C D/BN_C) * SPLIT_C   x -> source_kv, source_gate: the
-  compressor                                                   compressor's wkv(x), wgate(x)
+  (CSA/HCA) gemv_stage (bf16)  + 2 ceil(C D/BN_C) * SPLIT_C   x -> comp.source_kv / source_gate: the
+                                                               compressor's wkv(x), wgate(x)
+  (CSA)     gemv_stage (bf16)  + 2 ceil(2 DI/BN_I) * SPLIT_I  x -> the indexer compressor's, and
+                               + ceil(HI/BN_W) * SPLIT_W       index.weights = weights_proj(x)
 3 norms     norm_rope_kv_task  2R                              qkv_raw -> qr = q_norm(its first q_lora
                                                                columns); the other D -> kv_norm, RoPE ->
                                                                the KV ring (not for pad rows, slot < 0)
-  (HCA)     source_write_task  + R                             source_kv, source_gate -> the layer's
+  (CSA/HCA) source_write_task  + R (CSA: + 2R)                 a compressor's projections -> its
                                                                source ring (compress.py)
 4 wq_b      gemv_stage (FP8)   ceil(H*D/BN_QB) * SPLIT_Q       qr -> q_raw (K2's attend normalises and
                                                                rotates the heads as it loads them)
-  (HCA)     emit_task          + R                             the source ring -> the entry a row
+  (CSA)     gemv_stage (FP8)   + ceil(HI DI/BN_IQ) * SPLIT_IQ  qr -> index.q (the indexer's wq_b)
+  (CSA/HCA) emit_task          + R (CSA: + 2R)                 a source ring -> the entry a row
                                                                completes (compress.py)
+5 (CSA) scores  score_task     R ceil(E/KE)                    index.q, index.weights, the index
+                                                               entries -> index.scores (indexer.py)
+6 (CSA) top-k   select_row     R                               index.scores -> index.selected (TOPK
+                                                               entry ids a row, then -1)
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and `streams` is `residual`. K2 reads q_raw, the ring and the attention site's post/comb,
-after this launch ends (stream order), and on an HCA layer (RATIO > 0) the compressed entries.
-A window layer and an HCA layer are two builds (RATIO a compile-time constant).
-Waits: a grid barrier after each stage but the last; an expired wait names the stage (STAGES).
+after this launch ends (stream order), and on a compressed layer (RATIO > 0) the compressed
+entries, on a CSA layer those of its selection. A window, an HCA and a CSA layer are three builds
+(RATIO, INDEXED compile-time constants); a CSA layer's K1 has two barriers more, and since a
+barrier's target counts a family's barriers a launch (sync.py), it is a sync family of its own,
+"k1c" (`stage_names`).
+Waits: a grid barrier after each stage but the last; an expired wait names the stage.
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes; the
-compressor's, compress.py).
-Scratch: `Scratch` of the step's width (on an HCA layer also `source_kv` / `source_gate`); the
-rings are the layer's `LayerCache.window` and, on an HCA layer, `LayerCache.source`, written
-into `LayerCache.entries`; the split GEMVs' slice sums and tickets (the runner's: `dense_stages`
-sizes them).
-Arguments: `K1Args` (pointers and runtime scalars) and `K1Meta` (compile-time constants), by name.
+compressor's, compress.py; the indexer's, indexer.py).
+Scratch: `Scratch` of the step's width (on a compressed layer also its projections; on a CSA
+layer the indexer's weights, queries, scores (`Scratch.scores`, by the cache's entries) and
+selection); the rings are the layer's `LayerCache.window` and, on a compressed layer,
+`LayerCache.source` (and `index_source`), written into `LayerCache.entries` (and
+`index_entries`); the split GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes
+them).
+Arguments: `K1Args` (pointers and runtime scalars; a compressor's as `CompressorArgs`, the
+indexer's as `IndexArgs`) and `K1Meta` (compile-time constants), by name.
 """
 
 from __future__ import annotations
@@ -50,12 +63,51 @@ import triton.language as tl
 from . import attention as A
 from . import compress as C
 from . import hc as HC
+from . import indexer as I
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
-BARRIERS = tl.constexpr(len(STAGES) - 1)
+INDEXED_STAGES = STAGES + ["k1 index scores", "k1 index top-k"]  # a CSA layer's K1: its own family, "k1c"
+
+
+def stage_names(family: str) -> list[str]:
+    """The stages of a launch of `family` ("k1": window and HCA layers, "k1c": CSA layers)."""
+    return {"k1": STAGES, "k1c": INDEXED_STAGES}[family]
+
+
+class CompressorArgs(NamedTuple):
+    """A compressor's weights, projections and caches (compress.py): the layer's (head dim D) or
+    its indexer's (DI)."""
+
+    wkv: torch.Tensor  # bf16 [C D, d]
+    wgate: torch.Tensor
+    source_kv: torch.Tensor  # [R, C D] wkv(x), wgate(x)
+    source_gate: torch.Tensor
+    src_kv: torch.Tensor  # the source ring (PositionRing: [S, span, C D], pos [S, span])
+    src_gate: torch.Tensor
+    src_pos: torch.Tensor
+    src_span: int
+    ape: torch.Tensor  # fp32 [ratio, C D]
+    norm: torch.Tensor  # fp32 [D]
+    entries: torch.Tensor  # bf16 [S, n_entries, D]
+    n_entries: int
+
+
+class IndexArgs(NamedTuple):
+    """A CSA layer's lightning indexer (indexer.py): its compressor, query and weight GEMVs, the
+    scores of every visible index entry, the top-k selection K2's attend reads."""
+
+    comp: CompressorArgs
+    weights_proj: torch.Tensor  # bf16 [HI, d]
+    weights: torch.Tensor  # [R, HI] bf16: weights_proj(x)
+    wq_b: Fp8Matrix  # [HI DI, q_lora]
+    q: torch.Tensor  # [R, HI DI] bf16: wq_b(qr), before its RoPE
+    scores: torch.Tensor  # fp32 [R, comp.n_entries]
+    selected: torch.Tensor  # int64 [R, TOPK]: entry ids, then -1
+    weights_scale: float  # HI^-0.5
+    score_scale: float  # DI^-0.5
 
 
 class K1Args(NamedTuple):
@@ -87,19 +139,8 @@ class K1Args(NamedTuple):
     freqs: torch.Tensor
     wq_b: Fp8Matrix
     q_raw: torch.Tensor
-    # an HCA layer's compressor (RATIO > 0; on a window layer any tensors, unread)
-    comp_wkv: torch.Tensor  # bf16 [C D, d]
-    comp_wgate: torch.Tensor
-    source_kv: torch.Tensor  # [R, C D] wkv(x), wgate(x)
-    source_gate: torch.Tensor
-    src_kv: torch.Tensor  # the layer's source ring (PositionRing: [S, span, C D], pos [S, span])
-    src_gate: torch.Tensor
-    src_pos: torch.Tensor
-    src_span: int
-    ape: torch.Tensor  # fp32 [ratio, C D]
-    comp_norm: torch.Tensor  # fp32 [D]
-    entries: torch.Tensor  # bf16 [S, n_entries, D]
-    n_entries: int
+    comp: CompressorArgs  # a compressed layer's compressor (RATIO > 0; else unread)
+    index: IndexArgs  # a CSA layer's indexer (INDEXED; else unread)
     sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
     tickets: torch.Tensor
     d: int
@@ -136,6 +177,24 @@ class K1Meta(NamedTuple):
     BK_C: int
     SPLIT_C: int
     ESB: int  # the emission's slots a block (compress.SB)
+    COMPRESSORS: int  # 0 (window), 1 (HCA), 2 (CSA: the layer's and the indexer's)
+    INDEXED: bool  # a CSA layer: the indexer's GEMVs, emissions, scores and top-k (two stages more)
+    B: int  # the launch's grid barriers (len(stage_names) - 1)
+    BN_I: int  # the indexer compressor's GEMVs' blocks
+    BK_I: int
+    SPLIT_I: int
+    BN_W: int  # weights_proj's
+    BK_W: int
+    SPLIT_W: int
+    BN_IQ: int  # the indexer's wq_b's
+    BK_IQ: int
+    SPLIT_IQ: int
+    HI: int  # index heads, index head dim, heads padded to a power of two (>= 16)
+    DI: int
+    BH: int
+    TOPK: int  # the entries a row keeps (a power of two)
+    KE: int  # entries of a score task (indexer.KE)
+    BE: int  # the selection's entries a block
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
     TIMELINE: bool
 
@@ -148,69 +207,125 @@ def _k1(a, m):
     for t in range(pid, tl.cdiv(a.rows, m.RB) * tl.cdiv(a.d, m.CHUNK), grid):
         HC.fold_task(t, a.rows, a.d, a.residual, a.owed_y, a.d, a.owed_post, a.owed_comb, a.streams, a.hc_fn,
                      a.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.HAS_OWED)
-    barrier(a.sync, epoch, 0, BARRIERS, m.TIMELINE, m.FAST)
+    barrier(a.sync, epoch, 0, m.B, m.TIMELINE, m.FAST)
 
     for t in range(pid, a.rows, grid):
         HC.settle_task(t, a.d, a.streams, a.partials, a.hc_base, a.hc_scale, a.attn_norm, a.post, a.comb, a.x,
                        a.hc_eps, a.norm_eps, a.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
-    barrier(a.sync, epoch, 1, BARRIERS, m.TIMELINE, m.FAST)
+    barrier(a.sync, epoch, 1, m.B, m.TIMELINE, m.FAST)
 
     qkv = a.q_lora + m.D
     gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wqkv_a.codes, a.wqkv_a.scales, a.qkv_raw, qkv, qkv, a.d, 0,
                a.sums, a.tickets, 0, m.SB, m.BN_QKV, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST, m.DENSE_STAGES)
-    if m.RATIO > 0:  # the compressor's wkv and wgate (bf16 weights) on the programs after wq_a|wkv's tasks
-        width = m.HALVES * m.D
-        first = tl.cdiv(qkv, m.BN_QKV) * m.SPLIT_D
-        sums = a.sums + split_sums_of(qkv, m.BN_QKV, m.SPLIT_D, m.BR)
-        tickets = a.tickets + split_tickets_of(qkv, m.BN_QKV, m.SPLIT_D)
-        gemv_stage(pid, grid, first, a.x, a.d, a.rows, a.comp_wkv, a.comp_wkv, a.source_kv, width, width, a.d, 0,
-                   sums, tickets, 1, m.SB, m.BN_C, m.BK_C, m.SPLIT_C, m.BR, True, m.FAST, m.DENSE_STAGES)
-        gemv_stage(pid, grid, first + tl.cdiv(width, m.BN_C) * m.SPLIT_C, a.x, a.d, a.rows, a.comp_wgate,
-                   a.comp_wgate, a.source_gate, width, width, a.d, 0, sums + split_sums_of(width, m.BN_C, m.SPLIT_C,
-                                                                                          m.BR),
-                   tickets + split_tickets_of(width, m.BN_C, m.SPLIT_C), 1, m.SB, m.BN_C, m.BK_C, m.SPLIT_C, m.BR,
-                   True, m.FAST, m.DENSE_STAGES)
-    barrier(a.sync, epoch, 2, BARRIERS, m.TIMELINE, m.FAST)
+    if m.RATIO > 0:  # the compressors' wkv and wgate (bf16 weights) on the programs after wq_a|wkv's tasks
+        nxt = _next_gemv(0, a.sums, a.tickets, qkv, m.BN_QKV, m.SPLIT_D, m.BR)
+        nxt = _projections(pid, grid, nxt, a.x, a.d, a.rows, a.comp, m.HALVES * m.D, m.SB, m.BN_C, m.BK_C,
+                           m.SPLIT_C, m.BR, m.FAST, m.DENSE_STAGES)
+        if m.INDEXED:  # the indexer's compressor, then its weights_proj
+            first, sums, tickets = _projections(pid, grid, nxt, a.x, a.d, a.rows, a.index.comp, 2 * m.DI, m.SB,
+                                                m.BN_I, m.BK_I, m.SPLIT_I, m.BR, m.FAST, m.DENSE_STAGES)
+            gemv_stage(pid, grid, first, a.x, a.d, a.rows, a.index.weights_proj, a.index.weights_proj,
+                       a.index.weights, m.HI, m.HI, a.d, 0, sums, tickets, 1, m.SB, m.BN_W, m.BK_W, m.SPLIT_W,
+                       m.BR, True, m.FAST, m.DENSE_STAGES)
+    barrier(a.sync, epoch, 2, m.B, m.TIMELINE, m.FAST)
 
     norm_tasks = 2 * a.rows
-    for t in range(pid, norm_tasks + (a.rows if m.RATIO > 0 else 0), grid):
+    for t in range(pid, norm_tasks + a.rows * m.COMPRESSORS, grid):  # a source-ring write a row and compressor
         if t < norm_tasks:
             A.norm_rope_kv_task(t, a.qkv_raw, qkv, a.q_norm, a.qr, a.qkv_raw + a.q_lora, qkv, a.kv_norm,
                                 a.positions, a.slots, a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D,
                                 m.RD, a.norm_eps, m.BQ, m.D)
+        elif t < norm_tasks + a.rows:
+            _source_write(t - norm_tasks, a, a.comp, m.HALVES * m.D, m.D)
         else:
-            C.source_write_task(t - norm_tasks, a.positions, a.slots, a.source_kv, a.source_gate, a.src_kv,
-                                a.src_gate, a.src_pos, a.src_span, m.HALVES * m.D, m.D)
-    barrier(a.sync, epoch, 3, BARRIERS, m.TIMELINE, m.FAST)
+            _source_write(t - norm_tasks - a.rows, a, a.index.comp, 2 * m.DI, m.DI)
+    barrier(a.sync, epoch, 3, m.B, m.TIMELINE, m.FAST)
 
     gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
                a.heads * m.D, a.q_lora, 0, a.sums, a.tickets, 0, m.SB, m.BN_QB, m.BK_Q, m.SPLIT_Q,
                m.BR, True, m.FAST, m.DENSE_STAGES)
+    if m.INDEXED:  # the indexer's queries on the same qr, on the programs after wq_b's tasks
+        first, sums, tickets = _next_gemv(0, a.sums, a.tickets, a.heads * m.D, m.BN_QB, m.SPLIT_Q, m.BR)
+        gemv_stage(pid, grid, first, a.qr, a.q_lora, a.rows, a.index.wq_b.codes, a.index.wq_b.scales, a.index.q,
+                   m.HI * m.DI, m.HI * m.DI, a.q_lora, 0, sums, tickets, 0, m.SB, m.BN_IQ, m.BK_IQ, m.SPLIT_IQ,
+                   m.BR, True, m.FAST, m.DENSE_STAGES)
     if m.RATIO > 0:  # the entries the step's rows complete (their source rows written a stage earlier)
-        for t in range(pid, a.rows, grid):
-            C.emit_task(t, a.positions, a.slots, a.src_kv, a.src_gate, a.src_pos, a.src_span, a.ape, a.comp_norm,
-                        a.freqs, a.entries, a.n_entries, m.D, m.RD, a.norm_eps, m.RATIO, m.HALVES, m.ESB, m.D)
-    end_launch(a.sync, epoch, BARRIERS, m.TIMELINE)
+        for t in range(pid, a.rows * m.COMPRESSORS, grid):
+            if t < a.rows:
+                _emit(t, a, a.comp, m.D, m.RD, m.RATIO, m.HALVES, m.ESB)
+            else:
+                _emit(t - a.rows, a, a.index.comp, m.DI, m.RD, m.RATIO, m.HALVES, m.ESB)
+    if m.INDEXED:
+        ix = a.index
+        n_entries = ix.comp.n_entries
+        barrier(a.sync, epoch, 4, m.B, m.TIMELINE, m.FAST)
+        for t in range(pid, I.score_tasks_of(a.rows, n_entries, m.KE), grid):
+            I.score_task(t, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries, n_entries, ix.scores,
+                         m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI, m.KE, m.FAST)
+        barrier(a.sync, epoch, 5, m.B, m.TIMELINE, m.FAST)
+        for row in range(pid, a.rows, grid):
+            I.select_row(row, ix.scores, n_entries, ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
+    end_launch(a.sync, epoch, m.B, m.TIMELINE)
+
+
+@triton.jit
+def _next_gemv(first, sums, tickets, N, BN: tl.constexpr, SPLIT: tl.constexpr, BR: tl.constexpr):
+    """(first task, slice sums, tickets) of the GEMV after one of N outputs in the same stage."""
+    return (first + tl.cdiv(N, BN) * SPLIT, sums + split_sums_of(N, BN, SPLIT, BR),
+            tickets + split_tickets_of(N, BN, SPLIT))
+
+
+@triton.jit
+def _projections(pid, grid, nxt, x, d, R, comp, CW, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SPLIT: tl.constexpr, BR: tl.constexpr, FAST: tl.constexpr, DENSE_STAGES: tl.constexpr):
+    """A compressor's wkv(x) and wgate(x) ([R, CW] bf16) as two GEMVs of a stage, from `nxt`
+    (first task, sums, tickets); returns the `nxt` of the GEMV after them."""
+    first, sums, tickets = nxt
+    gemv_stage(pid, grid, first, x, d, R, comp.wkv, comp.wkv, comp.source_kv, CW, CW, d, 0, sums, tickets, 1, SB,
+               BN, BK, SPLIT, BR, True, FAST, DENSE_STAGES)
+    first, sums, tickets = _next_gemv(first, sums, tickets, CW, BN, SPLIT, BR)
+    gemv_stage(pid, grid, first, x, d, R, comp.wgate, comp.wgate, comp.source_gate, CW, CW, d, 0, sums, tickets, 1,
+               SB, BN, BK, SPLIT, BR, True, FAST, DENSE_STAGES)
+    return _next_gemv(first, sums, tickets, CW, BN, SPLIT, BR)
+
+
+@triton.jit
+def _source_write(r, a, comp, CW, BLOCK: tl.constexpr):
+    C.source_write_task(r, a.positions, a.slots, comp.source_kv, comp.source_gate, comp.src_kv, comp.src_gate,
+                        comp.src_pos, comp.src_span, CW, BLOCK)
+
+
+@triton.jit
+def _emit(r, a, comp, D: tl.constexpr, RD, RATIO: tl.constexpr, HALVES: tl.constexpr, ESB: tl.constexpr):
+    C.emit_task(r, a.positions, a.slots, comp.src_kv, comp.src_gate, comp.src_pos, comp.src_span, comp.ape,
+                comp.norm, a.freqs, comp.entries, comp.n_entries, D, RD, a.norm_eps, RATIO, HALVES, ESB, D)
 
 
 def dense_stages(runner, rows: int):
-    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wq_a and wkv
-    stacked, then (when the runner has an HCA layer) the compressor's wkv | wgate, and wq_b."""
+    """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)), of every kind of
+    layer the runner takes whole (`split_needs` sizes the split GEMVs' scratch for the largest)."""
+    ratios = {0} | {ratio for ratio, lw in zip(runner.ratios, runner.layers) if lw.wqkv_a is not None}
+    return [stage for ratio in sorted(ratios) for stage in layer_stages(runner, rows, ratio)]
+
+
+def layer_stages(runner, rows: int, ratio: int):
+    """A layer's two dense K1 stages at `rows` rows, as `dense_stages`: wq_a and wkv stacked, then
+    on a compressed layer (`ratio` > 0) its compressor's wkv and wgate, and on a CSA layer (ratio
+    4) its indexer compressor's wkv and wgate and its weights_proj; then wq_b and on a CSA layer
+    the indexer's wq_b."""
     c = runner.config
     d, q_lora, hd = c.hidden_size, c.q_lora_rank, c.head_dim
-    qkv = runner.gemv_blocks("k1", q_lora + hd, d, rows)
-    qb = runner.gemv_blocks("k1", c.num_attention_heads * hd, q_lora, rows)
-    front = [(q_lora + hd, qkv)]
-    width = source_width(runner)
-    if width:
-        comp = runner.gemv_blocks("k1", width, d, rows, fp8=False)
-        front += [(width, comp), (width, comp)]
-    return [front, [(c.num_attention_heads * hd, qb)]]
 
+    def gemv(N: int, K: int, fp8: bool = True):
+        return N, runner.gemv_blocks("k1", N, K, rows, fp8=fp8)
 
-def source_width(runner) -> int:
-    """The widest compressor projection (C D) of the runner's compressed layers taken whole, 0 if none."""
-    return max((lw.compressor.halves * runner.config.head_dim for lw in runner.layers if lw.compressor), default=0)
+    front, back = [gemv(q_lora + hd, d)], [gemv(c.num_attention_heads * hd, q_lora)]
+    if ratio:
+        front += [gemv((2 if ratio == 4 else 1) * hd, d, fp8=False)] * 2
+    if ratio == 4:
+        front += [gemv(2 * c.index_head_dim, d, fp8=False)] * 2 + [gemv(c.index_n_heads, d, fp8=False)]
+        back.append(gemv(c.index_n_heads * c.index_head_dim, q_lora))
+    return [front, back]
 
 
 def launch(runner, s, lw, cache, cur: int, owed) -> int:
@@ -221,48 +336,70 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
     residual = s.streams[cur]
     ring = cache.window
     d, q_lora, heads, hd = c.hidden_size, c.q_lora_rank, c.num_attention_heads, c.head_dim
-    front, [(_, (bn_qb, bk_q, split_q))] = dense_stages(runner, s.rows)
-    (_, (bn_qkv, bk_d, split_d)) = front[0]
-    bn_c, bk_c, split_c = front[1][1] if len(front) > 1 else (1, 1, 1)  # (unused without an HCA layer)
+    ratio = lw.compressor.ratio if lw.compressor else 0
+    indexed = lw.indexer is not None
+    family = "k1c" if indexed else "k1"
+    front, back = layer_stages(runner, s.rows, ratio)
+    unused = (1, 1, 1)
+    (bn_qkv, bk_d, split_d), (bn_qb, bk_q, split_q) = front[0][1], back[0][1]
+    bn_c, bk_c, split_c = front[1][1] if ratio else unused
+    (bn_i, bk_i, split_i), (bn_w, bk_w, split_w), (bn_iq, bk_iq, split_iq) = \
+        (front[3][1], front[5][1], back[1][1]) if indexed else (unused,) * 3
     owed_y, owed_post, owed_comb = s.owed() if owed is None else owed  # (not read when nothing is owed)
     args = K1Args(
-        sync=runner.sync_args("k1"), rows=s.rows, positions=s.positions, slots=s.slots,
+        sync=runner.sync_args(family), rows=s.rows, positions=s.positions, slots=s.slots,
         residual=residual, owed_y=owed_y, owed_post=owed_post, owed_comb=owed_comb,
         streams=residual if owed is None else s.streams[1 - cur], partials=s.partials,
         hc_fn=lw.hc_attn[0], hc_base=lw.hc_attn[1], hc_scale=lw.hc_attn[2], attn_norm=lw.attn_norm,
         post=s.post_attn, comb=s.comb_attn, x=s.x, wqkv_a=lw.wqkv_a, qkv_raw=s.qkv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
-        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw, **_compressor(lw, cache, s),
+        ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw,
+        comp=_compressor(lw.compressor, cache, "source", "entries", s.source_kv, s.source_gate),
+        index=_indexer(lw, cache, s, c),
         sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
     )
-    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids["k1"], runner.shape.fold_rows,
-                                       runner.shape.settle_columns)
+    rb, chunk, cb, bd = HC.seam_blocks(runner.shape.k1_warps, d, s.rows, runner.grids[family],
+                                       runner.shape.fold_rows, runner.shape.settle_columns)
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QKV=bn_qkv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
-        RATIO=lw.compressor.ratio if lw.compressor else 0, HALVES=lw.compressor.halves if lw.compressor else 1,
-        BN_C=bn_c, BK_C=bk_c, SPLIT_C=split_c, ESB=min(C.SB, lw.compressor.ratio) if lw.compressor else C.SB,
+        RATIO=ratio, HALVES=lw.compressor.halves if lw.compressor else 1,
+        BN_C=bn_c, BK_C=bk_c, SPLIT_C=split_c, ESB=min(C.SB, ratio) if ratio else C.SB,
+        COMPRESSORS=(ratio > 0) + indexed, INDEXED=indexed, B=len(stage_names(family)) - 1,
+        BN_I=bn_i, BK_I=bk_i, SPLIT_I=split_i, BN_W=bn_w, BK_W=bk_w, SPLIT_W=split_w, BN_IQ=bn_iq, BK_IQ=bk_iq,
+        SPLIT_IQ=split_iq, HI=c.index_n_heads, DI=c.index_head_dim,
+        BH=max(16, triton.next_power_of_2(c.index_n_heads)), TOPK=c.index_topk, KE=I.KE, BE=I.SELECT_BLOCK,
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
-    runner.launch(_k1, "K1", "k1", args, meta=meta)
+    runner.launch(_k1, "K1 (CSA)" if indexed else "K1", family, args, meta=meta)
     return cur if owed is None else 1 - cur
 
 
-def _compressor(lw, cache, s) -> dict:
-    """K1Args' compressor fields: an HCA layer's weights, its source ring and entries; on a window
-    layer the window ring's tensors in their place (not read: RATIO 0)."""
-    comp, ring = lw.compressor, cache.window
+def _compressor(comp, cache, ring_name: str, entries_name: str, source_kv, source_gate) -> CompressorArgs:
+    """CompressorArgs of a compressor (weights `comp`, its source ring and entries: the layer
+    cache's `ring_name` and `entries_name`); without one (None) the window ring's tensors in their
+    place (not read)."""
     if comp is None:
+        ring = cache.window
         kv = ring.data["kv"]
-        return dict(comp_wkv=kv, comp_wgate=kv, source_kv=s.source_kv, source_gate=s.source_gate, src_kv=kv,
-                    src_gate=kv, src_pos=ring.pos, src_span=ring.size, ape=lw.attn_norm, comp_norm=lw.attn_norm,
-                    entries=kv, n_entries=0)
-    source = cache.source
-    return dict(comp_wkv=comp.wkv, comp_wgate=comp.wgate, source_kv=s.source_kv, source_gate=s.source_gate,
-                src_kv=source.data["kv"], src_gate=source.data["gate"], src_pos=source.pos, src_span=source.size,
-                ape=comp.ape, comp_norm=comp.norm, entries=cache.entries if cache.entries.numel() else ring.data["kv"],
-                n_entries=cache.entries.shape[1])
+        return CompressorArgs(kv, kv, source_kv, source_gate, kv, kv, ring.pos, ring.size, kv, kv, kv, 0)
+    source, entries = getattr(cache, ring_name), getattr(cache, entries_name)
+    return CompressorArgs(comp.wkv, comp.wgate, source_kv, source_gate, source.data["kv"], source.data["gate"],
+                          source.pos, source.size, comp.ape, comp.norm,
+                          entries if entries.numel() else source.data["kv"], entries.shape[1])
+
+
+def _indexer(lw, cache, s, c) -> IndexArgs:
+    """IndexArgs of a CSA layer's indexer; on other layers its compressor's stand-ins (not read)."""
+    ix = lw.indexer
+    comp = _compressor(ix.compressor if ix else None, cache, "index_source", "index_entries", s.index_source_kv,
+                       s.index_source_gate)
+    if ix is None:
+        kv = cache.window.data["kv"]
+        return IndexArgs(comp, kv, s.index_weights, Fp8Matrix(kv, kv), s.index_q, s.partials, s.selected, 1.0, 1.0)
+    return IndexArgs(comp, ix.weights_proj, s.index_weights, ix.wq_b, s.index_q, s.scores(comp.n_entries),
+                     s.selected, c.index_n_heads ** -0.5, c.index_head_dim ** -0.5)

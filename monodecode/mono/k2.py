@@ -10,9 +10,10 @@ K3 runs two programs a SM, twice the expert weight loads in flight.
 
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
-0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on an
-                                                      HCA layer (RATIO > 0) its visible compressed
-                                                      entries (logits parked in `park`), sinks -> o
+0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on a
+                                                      compressed layer (RATIO > 0) its visible
+                                                      entries (HCA) or those K1 selected (CSA,
+                                                      TOPK > 0; logits parked in `park`), sinks -> o
                                                       (inverse RoPE; zero for pad rows)
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
@@ -30,24 +31,22 @@ K3:
 8 swiglu   experts.swiglu_task    P * (I/SWB)        -> h of each pick (routing weight applied)
 9 down     experts.down_task      P * (d/BNE)        -> per-pick outputs
 10 combine combine_task           R * ceil(d/CBL)    per-pick outputs (top-k order) + shared -> y
-The `ffn` variant of K2 (no `K2Attention`, for layers whose attention ran per-op) starts at stage
-3 with nothing to fold: the streams it reads are already settled; K3 follows it as it follows K2.
 y, post and comb of the FFN site are owed to the next layer's K1 (or the runner's final fold).
 Pad rows (slot < 0) route to no expert (ids -1), so their y holds the shared expert's output only;
 nothing reads a pad row's result.
-Waits: a grid barrier after every stage of a launch but its last (K2 6, the `ffn` variant 3, K3
-3), so a stage reads only what finished stages wrote; an expired wait names the stage it waited
+Waits: a grid barrier after every stage of a launch but its last (K2 6, K3 3), so a stage reads only what finished stages wrote; an expired wait names the stage it waited
 on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
 nothing, it only finds out that it is last. Rounding points: those of each stage module (bf16
 where the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert
 output rounded to bf16).
-Scratch: `Scratch` of the step's width (on an HCA layer also its attend park, `Scratch.park`); the
-KV ring is the layer's `LayerCache.window` (an HCA layer's entries `LayerCache.entries`, read);
+Scratch: `Scratch` of the step's width (on a compressed layer also its attend park,
+`Scratch.park`, and on a CSA layer K1's selection); the KV ring is the layer's
+`LayerCache.window` (a compressed layer's entries `LayerCache.entries`, read);
 the split GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them); the route
 ticket.
-Arguments, by name: `K2Attention` (None in the `ffn` variant), `FfnArgs` and `K2Meta`; K3 the
-same `FfnArgs` with its own sync, and `K3Meta`.
+Arguments, by name: `K2Attention`, `FfnArgs` and `K2Meta`; K3 the same `FfnArgs` with its own
+sync, and `K3Meta`.
 """
 
 from __future__ import annotations
@@ -70,13 +69,13 @@ _FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route, group|shared w2"]
 _EXPERT_PARTS = ["expert up", "expert swiglu", "expert down", "combine"]
 _ATTENTION_PARTS = ["attend", "wo_a", "wo_b"]
 STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS]
-FFN_STAGES = [f"ffn {name}" for name in _FRONT_PARTS]
 K3_STAGES = [f"k3 {name}" for name in _EXPERT_PARTS]
+BARRIERS = tl.constexpr(len(STAGES) - 1)
 
 
 def stage_names(family: str) -> list[str]:
-    """The stages of a launch of `family` ("k2", "ffn", "k3")."""
-    return {"k2": STAGES, "ffn": FFN_STAGES, "k3": K3_STAGES}[family]
+    """The stages of a launch of `family` ("k2", "k3")."""
+    return {"k2": STAGES, "k3": K3_STAGES}[family]
 
 
 SWB = 1024  # intermediate columns of a SwiGLU task
@@ -106,6 +105,7 @@ class K2Attention(NamedTuple):
     n_entries: int
     park: torch.Tensor  # fp32, park_stride a task: each attend task's entry logits (Scratch.park)
     park_stride: int
+    selected: torch.Tensor  # a CSA layer's entries a row attends (int64 [R, TOPK], -1: none; K1's top-k)
 
 
 class FfnArgs(NamedTuple):
@@ -163,14 +163,14 @@ class FfnArgs(NamedTuple):
 
 
 class K2Meta(NamedTuple):
-    ATTENTION: bool  # the attention stages run (K2), or not (the `ffn` launch)
     D: int  # head_dim
     RD: int  # rope dims of a head
     HB: int  # heads of an attend task
     KW: int  # window keys, padded to a power of two
     BDA: int  # head dims an attend task takes at once
     BLOCK: int  # the DSpark draft's block rows (attention.attend_task), 0 for a causal window
-    RATIO: int  # an HCA layer's compression ratio (its entries attended), 0 for a window layer
+    RATIO: int  # a compressed layer's compression ratio (its entries attended), 0 for a window layer
+    TOPK: int  # a CSA layer's entries a row attends (its selection list), 0: every visible one (HCA)
     HC: int
     MIXP: int
     RB: int
@@ -207,7 +207,7 @@ class K2Meta(NamedTuple):
 
 class K3Meta(NamedTuple):
     """K3's compile-time constants: nothing that depends on the step's width, so that one build
-    serves every width and both K2 and the `ffn` launch."""
+    serves every width and every kind of layer."""
 
     SHARED: bool
     BNE: int  # expert tiles: outputs, K steps over d and over I
@@ -227,7 +227,7 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
     R = f.rows
     for t in range(pid, tl.cdiv(R, m.RB) * tl.cdiv(f.d, m.CHUNK), grid):
         HC.fold_task(t, R, f.d, f.residual, f.attn_out, f.d, f.attn_post, f.attn_comb, f.streams, f.hc_fn,
-                     f.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.ATTENTION)
+                     f.partials, m.HC, m.MIXP, m.RB, m.CHUNK, True)
     barrier(f.sync, epoch, b0, NB, m.TIMELINE, m.FAST)
 
     for t in range(pid, R, grid):
@@ -283,30 +283,26 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
-    NB: tl.constexpr = (3 if m.ATTENTION else 0) + 3
-    b0 = 0
-    if m.ATTENTION:
-        for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
-            A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
-                          a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
-                          a.park_stride, f.positions, m.HB, m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, A.KE, 0)
-        barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
-        z_width = a.o_groups * a.o_lora
-        gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
-                   a.heads * m.D // a.o_groups, a.o_lora, f.sums, f.tickets, 0, m.SB, m.BN_OA, m.BK_O, m.SPLIT_O,
-                   m.BR, True, m.FAST, m.DENSE_STAGES)
-        barrier(f.sync, epoch, 1, NB, m.TIMELINE, m.FAST)
-        gemv_stage(pid, grid, 0, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width,
-                   0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST, m.DENSE_STAGES)
-        barrier(f.sync, epoch, 2, NB, m.TIMELINE, m.FAST)
-        b0 = 3
-    _front_stages(f, m, epoch, b0, NB, pid, grid)
-    end_launch(f.sync, epoch, NB, m.TIMELINE)
+    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
+        A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
+                      a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
+                      a.park_stride, a.selected, m.HB, m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, A.KE, m.TOPK)
+    barrier(f.sync, epoch, 0, BARRIERS, m.TIMELINE, m.FAST)
+    z_width = a.o_groups * a.o_lora
+    gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
+               a.heads * m.D // a.o_groups, a.o_lora, f.sums, f.tickets, 0, m.SB, m.BN_OA, m.BK_O, m.SPLIT_O,
+               m.BR, True, m.FAST, m.DENSE_STAGES)
+    barrier(f.sync, epoch, 1, BARRIERS, m.TIMELINE, m.FAST)
+    gemv_stage(pid, grid, 0, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width,
+               0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST, m.DENSE_STAGES)
+    barrier(f.sync, epoch, 2, BARRIERS, m.TIMELINE, m.FAST)
+    _front_stages(f, m, epoch, 3, BARRIERS, pid, grid)
+    end_launch(f.sync, epoch, BARRIERS, m.TIMELINE)
 
 
 @triton.jit
 def _k3(f, m):
-    """Stages 7-10 (the routed experts and the combine), after K2 or the `ffn` launch."""
+    """Stages 7-10 (the routed experts and the combine), after K2."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
     _expert_stages(f, m, epoch, 0, 3, pid, grid)
@@ -315,7 +311,7 @@ def _k3(f, m):
 
 def dense_stages(runner, rows: int):
     """K2's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wo_a, wo_b,
-    gate | w1 w3 (stacked), w2 (the `ffn` launch runs the last two)."""
+    gate | w1 w3 (stacked), w2."""
     c = runner.config
     inter, d = c.moe_intermediate_size, c.hidden_size
     z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups
@@ -327,10 +323,9 @@ def dense_stages(runner, rows: int):
     return [[(z_width, oa)], [(d, ob)], [(c.n_routed_experts, g), (2 * inter, sh)], [(d, s2)]]
 
 
-def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
-    """K2 (`attention`) or its `ffn` variant of one layer on scratch `s`, the settled residual in
-    s.streams[cur], then K3; returns the index of s.streams holding the residual the owed output
-    folds into."""
+def launch(runner, s, lw, cache, cur: int) -> int:
+    """K2 of one layer on scratch `s`, the settled residual in s.streams[cur], then K3; returns
+    the index of s.streams holding the residual the owed output folds into."""
     c = runner.config
     residual = s.streams[cur]
     inter, d, hd = c.moe_intermediate_size, c.hidden_size, c.head_dim
@@ -340,20 +335,17 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         dense_stages(runner, rows)
     shape, ex = runner.shape, lw.experts
     window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
-    attn = None
-    if attention:
-        ring = cache.window
-        entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads)
-        attn = K2Attention(
-            q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
-            freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
-            wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank, entries=entries,
-            n_entries=n_entries, park=park, park_stride=park_stride)
-    kind = "k2" if attention else "ffn"
+    ring = cache.window
+    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk)
+    attn = K2Attention(
+        q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
+        freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
+        wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank, entries=entries,
+        n_entries=n_entries, park=park, park_stride=park_stride, selected=s.selected)
     ffn = FfnArgs(
-        sync=runner.sync_args(kind), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
+        sync=runner.sync_args("k2"), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
         residual=residual, attn_out=s.attn_out, attn_post=s.post_attn, attn_comb=s.comb_attn,
-        streams=s.streams[1 - cur] if attention else residual, partials=s.partials,
+        streams=s.streams[1 - cur], partials=s.partials,
         hc_fn=lw.hc_ffn[0], hc_base=lw.hc_ffn[1], hc_scale=lw.hc_ffn[2], ffn_norm=lw.ffn_norm,
         post=s.post_ffn, comb=s.comb_ffn, x=s.x, gate=lw.gate, route_bias=lw.route_bias, tid2eid=lw.tid2eid,
         logits=s.logits, ids=s.ids, route_weights=s.route_weights, order=s.order, experts=s.experts,
@@ -368,8 +360,9 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
     rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows,
                                        shape.settle_columns)
     meta = K2Meta(
-        ATTENTION=attention, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
-        BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if attention and lw.compressor else 0,
+        D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
+        BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
+        TOPK=c.index_topk if lw.indexer else 0,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
@@ -379,7 +372,7 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BP=max(16, triton.next_power_of_2(row_block(rows) * c.num_experts_per_tok)),  # a build serves a row block
         ROWS_E=X.ROWS, FAST=runner.fast,
         TIMELINE=runner.timeline)
-    runner.launch(_k2, "K2" if attention else "K2 (ffn)", kind, attn, ffn, meta=meta)
+    runner.launch(_k2, "K2", "k2", attn, ffn, meta=meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
     k3_args = ffn._replace(sync=runner.sync_args("k3"), route_bias=None, tid2eid=None)
     runner.launch(_k3, "K3", "k3", k3_args, meta=K3Meta(
@@ -387,17 +380,18 @@ def launch(runner, s, lw, cache, cur: int, attention: bool) -> int:
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline))
-    return 1 - cur if attention else cur
+    return 1 - cur
 
 
-def _entries(lw, cache, s, heads: int):
-    """(entries, n_entries, park, park_stride) of K2Attention: an HCA layer's compressed entries and
-    its attend tasks' park (HB x its entries rounded up to KE, fp32, a task); on a window layer
-    the ring in their place (not read: RATIO 0)."""
+def _entries(lw, cache, s, heads: int, topk: int):
+    """(entries, n_entries, park, park_stride) of K2Attention: a compressed layer's entries and
+    its attend tasks' park (HB x the entries a row can attend, all of them on an HCA layer, `topk`
+    on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their place
+    (not read: RATIO 0)."""
     kv = cache.window.data["kv"]
     if lw.compressor is None:
         return kv, 0, kv, 0
     n_entries = cache.entries.shape[1]
-    stride = A.HB * triton.cdiv(n_entries, A.KE) * A.KE
+    stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, A.KE) * A.KE
     park = s.park(A.attend_tasks(s.rows, heads), stride)
     return (cache.entries if n_entries else kv), n_entries, park, stride

@@ -1,9 +1,10 @@
 """The layer plan and the refusals: which layers the mono kernels take, and why they would not.
 
-Plan (docs/ARCHITECTURE.md): a window-only or HCA layer runs `whole` (K1 + K2 + K3; an HCA
-layer's compressor in K1, its compressed entries in K2's attend); a CSA layer runs `ffn` (its
-attention, compressor and indexer on the per-op path, then K2 without its attention part, then K3). Refusals are configuration-level reasons the kernels cannot run at all; `mono="auto"`
-logs each and runs per-op, `mono="on"` raises them.
+Plan (docs/ARCHITECTURE.md): every layer runs `whole` (K1 + K2 + K3): a compressed layer's
+compressor in K1, its compressed entries in K2's attend, and a CSA layer's lightning indexer
+(its compressor, queries, scores and top-k) in K1's two stages more. Refusals are
+configuration-level reasons the kernels cannot run at all; `mono="auto"` logs each and runs
+per-op, `mono="on"` raises them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..config import ModelConfig
 from .fragments import FRAGMENT_GROUP
 
 MAX_ROWS = 48  # the widest decode step the kernels take; wider steps run per-op
-WHOLE, FFN = "whole", "ffn"
+WHOLE = "whole"
 
 
 class MonoRefused(RuntimeError):
@@ -28,8 +29,8 @@ class MonoRefused(RuntimeError):
 
 
 def layer_plan(config: ModelConfig) -> list[str]:
-    """`whole` for window (ratio 0) and HCA layers, `ffn` for CSA (ratio 4: the lightning indexer)."""
-    return [FFN if ratio == 4 else WHOLE for ratio in config.compress_ratios]
+    """`whole` for every V4 layer: window (ratio 0), CSA (ratio 4, the lightning indexer) and HCA."""
+    return [WHOLE for _ in config.compress_ratios]
 
 
 def interpreted() -> bool:
@@ -78,6 +79,8 @@ def refusals(config: ModelConfig, device: torch.device, dtype: torch.dtype, inte
         elif not _tiles(getattr(c, name), 256):
             reasons.append(f"{name}={getattr(c, name)} is not a multiple of the expert stage's tile "
                            "(min(256, itself), a power of two)")
+    if c.index_topk & (c.index_topk - 1):
+        reasons.append(f"index_topk must be a power of two (the indexer's selection list), got {c.index_topk}")
     if MAX_ROWS * c.num_experts_per_tok > 512:
         reasons.append(f"{c.num_experts_per_tok} experts a token is over the expert grouping's 512 picks")
     return reasons

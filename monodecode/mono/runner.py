@@ -7,13 +7,13 @@ graph per (width, cache). `step` has Model.step's signature and result for the s
 cache can rewind, i.e. a prefill chunk), and the caller (`decode.Decoder`) runs that one per-op.
 
 A step on the mono path:
-  embed -> per layer: `whole` (window and HCA layers): K1 (fold the owed FFN output, attention
-  seam, q/kv projections, KV write; HCA: the compressor and its entries) then K2 (attention,
-  output projections, fold, FFN seam, MoE; the FFN output is owed);
-  `ffn` (CSA layers): fold and attention per-op (torch ops in fixed shapes: model/batched.py), then K2 without
-  its attention part -> fold the last owed output, hc_head, norm, lm_head (torch ops).
+  embed -> per layer: K1 (fold the owed FFN output, attention seam, q/kv projections, KV write;
+  a compressed layer's compressor and its entries; a CSA layer's indexer and its top-k), K2
+  (attention, output projections, fold, FFN seam, router, shared expert) and K3 (the routed
+  experts; the FFN output is owed) -> fold the last owed output, hc_head, norm, lm_head (torch
+  ops).
 Nothing in a step syncs with the host, so every step is graph-captured (one graph per width and
-cache), whatever the plan.
+cache).
 Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
 at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
@@ -29,7 +29,6 @@ import torch
 import triton.language as tl
 
 from ..config import ModelConfig
-from ..model.batched import BatchedAttention, attention_site
 from ..model.hc import hc_post
 from . import experts as X
 from . import hc as HC
@@ -44,25 +43,11 @@ from .weights import check_cache, fp8_names, layer_weights, read_fp8
 log = logging.getLogger("monodecode.mono")
 
 
-def attention_site_compiled():
-    """`attention_site` under torch.compile: one graph a layer kind (CSA, HCA) for every layer of
-    it and every width from 2 rows (dynamic shapes; 1 row is specialized), compiled during a
-    width's warm-up step, outside any CUDA-graph capture. Inductor keeps the eager path's bf16
-    rounding points (`emulate_precision_casts`), so the results are the eager ones up to
-    summation order (on the CPU bit-equal from 2 rows; at 1 row inductor reduces the matmuls
-    itself: logits within 0.6 % there). Inductor's coalescing analysis of tilings is off: torch
-    says it does not apply to dynamic shapes, yet in torch 2.11 it runs and asserts on them
-    (`tiling_utils.get_pw_red_splits`; seen on the H200 at the first compile of a 6-row step,
-    the same assertion is reported upstream, pytorch/pytorch#197077)."""
-    return torch.compile(attention_site, dynamic=True,
-                         options={"emulate_precision_casts": True, "triton.coalesce_tiling_analysis": False})
-
-
 def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
-    """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1, K2, the `ffn`
-    launch (K2 without its attention stages) and K3 (the routed experts)."""
-    return {"k1": sms * shape.k1_programs_per_sm, "k2": sms * shape.k2_programs_per_sm,
-            "ffn": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
+    """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1 (`k1c`: a CSA
+    layer's, two stages more), K2 and K3 (the routed experts)."""
+    return {"k1": sms * shape.k1_programs_per_sm, "k1c": sms * shape.k1_programs_per_sm,
+            "k2": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
 
 
 class LayerStack(NamedTuple):
@@ -91,12 +76,8 @@ class MonoRunner:
     draft_block = 0  # rows of a draft block (DraftRunner); the target's attention is causal
 
     def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False,
-                 shape: LaunchShape = LaunchShape(), compile_attention: bool | None = None,
-                 stack: LayerStack | None = None):
-        """`compile_attention`: the `ffn` layers' per-op attention sub-block under torch.compile
-        (`attention_site_compiled`); None (the default): compiled on a GPU, eager under Triton's
-        interpreter (where inductor's CPU build would cost minutes and the interpreted kernels
-        dominate anyway). `stack`: the layers to run (default: the model's, `target_stack`)."""
+                 shape: LaunchShape = LaunchShape(), stack: LayerStack | None = None):
+        """`stack`: the layers to run (default: the model's, `target_stack`)."""
         self.model, self.config = model, stack.config if stack else model.config
         reasons = refusals(self.config, model.device, model.dtype)
         if model.tp.size > 1:
@@ -106,7 +87,8 @@ class MonoRunner:
         stack = stack or target_stack(model)  # after the refusals: a model over ranks has no blocks here
         self.plan = stack.plan
         shared = bool(self.config.n_shared_experts)
-        names = [n for p, kind in zip(stack.prefixes, self.plan) for n in fp8_names(p, kind == WHOLE, shared)]
+        names = [n for p, kind, ratio in zip(stack.prefixes, self.plan, stack.ratios)
+                 for n in fp8_names(p, kind == WHOLE, shared, indexed=ratio == 4)]
         fp8 = read_fp8(model.checkpoint, names, model.device)
         self.ratios = stack.ratios
         self.layers = [layer_weights(stack.weights, self.config, p, block, replace, kind == WHOLE, fp8, ratio)
@@ -118,15 +100,11 @@ class MonoRunner:
             lw.experts.supports_fast_decode()  # checked (a host sync) now, before any capture
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self.timelines: dict[str, torch.Tensor] = {}
-        compile_attention = not interpreted() if compile_attention is None else compile_attention
-        self.attention_site = attention_site_compiled() if compile_attention else attention_site
         self.configure(shape, check=False)  # checked below, once the runner is complete
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only; `bench layer --timeline` sets it
         self.graphs_enabled = graphs and self.device.type == "cuda"
-        self.attention = {i: BatchedAttention(stack.blocks[i].attention, self.device)
-                          for i, kind in enumerate(self.plan) if kind != WHOLE}  # of the `ffn` layers
         self.scratch: dict[int, Scratch] = {}
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
@@ -147,13 +125,7 @@ class MonoRunner:
         s.tokens.zero_()
         s.positions.copy_(torch.arange(rows).repeat(requests))
         s.slots.copy_(torch.arange(requests).repeat_interleave(rows))
-        # The eager attention site: this private cache's shapes (HCA: no compressed entry yet)
-        # would only add compiled graphs that no serving step uses.
-        site, self.attention_site = self.attention_site, attention_site
-        try:
-            self._run(s, cache, return_hidden=False)
-        finally:
-            self.attention_site = site
+        self._run(s, cache, return_hidden=False)
         self.check()  # a host sync
 
     def _residency_cache(self, requests: int, rows: int):
@@ -173,7 +145,7 @@ class MonoRunner:
         if interpreted():
             self.grids = dict.fromkeys(self.grids, 1)
         self.shape = shape
-        self.sync = {family: SyncState(self.device, k1.STAGES if family == "k1" else
+        self.sync = {family: SyncState(self.device, k1.stage_names(family) if family.startswith("k1") else
                                        k2.stage_names(family)) for family in self.grids}
         # The split GEMVs' slice sums and tickets: one set for every launch and width (launches
         # run in stream order, and a stage's tickets are 0 again when it ends), sized for the
@@ -271,7 +243,7 @@ class MonoRunner:
         return tuple(t.clone() for t in out) if return_hidden else out.clone()
 
     def sync_args(self, kind: str) -> SyncArgs:
-        """The synchronisation arguments of a launch of family `kind` ("k1", "k2", "ffn")."""
+        """The synchronisation arguments of a launch of family `kind` (`kernel_grids`' keys)."""
         return SyncArgs(words=self.sync[kind].words, max_polls=self.max_polls, timeline=self.timeline_buffer(kind))
 
     def timeline_buffer(self, kind: str) -> torch.Tensor:
@@ -308,8 +280,9 @@ class MonoRunner:
                                f"cannot all be resident at once: {e}"]) from e
 
     def warps(self, family: str) -> int:
-        """Warps a program of kernel `family` runs (K1's; K2's for K2 and `ffn`; K3's)."""
-        return {"k1": self.shape.k1_warps, "k3": self.shape.expert_warps}.get(family, self.shape.k2_warps)
+        """Warps a program of kernel `family` runs (K1's for `k1` and `k1c`, K2's, K3's)."""
+        return {"k1": self.shape.k1_warps, "k1c": self.shape.k1_warps,
+                "k3": self.shape.expert_warps}.get(family, self.shape.k2_warps)
 
     def kernel_resources(self) -> list[dict]:
         """What each compiled persistent kernel holds per program (GPU only; the kernels launched so
@@ -351,14 +324,10 @@ class MonoRunner:
         s.streams[0].copy_(model.embed(s.tokens))
         cur, owed, captured = 0, None, {}
         targets = (c.dspark_target_layer_ids or ()) if return_hidden else ()
-        for i, kind in enumerate(self.plan):
+        for i in range(len(self.plan)):
             lw, lc = self.layers[i], cache.layers[i]
-            if kind == WHOLE:
-                cur = k1.launch(self, s, lw, lc, cur, owed)
-                cur = k2.launch(self, s, lw, lc, cur, attention=True)
-            else:
-                self._attention_per_op(i, s, lc, cur, owed)
-                cur = k2.launch(self, s, lw, lc, cur, attention=False)
+            cur = k1.launch(self, s, lw, lc, cur, owed)
+            cur = k2.launch(self, s, lw, lc, cur)
             owed = s.owed()
             if i in targets:
                 captured[i] = self._settled(s, cur).mean(dim=1)
@@ -370,15 +339,6 @@ class MonoRunner:
     def _settled(self, s: Scratch, cur: int) -> torch.Tensor:
         """The residual streams with the owed FFN output folded in."""
         return _folded(s.streams[cur], s.owed())
-
-    def _attention_per_op(self, layer: int, s: Scratch, cache, cur: int, owed) -> None:
-        """An `ffn` layer's attention sub-block on the per-op path (in fixed shapes), leaving the
-        settled streams (after the attention site's fold) in s.streams[cur] for K2. `owed`: as
-        `k1.launch`'s, folded in first (the per-op hc_post), or None."""
-        streams = s.streams[cur] if owed is None else _folded(s.streams[cur], owed)
-        s.streams[cur].copy_(self.attention_site(self.attention[layer], streams,
-                                                 *self.model.blocks[layer].site_weights("attn"), s.positions,
-                                                 s.slots, cache, self.config))
 
 
 def _folded(streams: torch.Tensor, owed) -> torch.Tensor:

@@ -50,6 +50,13 @@ class Scratch:
         # a compressed layer's compressor projections (2 halves at most), before its source ring
         self.source_kv, self.source_gate = bf16(r, 2 * hd), bf16(r, 2 * hd)
         self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats a task
+        # a CSA layer's indexer: its compressor's projections, the weights_proj and wq_b outputs;
+        # the scores and the selection, by the cache's entries a slot (`indexer_buffers`)
+        di, hi = c.index_head_dim, c.index_n_heads
+        self.index_source_kv, self.index_source_gate = bf16(r, 2 * di), bf16(r, 2 * di)
+        self.index_weights, self.index_q = bf16(r, hi), bf16(r, hi * di)
+        self.index_scores: dict[int, torch.Tensor] = {}
+        self.selected = torch.full((r, c.index_topk), -1, dtype=torch.int64, device=device)  # K1 -> K2
         self.device = torch.device(device)
         # MoE
         self.logits = f32(r, c.n_routed_experts)
@@ -74,6 +81,16 @@ class Scratch:
             self.parks[floats_a_task] = torch.empty(max(tasks * floats_a_task, 1), dtype=torch.float32,
                                                     device=self.device)
         return self.parks[floats_a_task]
+
+    def scores(self, n_entries: int) -> torch.Tensor:
+        """The index scores of a CSA layer whose cache holds `n_entries` entries a slot (fp32
+        [rows, n_entries]), one buffer a size, made at its first use (as `park`)."""
+        if n_entries not in self.index_scores:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("mono: index scores first needed inside a CUDA graph capture")
+            self.index_scores[n_entries] = torch.empty(self.rows, max(n_entries, 1), dtype=torch.float32,
+                                                       device=self.device)
+        return self.index_scores[n_entries]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())

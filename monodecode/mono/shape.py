@@ -2,7 +2,7 @@
 
 Results do not depend on it beyond fp32 summation order (tests check each shape they use against
 the same reference). `k1_programs_per_sm` co-resident programs on every SM of `k1_warps` warps in
-K1, `k2_programs_per_sm` of `k2_warps` in K2 (and the `ffn` launch), `expert_programs_per_sm` of
+K1, `k2_programs_per_sm` of `k2_warps` in K2, `expert_programs_per_sm` of
 `expert_warps` in K3 (the routed experts; and the expert stage alone), their registers capped so
 that they fit (`expert_registers`);
 dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8

@@ -15,7 +15,9 @@ What the kernels read, per layer:
   experts are held once.
 - fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
   table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors; on a compressed
-  layer taken whole, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own.
+  layer taken whole, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own,
+  and on a CSA layer its indexer's compressor likewise, its bf16 `weights_proj` and (an FP8 copy,
+  as above) its `wq_b`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ class CompressorWeights(NamedTuple):
         return 2 if self.ratio == 4 else 1
 
 
+class IndexerWeights(NamedTuple):
+    """A CSA layer's lightning indexer as the kernels read it: its own compressor (head dim DI),
+    the FP8 `wq_b` of its queries on the shared qr (a copy for the kernels), the bf16
+    `weights_proj` (the per-op path's own)."""
+
+    compressor: CompressorWeights
+    wq_b: Fp8Matrix  # [HI * DI, q_lora]
+    weights_proj: torch.Tensor  # bf16 [HI, d]
+
+
 class Fp8Matrix(NamedTuple):
     """A dense FP8 weight as the kernels take it (a pair of pointers)."""
 
@@ -80,16 +92,21 @@ class LayerWeights:
     attn_sink: torch.Tensor | None = None
     rope_freqs: torch.Tensor | None = None  # the compressed frequencies on a compressed layer
     compressor: CompressorWeights | None = None  # a compressed layer taken whole
+    indexer: IndexerWeights | None = None  # a CSA layer taken whole
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
-        matrices = [self.wqkv_a, self.wq_b, self.wo_a, self.wo_b, *(self.shared or ())]
+        matrices = [self.wqkv_a, self.wq_b, self.wo_a, self.wo_b, *(self.shared or ()),
+                    self.indexer.wq_b if self.indexer else None]
         return sum(m.codes.numel() + m.scales.numel() for m in matrices if m is not None)
 
 
-def fp8_names(prefix: str, whole: bool, shared: bool) -> list[str]:
-    """The layer's FP8 matrices the kernels read (names without `.weight`)."""
+def fp8_names(prefix: str, whole: bool, shared: bool, indexed: bool = False) -> list[str]:
+    """The layer's FP8 matrices the kernels read (names without `.weight`); `indexed`: a CSA
+    layer's, with its indexer's `wq_b`."""
     names = [f"{prefix}attn.{m}" for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")] if whole else []
+    if whole and indexed:
+        names.append(f"{prefix}attn.indexer.wq_b")
     if shared:
         names += [f"{prefix}ffn.shared_experts.{m}" for m in ("w1", "w2", "w3")]
     return names
@@ -167,10 +184,17 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
         lw.q_norm, lw.kv_norm, lw.attn_sink = w[f"{a}q_norm"], w[f"{a}kv_norm"], w[f"{a}attn_sink"]
         lw.rope_freqs = layer_frequencies(c, compressed=ratio > 0).to(lw.attn_norm.device).contiguous()
         if ratio:
-            k = f"{a}compressor."
-            lw.compressor = CompressorWeights(ratio, w[f"{k}wkv"], w[f"{k}wgate"], w[f"{k}ape"], w[f"{k}norm"])
+            lw.compressor = _compressor(w, f"{a}compressor.", ratio)
+        if ratio == 4:
+            i = f"{a}indexer."
+            lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"],
+                                        w[f"{i}weights_proj"])
     check_layer(c, p, lw)
     return lw
+
+
+def _compressor(w: dict[str, torch.Tensor], prefix: str, ratio: int) -> CompressorWeights:
+    return CompressorWeights(ratio, w[f"{prefix}wkv"], w[f"{prefix}wgate"], w[f"{prefix}ape"], w[f"{prefix}norm"])
 
 
 def check_layer(config, prefix: str, lw: LayerWeights) -> None:
@@ -218,19 +242,24 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
             "attn rope frequencies": (lw.rope_freqs, (c.qk_rope_head_dim // 2,), torch.float32),
         })
     if lw.compressor is not None:
-        cw = lw.compressor.halves * hd
-        expect.update({
-            "attn.compressor.wkv": (lw.compressor.wkv, (cw, d), torch.bfloat16),
-            "attn.compressor.wgate": (lw.compressor.wgate, (cw, d), torch.bfloat16),
-            "attn.compressor.ape": (lw.compressor.ape, (lw.compressor.ratio, cw), torch.float32),
-            "attn.compressor.norm": (lw.compressor.norm, (hd,), torch.float32),
-        })
+        expect.update(_compressor_expected("attn.compressor.", lw.compressor, hd, d))
+    if lw.indexer is not None:
+        hi, di = c.index_n_heads, c.index_head_dim
+        expect.update(_compressor_expected("attn.indexer.compressor.", lw.indexer.compressor, di, d))
+        expect["attn.indexer.weights_proj"] = (lw.indexer.weights_proj, (hi, d), torch.bfloat16)
+        fp8["attn.indexer.wq_b"] = (lw.indexer.wq_b, (hi * di, c.q_lora_rank))
     for name, (matrix, shape) in fp8.items():
         grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
         expect[f"{name}.weight"] = (matrix.codes, shape, torch.uint8)
         expect[f"{name}.scale"] = (matrix.scales, grid, torch.uint8)
     for name, (tensor, shape, dtype) in expect.items():
         _check(f"{p}{name}", tensor, shape, dtype)
+
+
+def _compressor_expected(name: str, comp: CompressorWeights, D: int, d: int) -> dict:
+    cw = comp.halves * D
+    return {f"{name}wkv": (comp.wkv, (cw, d), torch.bfloat16), f"{name}wgate": (comp.wgate, (cw, d), torch.bfloat16),
+            f"{name}ape": (comp.ape, (comp.ratio, cw), torch.float32), f"{name}norm": (comp.norm, (D,), torch.float32)}
 
 
 def check_cache(config, cache) -> None:
@@ -242,15 +271,18 @@ def check_cache(config, cache) -> None:
         slots, size = ring.pos.shape
         _check(f"cache layer {i} window kv", ring.data["kv"], (slots, size, hd), torch.bfloat16)
         _check(f"cache layer {i} window positions", ring.pos, (slots, size), torch.int64)
-        if getattr(layer, "source", None) is not None:  # (a draft stage's cache has no compressor)
-            source = layer.source
-            span, width = source.size, source.data["kv"].shape[-1]
+        compressed = (("compressor", "source", "entries", hd),
+                      ("indexer compressor", "index_source", "index_entries", config.index_head_dim))
+        for what, ring_name, entries_name, width in compressed:
+            source = getattr(layer, ring_name, None)  # (a draft stage's cache has no compressor)
+            if source is None:
+                continue
+            span, cw = source.size, source.data["kv"].shape[-1]
             for part in ("kv", "gate"):
-                _check(f"cache layer {i} compressor source {part}", source.data[part], (slots, span, width),
-                       torch.bfloat16)
-            _check(f"cache layer {i} compressor source positions", source.pos, (slots, span), torch.int64)
-            _check(f"cache layer {i} compressed entries", layer.entries, (slots, layer.entries.shape[1], hd),
-                   torch.bfloat16)
+                _check(f"cache layer {i} {what} source {part}", source.data[part], (slots, span, cw), torch.bfloat16)
+            _check(f"cache layer {i} {what} source positions", source.pos, (slots, span), torch.int64)
+            entries = getattr(layer, entries_name)
+            _check(f"cache layer {i} {what} entries", entries, (slots, entries.shape[1], width), torch.bfloat16)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -1,0 +1,73 @@
+"""CSA's indexer scores as kernel tasks (`mono.indexer`) against `Indexer.scores` on the same
+bf16 inputs: rows of several requests far on and fresh ones, a pad row, the entries past a row's
+visible ones (random data, which must not count), blocks of entries partly and wholly past them."""
+
+import pytest
+import torch
+
+from monodecode.config import preset
+from monodecode.model.compressor import Indexer
+from monodecode.model.rope import apply_rope, layer_frequencies
+from monodecode.mono import indexer as K
+
+
+@pytest.mark.parametrize("entry_block", [16, 64])
+def test_scores_match_the_indexer(device, entry_block):
+    config = preset("tiny")
+    HI, DI = config.index_n_heads, config.index_head_dim
+    g = torch.Generator().manual_seed(entry_block)
+    freqs = layer_frequencies(config, compressed=True)
+    w = {name: torch.zeros(1) for name in ("i.wq_b", "i.weights_proj", "i.compressor.wkv", "i.compressor.wgate",
+                                           "i.compressor.ape", "i.compressor.norm")}
+    indexer = Indexer(w, "i.", config, freqs)
+    slots = torch.tensor([3, 3, 0, -1, 5, 1])
+    positions = torch.tensor([401, 402, 2, 0, 150, 90])  # 100 / 100 / 0 / - / 37 / 22 visible entries
+    E = 120
+    keys = torch.randn(6, E, DI, generator=g).to(torch.bfloat16)
+    q_raw = (2 * torch.randn(6, HI, DI, generator=g)).to(torch.bfloat16)
+    weights_raw = torch.randn(6, HI, generator=g).to(torch.bfloat16)  # the weights_proj GEMV's output
+    weights = weights_raw.float() * HI ** -0.5  # as Indexer.queries scales it
+    out = K.scores(q_raw.to(device), weights_raw.to(device), positions.to(device), slots.to(device), freqs.to(device),
+                   keys.to(device), ratio=4, entry_block=entry_block).cpu()
+    q = apply_rope(q_raw, positions, freqs)
+    for r, (slot, p) in enumerate(zip(slots.tolist(), positions.tolist())):
+        if slot < 0:
+            assert torch.isneginf(out[r]).all()
+            continue
+        ref = indexer.scores(q[r:r + 1], weights[r:r + 1], keys[slot], positions[r:r + 1])[0]
+        visible = (p + 1) // 4
+        assert torch.isneginf(out[r, visible:]).all() and torch.isneginf(ref[visible:]).all()
+        # observed: fp32 summation order only (the dot's and the heads' sum)
+        torch.testing.assert_close(out[r, :visible], ref[:visible], rtol=1e-5, atol=1e-5)
+
+
+def test_the_launch_refuses_shapes_that_do_not_fit(device):
+    with pytest.raises(ValueError, match="do not fit"):
+        K.scores(torch.zeros(2, 16, 32, dtype=torch.bfloat16, device=device), torch.zeros(2, 8, dtype=torch.bfloat16, device=device),
+                 torch.zeros(2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device),
+                 torch.ones(8, device=device), torch.zeros(1, 8, 32, dtype=torch.bfloat16, device=device))
+
+
+@pytest.mark.parametrize("block", [16, 256])
+def test_select_takes_each_rows_top_k(device, block):
+    """The radix select: each row's top min(k, visible) entries as a set equal to torch.topk's
+    (random scores: no ties), then -1; scores of both signs and wide range; a row whose visible
+    entries are fewer than k; a pad row; and a row of equal scores (ties: the first k in entry
+    order)."""
+    g = torch.Generator().manual_seed(block)
+    k, E = 32, 300
+    scores = torch.randn(5, E, generator=g) * torch.exp2(torch.randint(-20, 20, (5, E), generator=g).float())
+    slots = torch.tensor([0, 1, -1, 2, 3])
+    positions = torch.tensor([4 * 300 - 1, 4 * 20 - 1, 0, 4 * 300 - 1, 4 * 100 - 1])  # 300, 20, -, 300, 100 visible
+    scores[3] = 0.5  # all tied
+    visible = [300, 20, 0, 300, 100]
+    for r, v in enumerate(visible):
+        scores[r, v:] = float("-inf")
+    out = K.select(scores.to(device), positions.to(device), slots.to(device), k, block=block).cpu()
+    for r, v in enumerate(visible):
+        n = min(k, v)
+        assert (out[r, n:] == -1).all(), r
+        if r == 3:
+            assert out[r, :n].tolist() == list(range(n))
+        elif n:
+            assert set(out[r, :n].tolist()) == set(scores[r].topk(n).indices.tolist()), r
