@@ -298,7 +298,7 @@ def run(args) -> int:
                 best_per_op = min(t for t in (m["per_op_eager_s"], m["per_op_graph_s"], m["per_op_compiled_s"])
                                   if t is not None)
                 mono = m["mono_s"]
-                rows.append({"kind": KINDS[ratio], "plan": decoder.mono.plan[layer], "width": width, **m,
+                rows.append({"kind": KINDS[ratio], "width": width, **m,
                              "shape_run": run_index,  # the shape's place in --shapes: a shape may come twice
                              "floor_s": floor_s, "per_op_of_floor": floor_s / best_per_op,
                              "mono_of_floor": floor_s / mono if mono else None,
@@ -400,14 +400,14 @@ def mono_runs(rows: list[dict]) -> dict:
 def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
-    cols = (f"{'kind':<7}{'plan':<6}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
+    cols = (f"{'kind':<7}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
             f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'K1':>9}{'K2':>9}{'of floor':>9}"
             f"{'speedup':>9}"
             f"{'launches':>14}  shape")
     lines = [head, cols]
     for r in report["layers"]:
         versus = f"{r['mono_of_floor']:>9.1%}{r['speedup']:>8.2f}x" if r["mono_s"] else f"{'refused':>18}"
-        lines.append(f"{r['kind']:<7}{r['plan']:<6}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
+        lines.append(f"{r['kind']:<7}{r['width']:>5}{r['distinct_experts']:>8}{r['floor_s'] * 1e6:>10.1f}"
                      f"{r['per_op_eager_s'] * 1e6:>12.1f}{_us(r['per_op_graph_s']):>12}"
                      f"{_us(r['per_op_compiled_s']):>12}"
                      f"{r['per_op_of_floor']:>9.1%}{_us(r['mono_s']):>12}"

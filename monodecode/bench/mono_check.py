@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(), "layers": args.layers,
-        "plan": decoder.mono.plan, "grids": decoder.mono.grids, "shape": decoder.mono.shape.spec(),
+        "ratios": decoder.mono.ratios, "grids": decoder.mono.grids, "shape": decoder.mono.shape.spec(),
         "build_seconds": time.perf_counter() - started,
         "runner_graphs": decoder.mono.graphs_enabled,  # agreement runs through the runner's graphs
     }

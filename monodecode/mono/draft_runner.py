@@ -22,7 +22,7 @@ import functools
 import torch
 
 from . import k1, k2
-from .plan import MAX_ROWS, WHOLE
+from .plan import MAX_ROWS
 from .runner import LayerStack, MonoRunner
 
 
@@ -32,7 +32,7 @@ def draft_stack(model, draft) -> LayerStack:
     config = c.replace(n_routed_experts=c.draft_n_routed_experts, num_experts_per_tok=c.draft_num_experts_per_tok,
                        num_hash_layers=0)
     n = len(draft.stages)
-    return LayerStack(config, draft.w, [WHOLE] * n, (0,) * n, [f"mtp.{k}." for k in range(n)], draft.stages,
+    return LayerStack(config, draft.w, (0,) * n, [f"mtp.{k}." for k in range(n)], draft.stages,
                       [functools.partial(draft.replace_experts, k) for k in range(n)])
 
 

@@ -303,9 +303,8 @@ def _emit(r, a, comp, D: tl.constexpr, RD, RATIO: tl.constexpr, HALVES: tl.const
 
 def dense_stages(runner, rows: int):
     """K1's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)), of every kind of
-    layer the runner takes whole (`split_needs` sizes the split GEMVs' scratch for the largest)."""
-    ratios = {0} | {ratio for ratio, lw in zip(runner.ratios, runner.layers) if lw.wqkv_a is not None}
-    return [stage for ratio in sorted(ratios) for stage in layer_stages(runner, rows, ratio)]
+    layer the runner runs (`split_needs` sizes the split GEMVs' scratch for the largest)."""
+    return [stage for ratio in sorted(set(runner.ratios)) for stage in layer_stages(runner, rows, ratio)]
 
 
 def layer_stages(runner, rows: int, ratio: int):

@@ -1,8 +1,5 @@
-"""The layer plan and the refusals: which layers the mono kernels take, and why they would not.
-
-Plan (docs/ARCHITECTURE.md): every layer runs `whole` (K1 + K2 + K3): a compressed layer's
-compressor in K1, its compressed entries in K2's attend, and a CSA layer's lightning indexer
-(its compressor, queries, scores and top-k) in K1's two stages more. Refusals are
+"""What the mono kernels take and why they would not: every V4 layer kind (window, CSA, HCA) as
+K1 + K2 + K3 (docs/ARCHITECTURE.md), steps of up to MAX_ROWS rows, and the refusals:
 configuration-level reasons the kernels cannot run at all; `mono="auto"` logs each and runs
 per-op, `mono="on"` raises them.
 """
@@ -17,7 +14,6 @@ from ..config import ModelConfig
 from .fragments import FRAGMENT_GROUP
 
 MAX_ROWS = 48  # the widest decode step the kernels take; wider steps run per-op
-WHOLE = "whole"
 
 
 class MonoRefused(RuntimeError):
@@ -26,11 +22,6 @@ class MonoRefused(RuntimeError):
     def __init__(self, reasons: list[str]):
         self.reasons = list(reasons)
         super().__init__("the mono kernels cannot run this model here: " + "; ".join(self.reasons))
-
-
-def layer_plan(config: ModelConfig) -> list[str]:
-    """`whole` for every V4 layer: window (ratio 0), CSA (ratio 4, the lightning indexer) and HCA."""
-    return [WHOLE for _ in config.compress_ratios]
 
 
 def interpreted() -> bool:

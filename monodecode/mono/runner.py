@@ -34,7 +34,7 @@ from . import experts as X
 from . import hc as HC
 from . import k1, k2
 from .gemv import kernel_blocks, split_needs
-from .plan import MAX_ROWS, WHOLE, MonoRefused, interpreted, layer_plan, refusals
+from .plan import MAX_ROWS, MonoRefused, interpreted, refusals
 from .scratch import Scratch
 from .shape import LaunchShape
 from .sync import DEFAULT_MAX_POLLS, ERROR, TIMELINE_SLOTS, SyncArgs, SyncState
@@ -51,13 +51,12 @@ def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
 
 
 class LayerStack(NamedTuple):
-    """The layers a runner runs: their sizes (`config`), plan, compression ratios, checkpoint
-    prefixes, per-op blocks, and for each a callable that hands the per-op path the kernels'
-    stacked experts."""
+    """The layers a runner runs: their sizes (`config`), compression ratios, checkpoint prefixes,
+    per-op blocks, and for each a callable that hands the per-op path the kernels' stacked
+    experts."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # the per-op weights by checkpoint name
-    plan: list[str]
     ratios: tuple[int, ...]  # each layer's compression ratio (0: window)
     prefixes: list[str]
     blocks: list
@@ -67,7 +66,7 @@ class LayerStack(NamedTuple):
 def target_stack(model) -> LayerStack:
     """The model's decoder layers."""
     n = model.config.num_hidden_layers
-    return LayerStack(model.config, model.w, layer_plan(model.config), tuple(model.config.compress_ratios),
+    return LayerStack(model.config, model.w, tuple(model.config.compress_ratios),
                       [f"layers.{i}." for i in range(n)], model.blocks,
                       [functools.partial(model.replace_experts, i) for i in range(n)])
 
@@ -85,15 +84,13 @@ class MonoRunner:
         if reasons:
             raise MonoRefused(reasons)
         stack = stack or target_stack(model)  # after the refusals: a model over ranks has no blocks here
-        self.plan = stack.plan
         shared = bool(self.config.n_shared_experts)
-        names = [n for p, kind, ratio in zip(stack.prefixes, self.plan, stack.ratios)
-                 for n in fp8_names(p, kind == WHOLE, shared, indexed=ratio == 4)]
+        names = [n for p, ratio in zip(stack.prefixes, stack.ratios) for n in fp8_names(p, shared, indexed=ratio == 4)]
         fp8 = read_fp8(model.checkpoint, names, model.device)
         self.ratios = stack.ratios
-        self.layers = [layer_weights(stack.weights, self.config, p, block, replace, kind == WHOLE, fp8, ratio)
-                       for p, block, replace, kind, ratio in zip(stack.prefixes, stack.blocks, stack.replace_experts,
-                                                                  self.plan, self.ratios)]
+        self.layers = [layer_weights(stack.weights, self.config, p, block, replace, fp8, ratio)
+                       for p, block, replace, ratio in zip(stack.prefixes, stack.blocks, stack.replace_experts,
+                                                           self.ratios)]
         self.device = model.device
         self.fast = not interpreted()  # the NVIDIA paths (PTX decode, bf16 dots); refusals() ruled out others
         for lw in self.layers:
@@ -107,14 +104,15 @@ class MonoRunner:
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.scratch: dict[int, Scratch] = {}
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
-        log.info("mono: plan %s; %.1f MiB of FP8 weights held for the kernels", "/".join(self.plan),
+        log.info("mono: %d layers (compression ratios %s); %.1f MiB of FP8 weights held for the kernels",
+                 len(self.layers), "/".join(map(str, self.ratios)),
                  self.memory()["fp8_weights"] / 2**20)
         if not interpreted():
             self.check_residency()
 
     @torch.no_grad()
     def check_residency(self) -> None:
-        """Launch every kernel the plan uses at its widest build (MAX_ROWS rows: the most registers
+        """Launch every kernel the layers use at its widest build (MAX_ROWS rows: the most registers
         and shared memory) on a private cache, so that a grid that cannot be co-resident is refused
         now, at build, with the reason (MonoRefused from `launch`), and not at a serving step. It
         also compiles those builds. The outputs are discarded."""
@@ -324,8 +322,7 @@ class MonoRunner:
         s.streams[0].copy_(model.embed(s.tokens))
         cur, owed, captured = 0, None, {}
         targets = (c.dspark_target_layer_ids or ()) if return_hidden else ()
-        for i in range(len(self.plan)):
-            lw, lc = self.layers[i], cache.layers[i]
+        for i, (lw, lc) in enumerate(zip(self.layers, cache.layers)):
             cur = k1.launch(self, s, lw, lc, cur, owed)
             cur = k2.launch(self, s, lw, lc, cur)
             owed = s.owed()

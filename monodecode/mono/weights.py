@@ -15,7 +15,7 @@ What the kernels read, per layer:
   experts are held once.
 - fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
   table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors; on a compressed
-  layer taken whole, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own,
+  layer, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own,
   and on a CSA layer its indexer's compressor likewise, its bf16 `weights_proj` and (an FP8 copy,
   as above) its `wq_b`.
 """
@@ -72,7 +72,7 @@ class Fp8Matrix(NamedTuple):
 
 @dataclass
 class LayerWeights:
-    """Kernel views of one layer. Attention fields are None on layers whose attention runs per-op."""
+    """Kernel views of one layer."""
 
     hc_attn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, base, scale (fp32)
     hc_ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -83,16 +83,16 @@ class LayerWeights:
     tid2eid: torch.Tensor | None  # int64 [vocab, k] (hash-routed layers)
     shared: tuple[Fp8Matrix, Fp8Matrix] | None  # w1 and w3 stacked [2 I, d] (`stack_rows`), w2
     experts: X.ExpertWeights
-    wqkv_a: Fp8Matrix | None = None  # wq_a and wkv stacked [q_lora + D, d] (`stack_rows`)
-    wq_b: Fp8Matrix | None = None
-    wo_a: Fp8Matrix | None = None
-    wo_b: Fp8Matrix | None = None
-    q_norm: torch.Tensor | None = None
-    kv_norm: torch.Tensor | None = None
-    attn_sink: torch.Tensor | None = None
-    rope_freqs: torch.Tensor | None = None  # the compressed frequencies on a compressed layer
-    compressor: CompressorWeights | None = None  # a compressed layer taken whole
-    indexer: IndexerWeights | None = None  # a CSA layer taken whole
+    wqkv_a: Fp8Matrix  # wq_a and wkv stacked [q_lora + D, d] (`stack_rows`)
+    wq_b: Fp8Matrix
+    wo_a: Fp8Matrix
+    wo_b: Fp8Matrix
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    attn_sink: torch.Tensor
+    rope_freqs: torch.Tensor  # the compressed frequencies on a compressed layer
+    compressor: CompressorWeights | None  # a compressed layer's
+    indexer: IndexerWeights | None = None  # a CSA layer's
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
@@ -101,11 +101,11 @@ class LayerWeights:
         return sum(m.codes.numel() + m.scales.numel() for m in matrices if m is not None)
 
 
-def fp8_names(prefix: str, whole: bool, shared: bool, indexed: bool = False) -> list[str]:
+def fp8_names(prefix: str, shared: bool, indexed: bool = False) -> list[str]:
     """The layer's FP8 matrices the kernels read (names without `.weight`); `indexed`: a CSA
     layer's, with its indexer's `wq_b`."""
-    names = [f"{prefix}attn.{m}" for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")] if whole else []
-    if whole and indexed:
+    names = [f"{prefix}attn.{m}" for m in ("wq_a", "wkv", "wq_b", "wo_a", "wo_b")]
+    if indexed:
         names.append(f"{prefix}attn.indexer.wq_b")
     if shared:
         names += [f"{prefix}ffn.shared_experts.{m}" for m in ("w1", "w2", "w3")]
@@ -158,13 +158,14 @@ def stack_rows(*matrices: Fp8Matrix) -> Fp8Matrix:
     return Fp8Matrix(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
 
 
-def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replace_experts, whole: bool,
+def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replace_experts,
                   fp8: dict[str, Fp8Matrix], ratio: int = 0) -> LayerWeights:
     """Kernel views of the block whose names start with `prefix` (`layers.{i}.`, or a draft
     stage's `mtp.{k}.`) in the per-op weights `w`, `config` its sizes (a draft stage's: its own
     experts); `replace_experts` hands the per-op path the stacked experts (`stack_experts`);
     `ratio` the layer's compression ratio (0: a window layer)."""
     c, p = config, prefix
+    a = f"{p}attn."
     shared = None
     if c.n_shared_experts:
         w1, w2, w3 = (fp8[f"{p}ffn.shared_experts.{m}"] for m in ("w1", "w2", "w3"))
@@ -176,19 +177,14 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
         gate=w[f"{p}ffn.gate"].to(torch.bfloat16).contiguous(),
         route_bias=block.moe.bias, tid2eid=block.moe.tid2eid,
         shared=shared, experts=stack_experts(block.moe.experts, replace_experts),
+        wqkv_a=stack_rows(fp8[f"{a}wq_a"], fp8[f"{a}wkv"]), wq_b=fp8[f"{a}wq_b"], wo_a=fp8[f"{a}wo_a"],
+        wo_b=fp8[f"{a}wo_b"], q_norm=w[f"{a}q_norm"], kv_norm=w[f"{a}kv_norm"], attn_sink=w[f"{a}attn_sink"],
+        rope_freqs=layer_frequencies(c, compressed=ratio > 0).to(w[f"{p}attn_norm"].device).contiguous(),
+        compressor=_compressor(w, f"{a}compressor.", ratio) if ratio else None,
     )
-    if whole:
-        a = f"{p}attn."
-        lw.wq_b, lw.wo_a, lw.wo_b = (fp8[f"{a}{m}"] for m in ("wq_b", "wo_a", "wo_b"))
-        lw.wqkv_a = stack_rows(fp8[f"{a}wq_a"], fp8[f"{a}wkv"])
-        lw.q_norm, lw.kv_norm, lw.attn_sink = w[f"{a}q_norm"], w[f"{a}kv_norm"], w[f"{a}attn_sink"]
-        lw.rope_freqs = layer_frequencies(c, compressed=ratio > 0).to(lw.attn_norm.device).contiguous()
-        if ratio:
-            lw.compressor = _compressor(w, f"{a}compressor.", ratio)
-        if ratio == 4:
-            i = f"{a}indexer."
-            lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"],
-                                        w[f"{i}weights_proj"])
+    if ratio == 4:
+        i = f"{a}indexer."
+        lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"], w[f"{i}weights_proj"])
     check_layer(c, p, lw)
     return lw
 
@@ -230,17 +226,16 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
     if lw.shared is not None:
         fp8.update({f"ffn.shared_experts.{m}": (t, s) for m, t, s in
                     zip(("w1 and w3", "w2"), lw.shared, ((2 * inter, d), (d, inter)))})
-    if lw.wqkv_a is not None:
-        fp8.update({"attn.wq_a and wkv": (lw.wqkv_a, (c.q_lora_rank + hd, d)),
-                    "attn.wq_b": (lw.wq_b, (heads * hd, c.q_lora_rank)),
-                    "attn.wo_a": (lw.wo_a, (c.o_groups * c.o_lora_rank, heads * hd // c.o_groups)),
-                    "attn.wo_b": (lw.wo_b, (d, c.o_groups * c.o_lora_rank))})
-        expect.update({
-            "attn.q_norm": (lw.q_norm, (c.q_lora_rank,), torch.float32),
-            "attn.kv_norm": (lw.kv_norm, (hd,), torch.float32),
-            "attn.attn_sink": (lw.attn_sink, (heads,), torch.float32),
-            "attn rope frequencies": (lw.rope_freqs, (c.qk_rope_head_dim // 2,), torch.float32),
-        })
+    fp8.update({"attn.wq_a and wkv": (lw.wqkv_a, (c.q_lora_rank + hd, d)),
+                "attn.wq_b": (lw.wq_b, (heads * hd, c.q_lora_rank)),
+                "attn.wo_a": (lw.wo_a, (c.o_groups * c.o_lora_rank, heads * hd // c.o_groups)),
+                "attn.wo_b": (lw.wo_b, (d, c.o_groups * c.o_lora_rank))})
+    expect.update({
+        "attn.q_norm": (lw.q_norm, (c.q_lora_rank,), torch.float32),
+        "attn.kv_norm": (lw.kv_norm, (hd,), torch.float32),
+        "attn.attn_sink": (lw.attn_sink, (heads,), torch.float32),
+        "attn rope frequencies": (lw.rope_freqs, (c.qk_rope_head_dim // 2,), torch.float32),
+    })
     if lw.compressor is not None:
         expect.update(_compressor_expected("attn.compressor.", lw.compressor, hd, d))
     if lw.indexer is not None:
