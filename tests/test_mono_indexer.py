@@ -20,12 +20,14 @@ def test_scores_match_the_indexer(device, entry_block):
     w = {name: torch.zeros(1) for name in ("i.wq_b", "i.weights_proj", "i.compressor.wkv", "i.compressor.wgate",
                                            "i.compressor.ape", "i.compressor.norm")}
     indexer = Indexer(w, "i.", config, freqs)
-    slots = torch.tensor([3, 3, 0, -1, 5, 1])
-    positions = torch.tensor([401, 402, 2, 0, 150, 90])  # 100 / 100 / 0 / - / 37 / 22 visible entries
+    slots = torch.tensor([3, 3, 0, -1, 5, 1, 2, 4])
+    # 100 / 100 / 0 / - / 37 / 22 visible entries, then two rows far past 65,536 positions (YaRN's
+    # range at v4-flash sizes: the RoPE angles in fp32 at large positions), every entry visible
+    positions = torch.tensor([401, 402, 2, 0, 150, 90, 70_001, 262_143])
     E = 120
     keys = torch.randn(6, E, DI, generator=g).to(torch.bfloat16)
-    q_raw = (2 * torch.randn(6, HI, DI, generator=g)).to(torch.bfloat16)
-    weights_raw = torch.randn(6, HI, generator=g).to(torch.bfloat16)  # the weights_proj GEMV's output
+    q_raw = (2 * torch.randn(8, HI, DI, generator=g)).to(torch.bfloat16)
+    weights_raw = torch.randn(8, HI, generator=g).to(torch.bfloat16)  # the weights_proj GEMV's output
     weights = weights_raw.float() * HI ** -0.5  # as Indexer.queries scales it
     out = K.scores(q_raw.to(device), weights_raw.to(device), positions.to(device), slots.to(device), freqs.to(device),
                    keys.to(device), ratio=4, entry_block=entry_block).cpu()
@@ -35,7 +37,7 @@ def test_scores_match_the_indexer(device, entry_block):
             assert torch.isneginf(out[r]).all()
             continue
         ref = indexer.scores(q[r:r + 1], weights[r:r + 1], keys[slot], positions[r:r + 1])[0]
-        visible = (p + 1) // 4
+        visible = min((p + 1) // 4, E)
         assert torch.isneginf(out[r, visible:]).all() and torch.isneginf(ref[visible:]).all()
         # observed: fp32 summation order only (the dot's and the heads' sum)
         torch.testing.assert_close(out[r, :visible], ref[:visible], rtol=1e-5, atol=1e-5)
@@ -71,3 +73,18 @@ def test_select_takes_each_rows_top_k(device, block):
             assert out[r, :n].tolist() == list(range(n))
         elif n:
             assert set(out[r, :n].tolist()) == set(scores[r].topk(n).indices.tolist()), r
+
+
+def test_select_at_long_context(device):
+    """A request 160 K positions on: 40,000 visible entries, v4-flash's top 512 of them (the
+    selection's passes are bounded by the row's entries, whatever the cache holds), equal as a set
+    to torch.topk's; a second row at 4 K positions (1,024 visible) beside it."""
+    g = torch.Generator().manual_seed(7)
+    k, E = 512, 40_000
+    scores = torch.randn(2, E, generator=g)
+    positions = torch.tensor([4 * E - 1, 4 * 1024 - 1])
+    scores[1, 1024:] = float("-inf")
+    out = K.select(scores.to(device), positions.to(device), torch.tensor([0, 1]).to(device), k).cpu()
+    for r, visible in enumerate((E, 1024)):
+        assert (out[r] >= 0).all() and len(set(out[r].tolist())) == k
+        assert set(out[r].tolist()) == set(scores[r, :visible].topk(k).indices.tolist()), r
