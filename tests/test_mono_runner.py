@@ -432,6 +432,17 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
     assert again.mono.layers[0].experts is experts
 
 
+def test_an_expired_wait_in_the_csa_layers_k1_names_its_stage(decoder):
+    """The CSA layer's K1 is a sync family of its own (two stages more): an expired wait at its
+    barrier 5 (recorded by the kernel as 6) names the index scores, the stage it waited on."""
+    from monodecode.mono.sync import ERROR, MonoSyncError
+
+    decoder.mono.sync["k1c"].words[ERROR] = 6
+    with pytest.raises(MonoSyncError, match="k1 index scores"):
+        decoder.mono.check()
+    assert int(decoder.mono.sync["k1c"].words[ERROR]) == 0  # the counters start over
+
+
 def test_the_residency_check_launches_every_kernel_at_the_widest_build(decoder):
     """On a GPU it runs at build (and at configure); here it is called to run its code."""
     epochs = {name: state.epoch for name, state in decoder.mono.sync.items()}
