@@ -103,7 +103,7 @@ class Engine:
         """One decode step of pad rows (slot -1: no cache written, no expert routed) at every width
         this engine's decode steps can have (1 to max_num_seqs requests, 1 + k rows each under
         speculation), so that what a width costs the first time (on a GPU: the CUDA-graph
-        capture; on mono the compile of the CSA / HCA attention, minutes) is paid now and not
+        capture; on mono the kernels' builds at that width, a minute or more) is paid now and not
         in the first steps of the requests that reach it. Touches no request, slot or metric."""
         per_request = 1 if self.decoder is None else self.decoder.block_size + 1
         cache = self.caches if self.decoder is None else self.caches.target
