@@ -443,6 +443,18 @@ def test_an_expired_wait_in_the_csa_layers_k1_names_its_stage(decoder):
     assert int(decoder.mono.sync["k1c"].words[ERROR]) == 0  # the counters start over
 
 
+def test_an_expired_wait_in_each_k1_family_raises_and_the_next_step_runs(decoder):
+    """The GPU check's error path (also run here: under the interpreter a wait for arrivals that
+    never come expires too): K1's family and the CSA layer's `k1c` each raise naming the stage,
+    and the runner runs the next step."""
+    from monodecode.bench import mono_check as check
+
+    reports = check.check_error_path(decoder, check.prefilled_cache(decoder))
+    assert set(reports) == {"k1", "k1c"}
+    for report in reports.values():
+        assert "gave up waiting in stage 'k1 fold'" in report["raised"] and report["recovered_finite"], report
+
+
 def test_the_residency_check_launches_every_kernel_at_the_widest_build(decoder):
     """On a GPU it runs at build (and at configure); here it is called to run its code."""
     epochs = {name: state.epoch for name, state in decoder.mono.sync.items()}

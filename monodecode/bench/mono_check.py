@@ -14,10 +14,11 @@ Four checks, results printed and written as JSON (`--skip` leaves some out):
    layer's and the logits' agreement (`logits_all_rows` keeps them);
 2. graph: whole steps (every layer: K1 + K2 + K3; the head) for widths 1, 6, 16, 48, 6, 1 captured in one CUDA graph, replayed 300 times; every
    replay's outputs (logits, y, streams) bit-for-bit equal to the first's;
-3. timeline: per-stage times of each kernel family's last launch (K1 / K1c / K2 / K3), one eager step a width
-   (where the time goes; not a benchmark);
-4. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
-   with a short poll bound: the launch ends, the host raises MonoSyncError naming the stage.
+3. error path: a K1 barrier made unreachable (the device epoch moved on behind the kernel's back)
+   with a short poll bound, for K1's family and (with a CSA layer) the CSA K1's: the launch ends,
+   the host raises MonoSyncError naming the stage, the next step runs;
+4. timeline: per-stage times of each kernel family's last launch (K1 / K1c / K2 / K3), one eager
+   step a width (where the time goes; not a benchmark; last, as the least needed).
 No error word may be set anywhere else.
 """
 
@@ -270,12 +271,20 @@ def check_timeline(decoder: Decoder, base_cache) -> dict:
 
 
 def check_error_path(decoder: Decoder, base_cache) -> dict:
+    """For K1's family and, with a CSA layer, the CSA layer's K1 family (`k1c`): a step whose K1
+    barriers wait for launches that never ran (the family's device epoch moved on behind the
+    kernels' back) with a short poll bound raises MonoSyncError naming the stage, and the next
+    step runs again."""
+    families = ["k1"] + (["k1c"] if last_csa_layer(decoder) is not None else [])
+    return {family: _expired_wait(decoder, base_cache, family) for family in families}
+
+
+def _expired_wait(decoder: Decoder, base_cache, family: str) -> dict:
     runner, cache = decoder.mono, copy.deepcopy(base_cache)
     tokens, positions, slots = step_rows(6, torch.Generator().manual_seed(4), decoder.config.vocab_size)
-    runner.graphs_enabled = False
-    saved = runner.max_polls
-    runner.max_polls = 20000
-    runner.sync["k1"].words[EPOCH] += 5  # barriers now wait for arrivals of launches that never ran
+    saved = runner.max_polls, runner.graphs_enabled
+    runner.max_polls, runner.graphs_enabled = 20000, False
+    runner.sync[family].words[EPOCH] += 5  # barriers now wait for arrivals of launches that never ran
     start = time.perf_counter()
     try:
         decoder.step(cache, tokens, positions, slots)
@@ -283,8 +292,10 @@ def check_error_path(decoder: Decoder, base_cache) -> dict:
     except MonoSyncError as e:
         raised = str(e)
     seconds = time.perf_counter() - start
-    runner.max_polls = saved
-    logits = decoder.step(cache, tokens, positions, slots)  # the counters started over: it runs again
+    try:
+        logits = decoder.step(cache, tokens, positions, slots)  # the counters started over: it runs again
+    finally:
+        runner.max_polls, runner.graphs_enabled = saved
     return {"raised": raised, "seconds": seconds, "recovered_finite": bool(torch.isfinite(logits).all())}
 
 
@@ -310,8 +321,8 @@ def main(argv=None) -> int:
         "build_seconds": time.perf_counter() - started,
         "runner_graphs": decoder.mono.graphs_enabled,  # agreement runs through the runner's graphs
     }
-    checks = (("agreement", check_agreement), ("graph", check_graph), ("timeline", check_timeline),
-              ("error_path", check_error_path))
+    checks = (("agreement", check_agreement), ("graph", check_graph), ("error_path", check_error_path),
+              ("timeline", check_timeline))
     print(f"kernels: {json.dumps(decoder.mono.kernel_resources())}", flush=True)  # the residency check's builds
     for name, check in checks:  # each result is printed and saved as it comes (a run may be cut short)
         if name not in args.skip.split(","):
