@@ -34,7 +34,7 @@ import torch
 import triton
 
 from ..checkpoint import SyntheticCheckpoint
-from ..config import preset
+from ..config import CSA_RATIO, preset
 from ..decode import Decoder
 from ..model import Model
 from ..mono.shape import LaunchShape
@@ -122,7 +122,7 @@ def per_op_last_routing(decoder: Decoder, *step_args) -> tuple[torch.Tensor, tor
 
 def last_csa_layer(decoder: Decoder) -> int | None:
     """The last CSA layer (ratio 4): its K1 leaves its selection in the scratch after a step."""
-    return max((i for i, ratio in enumerate(decoder.config.compress_ratios) if ratio == 4), default=None)
+    return max((i for i, ratio in enumerate(decoder.config.compress_ratios) if ratio == CSA_RATIO), default=None)
 
 
 def index_agreement(decoder: Decoder, width: int, reference: dict, live: torch.Tensor) -> dict:

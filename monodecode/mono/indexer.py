@@ -39,6 +39,12 @@ def score_tasks_of(R, E, KE: tl.constexpr):
 
 
 @triton.jit
+def visible_entries(row, positions_ptr, slots_ptr, RATIO: tl.constexpr):
+    """The compressed entries row `row` sees: (p + 1) // RATIO at its position p, none for a pad row."""
+    return tl.where(tl.load(slots_ptr + row) >= 0, (tl.load(positions_ptr + row) + 1) // RATIO, 0)
+
+
+@triton.jit
 def score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI,
                RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
                FAST: tl.constexpr):
@@ -48,7 +54,7 @@ def score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, k
     e = (t % blocks) * KE + tl.arange(0, KE)
     slot = tl.load(slots_ptr + row)
     position = tl.load(positions_ptr + row)
-    visible = tl.where(slot >= 0, (position + 1) // RATIO, 0)
+    visible = visible_entries(row, positions_ptr, slots_ptr, RATIO)
     live = e < visible
     scores = tl.full((KE,), float("-inf"), tl.float32)
     if (t % blocks) * KE < visible:
@@ -117,10 +123,9 @@ def _ordered(scores):
 
 
 @triton.jit
-def select_task(row, scores_ptr, n_entries, selected_ptr, visible_of, K: tl.constexpr, BE: tl.constexpr):
+def select_task(row, scores_ptr, n_entries, selected_ptr, visible, K: tl.constexpr, BE: tl.constexpr):
     """selected[row, :K]: the row's top-min(K, visible) entry ids by score (ties at the k-th
-    largest score broken by entry order), then -1. `visible_of`: the row's visible entries."""
-    visible = visible_of
+    largest score broken by entry order), then -1. `visible`: the row's visible entries."""
     need = tl.minimum(visible, K)
     prefix = tl.zeros((), tl.uint32)  # the digits fixed so far, in place
     for shift in tl.static_range(24, -8, -8):
@@ -158,9 +163,8 @@ def select_task(row, scores_ptr, n_entries, selected_ptr, visible_of, K: tl.cons
 def select_row(row, scores_ptr, n_entries, selected_ptr, positions_ptr, slots_ptr, RATIO: tl.constexpr,
                K: tl.constexpr, BE: tl.constexpr):
     """`select_task` of a row, its visible entries from its position (none for a pad row)."""
-    slot = tl.load(slots_ptr + row)
-    visible = tl.where(slot >= 0, (tl.load(positions_ptr + row) + 1) // RATIO, 0)
-    select_task(row, scores_ptr, n_entries, selected_ptr, tl.minimum(visible, n_entries), K, BE)
+    visible = tl.minimum(visible_entries(row, positions_ptr, slots_ptr, RATIO), n_entries)
+    select_task(row, scores_ptr, n_entries, selected_ptr, visible, K, BE)
 
 
 @triton.jit

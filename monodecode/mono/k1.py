@@ -60,13 +60,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import CSA_RATIO
 from . import attention as A
 from . import compress as C
 from . import hc as HC
 from . import indexer as I
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, begin_launch, end_launch
-from .weights import Fp8Matrix
+from .weights import Fp8Matrix, compressor_halves
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
 INDEXED_STAGES = STAGES + ["k1 index scores", "k1 index top-k"]  # a CSA layer's K1: its own family, "k1c"
@@ -320,8 +321,8 @@ def layer_stages(runner, rows: int, ratio: int):
 
     front, back = [gemv(q_lora + hd, d)], [gemv(c.num_attention_heads * hd, q_lora)]
     if ratio:
-        front += [gemv((2 if ratio == 4 else 1) * hd, d, fp8=False)] * 2
-    if ratio == 4:
+        front += [gemv(compressor_halves(ratio) * hd, d, fp8=False)] * 2
+    if ratio == CSA_RATIO:
         front += [gemv(2 * c.index_head_dim, d, fp8=False)] * 2 + [gemv(c.index_n_heads, d, fp8=False)]
         back.append(gemv(c.index_n_heads * c.index_head_dim, q_lora))
     return [front, back]

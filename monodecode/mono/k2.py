@@ -34,7 +34,8 @@ K3:
 y, post and comb of the FFN site are owed to the next layer's K1 (or the runner's final fold).
 Pad rows (slot < 0) route to no expert (ids -1), so their y holds the shared expert's output only;
 nothing reads a pad row's result.
-Waits: a grid barrier after every stage of a launch but its last (K2 6, K3 3), so a stage reads only what finished stages wrote; an expired wait names the stage it waited
+Waits: a grid barrier after every stage of a launch but its last (K2 6, K3 3), so a stage reads
+only what finished stages wrote; an expired wait names the stage it waited
 on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
 nothing, it only finds out that it is last. Rounding points: those of each stage module (bf16
@@ -101,7 +102,7 @@ class K2Attention(NamedTuple):
     heads: int
     o_groups: int
     o_lora: int
-    entries: torch.Tensor  # an HCA layer's compressed entries [S, n_entries, D] (RATIO > 0; else unread)
+    entries: torch.Tensor  # a compressed layer's entries [S, n_entries, D] (RATIO > 0; else unread)
     n_entries: int
     park: torch.Tensor  # fp32, park_stride a task: each attend task's entry logits (Scratch.park)
     park_stride: int

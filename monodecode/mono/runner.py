@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from ..config import ModelConfig
+from ..config import CSA_RATIO, ModelConfig
 from ..model.hc import hc_post
 from . import experts as X
 from . import hc as HC
@@ -85,7 +85,8 @@ class MonoRunner:
             raise MonoRefused(reasons)
         stack = stack or target_stack(model)  # after the refusals: a model over ranks has no blocks here
         shared = bool(self.config.n_shared_experts)
-        names = [n for p, ratio in zip(stack.prefixes, stack.ratios) for n in fp8_names(p, shared, indexed=ratio == 4)]
+        names = [n for p, ratio in zip(stack.prefixes, stack.ratios)
+                 for n in fp8_names(p, shared, indexed=ratio == CSA_RATIO)]
         fp8 = read_fp8(model.checkpoint, names, model.device)
         self.ratios = stack.ratios
         self.layers = [layer_weights(stack.weights, self.config, p, block, replace, fp8, ratio)

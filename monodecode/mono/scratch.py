@@ -51,7 +51,7 @@ class Scratch:
         self.source_kv, self.source_gate = bf16(r, 2 * hd), bf16(r, 2 * hd)
         self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats a task
         # a CSA layer's indexer: its compressor's projections, the weights_proj and wq_b outputs;
-        # the scores and the selection, by the cache's entries a slot (`indexer_buffers`)
+        # the scores (`scores`, one buffer a cache's entries a slot) and the selection
         di, hi = c.index_head_dim, c.index_n_heads
         self.index_source_kv, self.index_source_gate = bf16(r, 2 * di), bf16(r, 2 * di)
         self.index_weights, self.index_q = bf16(r, hi), bf16(r, hi * di)
@@ -75,22 +75,21 @@ class Scratch:
         """The parked logits of a compressed layer's attend tasks (fp32, `floats_a_task` for each of
         `tasks`), one buffer a size, made at its first use: a width's eager warm-up step, before
         any graph of it is captured."""
-        if floats_a_task not in self.parks:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("mono: an attend park first needed inside a CUDA graph capture")
-            self.parks[floats_a_task] = torch.empty(max(tasks * floats_a_task, 1), dtype=torch.float32,
-                                                    device=self.device)
-        return self.parks[floats_a_task]
+        return self._first_use(self.parks, floats_a_task, "an attend park", (max(tasks * floats_a_task, 1),))
 
     def scores(self, n_entries: int) -> torch.Tensor:
         """The index scores of a CSA layer whose cache holds `n_entries` entries a slot (fp32
         [rows, n_entries]), one buffer a size, made at its first use (as `park`)."""
-        if n_entries not in self.index_scores:
+        return self._first_use(self.index_scores, n_entries, "index scores", (self.rows, max(n_entries, 1)))
+
+    def _first_use(self, buffers: dict, key: int, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """buffers[key], an fp32 tensor of `shape` made now if it is not there yet: at a width's eager
+        warm-up step, never first inside a CUDA graph capture (a clear error instead)."""
+        if key not in buffers:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("mono: index scores first needed inside a CUDA graph capture")
-            self.index_scores[n_entries] = torch.empty(self.rows, max(n_entries, 1), dtype=torch.float32,
-                                                       device=self.device)
-        return self.index_scores[n_entries]
+                raise RuntimeError(f"mono: {what} first needed inside a CUDA graph capture")
+            buffers[key] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return buffers[key]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())

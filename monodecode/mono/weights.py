@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import formats
+from ..config import CSA_RATIO
 from ..model.rope import layer_frequencies
 from . import experts as X
 
@@ -50,7 +51,12 @@ class CompressorWeights(NamedTuple):
 
     @property
     def halves(self) -> int:
-        return 2 if self.ratio == 4 else 1
+        return compressor_halves(self.ratio)
+
+
+def compressor_halves(ratio: int) -> int:
+    """A compressor's projection halves C: 2 where its windows overlap (CSA), else 1."""
+    return 2 if ratio == CSA_RATIO else 1
 
 
 class IndexerWeights(NamedTuple):
@@ -182,7 +188,7 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
         rope_freqs=layer_frequencies(c, compressed=ratio > 0).to(w[f"{p}attn_norm"].device).contiguous(),
         compressor=_compressor(w, f"{a}compressor.", ratio) if ratio else None,
     )
-    if ratio == 4:
+    if ratio == CSA_RATIO:
         i = f"{a}indexer."
         lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"], w[f"{i}weights_proj"])
     check_layer(c, p, lw)
