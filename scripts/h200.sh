@@ -32,7 +32,8 @@
 #                 (default 1; $SHAPE, default the default shape), summed by stage (tools/stall_profile.py);
 #                 $OUT/profile.ncu-rep, profile_source.csv (the SASS with its samples), profile_details.csv
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
-# (TIMELINE= , empty, leaves its per-stage timeline out).
+# (TIMELINE= , empty, leaves its per-stage timeline out), CONTEXT its cached tokens a request (512; bench-layer
+# and ab).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
 part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|ab|compiled|bench-decode|experts|profile}
@@ -69,7 +70,7 @@ case $part in
   bench-layer)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default}" \
-      --out "$out" >> "$out/$part.txt" 2>&1 ;;
+      --context "${CONTEXT:-512}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   ab)
     trees=(${TREES:-base=baseline new=.})
     for entry in "${trees[@]}"; do
@@ -82,7 +83,7 @@ case $part in
       case $round in 2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
       runs=/tmp/ab_runs; mkdir -p "$runs/$name$round"
       (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-6}" \
-        --kinds "${KINDS:-window}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
+        --kinds "${KINDS:-window}" --context "${CONTEXT:-512}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
       echo "$name$round: exit $? ($SECONDS s)" >> "$out/$part.txt"
       rm -f "$runs/$name$round/bench_layer.png"
       # a call brings back at most 8 files: the runs travel as one archive, summarised after each run
