@@ -21,7 +21,8 @@
 #                 mono time with the per-op graph as a control, and the trees' fastest runs. KINDS and
 #                 WIDTHS as for bench-layer (defaults: window, 6: one width); TIMEOUT bounds each run (150);
 #                 TREES='base=baseline mid=other new=.' (name=folder, names in lower case) times more trees,
-#                 in that order and back
+#                 in that order and back; WARM=1 first compiles every tree, kind and width in parallel
+#                 processes (one core each), so that the timed runs start with Triton's cache warm
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
@@ -76,6 +77,17 @@ case $part in
     for entry in "${trees[@]}"; do
       [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" >> "$out/$part.txt"; exit 2; }
     done
+    if [ -n "${WARM:-}" ]; then
+      # compile every (tree, kind, width) at once, one process each (a compile is one CPU core's
+      # work), so that the timed runs below start with Triton's cache warm; these runs' times are
+      # thrown away (they share the GPU)
+      for entry in "${trees[@]}"; do for kind in ${KINDS//,/ }; do for width in ${WIDTHS//,/ }; do
+        (cd ${entry#*=} && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --reps 1 \
+          --widths $width --kinds $kind --context "${CONTEXT:-512}" ${TIMELINE:-} --out /tmp/ab_warm > /dev/null 2>&1) &
+      done; done; done
+      wait
+      echo "warm: $SECONDS s" >> "$out/$part.txt"
+    fi
     order=("${trees[@]/%/=1}")
     for ((i=${#trees[@]}-1; i>=0; i--)); do order+=("${trees[i]}=2"); done
     for entry in "${order[@]}"; do
