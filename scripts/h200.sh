@@ -22,7 +22,8 @@
 #                 WIDTHS as for bench-layer (defaults: window, 6: one width); TIMEOUT bounds each run (150);
 #                 TREES='base=baseline mid=other new=.' (name=folder, names in lower case) times more trees,
 #                 in that order and back; WARM=1 first compiles every tree, kind and width in parallel
-#                 processes (one core each), so that the timed runs start with Triton's cache warm
+#                 processes (one core each), so that the timed runs start with Triton's cache warm, and
+#                 runs the command in $ALONGSIDE beside them (e.g. a `tests` part: done before any timing)
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
@@ -85,6 +86,7 @@ case $part in
         (cd ${entry#*=} && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --reps 1 \
           --widths $width --kinds $kind --context "${CONTEXT:-512}" ${TIMELINE:-} --out /tmp/ab_warm > /dev/null 2>&1) &
       done; done; done
+      [ -n "${ALONGSIDE:-}" ] && (eval "$ALONGSIDE") &
       wait
       echo "warm: $SECONDS s" >> "$out/$part.txt"
     fi
