@@ -75,6 +75,7 @@ case $part in
       --context "${CONTEXT:-512}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   ab)
     trees=(${TREES:-base=baseline new=.})
+    kinds=${KINDS:-window} widths=${WIDTHS:-6}
     for entry in "${trees[@]}"; do
       [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" >> "$out/$part.txt"; exit 2; }
     done
@@ -82,7 +83,7 @@ case $part in
       # compile every (tree, kind, width) at once, one process each (a compile is one CPU core's
       # work), so that the timed runs below start with Triton's cache warm; these runs' times are
       # thrown away (they share the GPU)
-      for entry in "${trees[@]}"; do for kind in ${KINDS//,/ }; do for width in ${WIDTHS//,/ }; do
+      for entry in "${trees[@]}"; do for kind in ${kinds//,/ }; do for width in ${widths//,/ }; do
         (cd ${entry#*=} && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --reps 1 \
           --widths $width --kinds $kind --context "${CONTEXT:-512}" ${TIMELINE:-} --out /tmp/ab_warm > /dev/null 2>&1) &
       done; done; done
@@ -96,8 +97,8 @@ case $part in
       IFS== read -r name tree round <<< "$entry"
       case $round in 2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
       runs=/tmp/ab_runs; mkdir -p "$runs/$name$round"
-      (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-6}" \
-        --kinds "${KINDS:-window}" --context "${CONTEXT:-512}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
+      (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "$widths" \
+        --kinds "$kinds" --context "${CONTEXT:-512}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
       echo "$name$round: exit $? ($SECONDS s)" >> "$out/$part.txt"
       rm -f "$runs/$name$round/bench_layer.png"
       # a call brings back at most 8 files: the runs travel as one archive, summarised after each run
