@@ -172,10 +172,20 @@ class ModelConfig:
         return self.is_v41
 
     @property
+    def q_head_norm(self) -> bool:
+        """V4 RMS-normalises each query head after `wq_b`; V4.1 does not (its qr is normed before)."""
+        return not self.is_v41
+
+    @property
     def has_hc_head(self) -> bool:
         """V4 merges the final hc streams with a learned hc_head; V4.1 has none (it collapses
         with the last FFN pre-mix)."""
         return not self.is_v41
+
+    @property
+    def markov_tensor_names(self) -> tuple[str, str]:
+        """The DSpark Markov head's two tables under `markov_head.` (V4.1 renamed V4's)."""
+        return ("embed", "head") if self.is_v41 else ("markov_w1", "markov_w2")
 
     @property
     def dspark_captures_layer_input(self) -> bool:

@@ -13,16 +13,17 @@ An unquantized checkpoint (no `quantization_config`) stores fp8/mxfp4 tensors as
 
 The same table drives the reader's checks, the synthetic writer and the byte counts of `inspect`.
 
-DeepSeek-V4.1 (`config.is_v41`) differs in these tensors (names as its checkpoints spell them; the
-ones no source confirmed are marked so where they are added):
+DeepSeek-V4.1 (`config.is_v41`) differs in these tensors (names as its checkpoints spell them, as
+DeepSeek's V4.1 `inference/model.py` and vLLM's loader read them):
 - only the KV-source layers hold `attn.compressor.*` (wkv, norm; and wgate at ratio 2), plus the
   index keys' `attn.indexer.wk` / `attn.indexer.k_norm`, applied to the compressed KV;
 - only the index-source layers hold `attn.indexer.wq_b` / `attn.indexer.weights_proj`;
 - `layers.{i}.engram.*` on the Engram layers: the table `embed` (FP8 rows with one UE8M0 scale per
   32 values), `wkv`, `q_weight`, `k_weight`;
-- `ffn.gate.bias_vl`, the routing bias of image tokens (role "vision": stored, never read here);
-- no `hc_head_*`, neither at the top level nor on the last draft stage, and the Markov head is
-  `markov_head.embed` / `markov_head.head`.
+- `ffn.gate.bias_vl`, the routing bias of image tokens, on every block, draft stages too (role
+  "vision": stored, never used here);
+- no `hc_head_*`, neither at the top level nor on the last draft stage, the Markov head is
+  `markov_head.embed` / `markov_head.head`, and the confidence head's `proj` is bf16.
 The vision tower's tensors (`vision.*`, `aligner.*`) are not described: the text model only.
 """
 
@@ -148,7 +149,7 @@ class _Builder:
         else:
             self.attention(f"{p}attn.", ratio)
         self.norm(f"{p}ffn_norm", d)
-        self.moe(f"{p}ffn.", hash_routed, n_experts, image_bias=c.is_v41 and layer is not None)
+        self.moe(f"{p}ffn.", hash_routed, n_experts, image_bias=c.is_v41)
 
     def attention_core(self, p: str) -> None:
         """What every layer's attention holds, V4 and V4.1 alike: q/kv projections, the window
@@ -174,8 +175,7 @@ class _Builder:
             return
         if c.kv_source_of(layer) == layer:
             # One compressed entry per `ratio` positions, pooled by a softmax gate at ratio 2; at
-            # ratio 1 a plain projection (no wgate). No `ape` and no overlap: unconfirmed, the
-            # sources read show neither.
+            # ratio 1 a plain projection (no wgate). No `ape` and no overlapping windows.
             self.linear(f"{p}compressor.wkv", hd, d, fmt="bf16")
             if c.compress_ratios[layer] > 1:
                 self.linear(f"{p}compressor.wgate", hd, d, fmt="bf16")
@@ -189,8 +189,7 @@ class _Builder:
     def engram(self, p: str, layer: int) -> None:
         """V4.1's Engram: the hashed table (FP8 rows, one scale per 32 values), the projection of
         the gathered rows to one key per hc stream and a shared value, and the gate's weights.
-        Names as DeepSeek's V4.1 checkpoints spell them, as far as the sources show (the
-        `layers.{i}.engram.` prefix is inferred, not confirmed)."""
+        Names as DeepSeek's V4.1 checkpoints spell them."""
         c = self.c
         d, width = c.hidden_size, c.engram_head_dim
         rows = c.engram_num_embeddings[c.engram_layer_ids.index(layer)]
@@ -228,7 +227,7 @@ class _Builder:
             self.add(f"{p}gate.tid2eid", (c.vocab_size, topk), "int", role="table")
         else:
             self.add(f"{p}gate.bias", (n_experts,), "fp32")
-        if image_bias:  # V4.1 routes image tokens with their own bias; whether draft stages have one: unconfirmed
+        if image_bias:  # V4.1 routes image tokens with their own bias (its draft stages hold one too)
             self.add(f"{p}gate.bias_vl", (n_experts,), "fp32", role="vision")
         for e in range(n_experts):
             self.linear(f"{p}experts.{e}.w1", inter, d, "mxfp4", role="expert")
@@ -259,10 +258,10 @@ class _Builder:
         if c.has_hc_head:
             self.hc_head(last)
         rank = c.dspark_markov_rank
-        w1, w2 = ("embed", "head") if c.is_v41 else ("markov_w1", "markov_w2")  # V4.1 renamed them
+        w1, w2 = c.markov_tensor_names
         self.add(f"{last}markov_head.{w1}.weight", (c.vocab_size, rank), "bf16", role="embed")
         self.add(f"{last}markov_head.{w2}.weight", (c.vocab_size, rank), "bf16")
-        self.add(f"{last}confidence_head.proj.weight", (1, d + rank), "fp32")
+        self.add(f"{last}confidence_head.proj.weight", (1, d + rank), "bf16" if c.is_v41 else "fp32")
 
 
 def layer_of(name: str) -> str:

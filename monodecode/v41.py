@@ -36,21 +36,20 @@ VISION_ONLY_FIELDS = ("vision_config", "image_token_id", "image_start_token_id",
 
 
 class NotBuilt(ConfigError):
-    """Something that runs a model (the per-op model, the DSpark draft, the mono kernels) was given
-    a DeepSeek-V4.1 config; they implement V4 only, and would silently compute V4's semantics."""
+    """Something built for DeepSeek-V4 only (the per-op layer benchmark, tensor parallelism) was
+    given a DeepSeek-V4.1 config; it would silently compute V4's semantics. (The mono kernels
+    refuse V4.1 with their own reasons: mono/plan.py.)"""
 
     def __init__(self, what: str):
-        super().__init__(f"DeepSeek-V4.1 ({TEXT_MODEL_TYPE}): {what} is not built yet. " + RUNS_V4_ONLY)
+        super().__init__(f"DeepSeek-V4.1 ({TEXT_MODEL_TYPE}): {what} is not built yet. " + RUNS_ON)
 
 
-RUNS_V4_ONLY = (
-    "monodecode reads V4.1 configs and checkpoints (inspect, make-checkpoint) but runs V4 only; run on V4.1, "
-    "the V4 code would compute V4's layer (a compressor and indexer on every compressed layer, the mHC "
-    "pre-mix of the current sub-block, hc_head, no Engram) and give wrong output without an error")
+RUNS_ON = ("V4.1 runs on the per-op path on one device (`generate`, `serve`, the DSpark draft); the mono kernels, "
+           "tensor parallelism and `bench layer` implement V4 only")
 
 
 def refuse_to_run(config, what: str) -> None:
-    """Raise NotBuilt if `config` is V4.1: `what` (e.g. "the per-op model") cannot run it."""
+    """Raise NotBuilt if `config` is V4.1: `what` (e.g. "tensor parallelism") cannot run it."""
     if config.is_v41:
         raise NotBuilt(what)
 
@@ -96,15 +95,15 @@ def latest_at_or_below(sources, layer: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=64)
-def engram_table_rows(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> tuple[int, ...]:
-    """The rows of each Engram layer's table. Each (layer, n-gram order, head) owns a bucket range
-    whose size is a prime: for every order the primes are taken upwards from above vocab_size - 1,
-    skipping any prime an earlier (layer, order, head) took, so that all ranges differ; a layer's
-    table is its ranges back to back. (DeepSeek-V4.1-Flash: 384006168 and 384016682 rows.)"""
+def engram_primes(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each Engram layer's bucket primes, order-major (n-gram order 2's heads, then order 3's, ...).
+    Each (layer, n-gram order, head) owns a bucket range whose size is a prime: for every order the
+    primes are taken upwards from above vocab_size - 1, skipping any prime an earlier (layer, order,
+    head) took, so that all ranges differ (DeepSeek-V4.1's `inference/engram.py`, EngramLayout)."""
     taken: set[int] = set()
-    rows = []
+    layers = []
     for _ in range(n_layers):
-        total = 0
+        primes = []
         for _ in range(max_ngram_size - 1):
             candidate = vocab_size - 1
             for _ in range(n_heads):
@@ -112,9 +111,15 @@ def engram_table_rows(n_layers: int, max_ngram_size: int, n_heads: int, vocab_si
                 while candidate in taken or not _is_prime(candidate):
                     candidate += 1
                 taken.add(candidate)
-                total += candidate
-        rows.append(total)
-    return tuple(rows)
+                primes.append(candidate)
+        layers.append(tuple(primes))
+    return tuple(layers)
+
+
+def engram_table_rows(n_layers: int, max_ngram_size: int, n_heads: int, vocab_size: int) -> tuple[int, ...]:
+    """The rows of each Engram layer's table: its bucket ranges back to back (engram_primes).
+    (DeepSeek-V4.1-Flash: 384006168 and 384016682 rows.)"""
+    return tuple(sum(p) for p in engram_primes(n_layers, max_ngram_size, n_heads, vocab_size))
 
 
 def _is_prime(n: int) -> bool:

@@ -1,4 +1,6 @@
-"""The per-op model on its own: decode equals prefill, rewinds, pad rows, formats, errors."""
+"""The per-op model on its own: decode equals prefill, rewinds, pad rows, formats, errors; for
+DeepSeek-V4 (the tiny preset) and DeepSeek-V4.1 (tiny-v4.1: its ratio-2 and ratio-1 layers, KV and
+index sources, candidate filter and Engram)."""
 
 import json
 
@@ -13,9 +15,9 @@ from monodecode.generate import generate
 from monodecode.model import load_model
 
 
-@pytest.fixture(scope="module")
-def model(device):
-    return load_model("tiny", seed=11, device=device)
+@pytest.fixture(scope="module", params=["tiny", "tiny-v4.1"])
+def model(request, device):
+    return load_model(request.param, seed=11, device=device)
 
 
 def rel_err(a, b):
@@ -47,7 +49,8 @@ def test_score_is_sane(model):
 def test_decode_equals_prefill_with_interleaved_requests(model):
     """Three requests of 70 tokens decoded together: steps mix single rows and runs of several
     rows per request (like speculative verify steps), crossing the 16-token window, CSA windows
-    of 4 and HCA windows of 16. Each row must match the prefill of its own sequence."""
+    of 4 and HCA windows of 16 (V4.1: groups of 2, candidate blocks of 4, Engram's n-grams). Each
+    row must match the prefill of its own sequence."""
     g = torch.Generator().manual_seed(1)
     seqs = [random_ids(g, 70) for _ in range(3)]
     slots = [2, 0, 3]  # not 0..n-1, to catch slot mix-ups
@@ -160,8 +163,9 @@ def test_the_lm_head_is_the_fp32_product_of_the_bf16_operands(device):
     assert rel_err(logits, ref) < 1e-5
 
 
-def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path, device):
-    src = write_synthetic_checkpoint(preset("tiny"), tmp_path / "q", seed=3, progress=False)
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4.1"])
+def test_quantized_checkpoint_scores_like_its_bf16_dequantization(tmp_path, device, name):
+    src = write_synthetic_checkpoint(preset(name), tmp_path / "q", seed=3, progress=False)
     dequantized_copy(src, tmp_path / "bf16")
     ids = random_ids(torch.Generator().manual_seed(6), 48)
     quantized = load_model(src, device=device).score(ids)

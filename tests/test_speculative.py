@@ -119,8 +119,8 @@ def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
         greedy = draft.propose(*args, [(0.0, 0.9, 5, g) for g in generators])
     assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
     streams = draft.model.embed(torch.full((r * draft.block_size,), 7, device=model.device))
-    hb, base = draft._head(streams, r)
-    assert torch.equal(draft._greedy_markov(streams, anchors.to(model.device)).tokens,
+    hb, base = draft._head(streams, None, r)
+    assert torch.equal(draft._greedy_markov(streams, None, anchors.to(model.device)).tokens,
                        draft._markov_sample(base, hb, anchors.to(model.device),
                                            partial(sampled, sampling=[(0.0, 1.0, 0, None)] * r)).tokens)
     # the whole proposal against the sampling path, which a request above temperature 0 forces

@@ -248,29 +248,11 @@ def test_inspect_reads_a_v41_checkpoint(tiny41_dir, capsys):
 
 
 # --- refusals ---------------------------------------------------------------------------------------------
-def test_per_op_model_refuses_v41(tiny41_dir):
-    with pytest.raises(v41.NotBuilt, match=r"DeepSeek-V4.1 \(deepseek_v41_text\): the per-op model is not built yet"):
-        monodecode.load("tiny-v4.1")
-    with pytest.raises(v41.NotBuilt, match="per-op model is not built yet"):
-        Model.from_checkpoint(Checkpoint(tiny41_dir))
-    with pytest.raises(v41.NotBuilt, match="per-op model"):
-        Model(preset("tiny-v4.1"), {}, "cpu", torch.float32)
+def test_bench_layer_refuses_v41_by_name():
+    from monodecode.bench.layer import build
 
-
-def test_draft_refuses_v41():
-    from monodecode.model.draft import Draft
-
-    class FakeModel:
-        config, dtype = preset("tiny-v4.1"), torch.float32
-
-    with pytest.raises(v41.NotBuilt, match="the DSpark draft"):
-        Draft(FakeModel(), {})
-
-
-def test_generate_refuses_v41_with_a_message(capsys):
-    assert main(["generate", "--model", "tiny-v4.1", "--prompt-ids", "1,2", "--max-tokens", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "monodecode generate: error: DeepSeek-V4.1" in err and "per-op model is not built yet" in err
+    with pytest.raises(v41.NotBuilt, match=r"`bench layer` \(it times V4's window, CSA and HCA layers\) is not built"):
+        build("tiny-v4.1", "cpu")
 
 
 def test_mono_kernels_refuse_v41_naming_the_block_case():

@@ -67,7 +67,7 @@ REPLAYS_IN_A_ROW = 8  # a timed sample of a graph: this many replays, queued one
 
 def build(name: str, device: str) -> Decoder:
     # V4's three layer kinds at the preset's sizes: a V4.1 preset has none of them to time
-    v41.refuse_to_run(preset(name), "the per-op model (bench layer times V4's window, CSA and HCA layers)")
+    v41.refuse_to_run(preset(name), "`bench layer` (it times V4's window, CSA and HCA layers)")
     ratios = tuple(KINDS)
     # no DSpark draft: nothing here runs it, and its three layers of experts would double the build
     config = preset(name, num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=0,

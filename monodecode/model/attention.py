@@ -1,11 +1,13 @@
 """Attention of a DeepSeek-V4 layer: window-only, CSA or HCA.
 
 Queries: `wq_a` -> `q_norm` (qr, shared with the indexer) -> `wq_b` -> per-head unweighted
-RMSNorm -> RoPE on the trailing rope dims. One K=V head: `wkv` -> `kv_norm` -> RoPE. A query at
-position t attends, with one softmax that also holds a per-head sink logit (probability mass
-with no value): the raw KV of positions t - window + 1 .. t, plus on CSA layers the indexer's
-top-k visible compressed entries and on HCA layers every visible compressed entry. The output's
-rope dims are de-rotated at the query position, then the grouped `wo_a` and `wo_b` project.
+RMSNorm (V4 only: `config.q_head_norm`) -> RoPE on the trailing rope dims. One K=V head: `wkv` ->
+`kv_norm` -> RoPE. A query at position t attends, with one softmax that also holds a per-head
+sink logit (probability mass with no value): the raw KV of positions t - window + 1 .. t, plus on
+CSA layers the indexer's top-k visible compressed entries and on HCA layers every visible
+compressed entry. The output's rope dims are de-rotated at the query position, then the grouped
+`wo_a` and `wo_b` project. DeepSeek-V4.1's layers (shared_attention.py) keep this core and take
+their compressed entries and selection from source layers.
 Under tensor parallelism (parallel.py) a rank holds a range of the heads and the o groups they
 feed, and `wo_b`'s output is summed over the ranks.
 
@@ -46,11 +48,15 @@ class Attention:
         self.ratio = ratio
         self.freqs = layer_frequencies(config, compressed=ratio > 0)
         self.compressor = self.indexer = None
-        if ratio:
-            self.compressor = Compressor(self.w, "compressor.", ratio, config.head_dim, self.freqs,
-                                         config.rms_norm_eps)
-        if ratio == 4:
-            self.indexer = Indexer(self.w, "indexer.", config, self.freqs)
+        self.build_compression()
+
+    def build_compression(self) -> None:
+        """V4: a compressed layer's own compressor, and on CSA layers its indexer."""
+        if self.ratio:
+            self.compressor = Compressor(self.w, "compressor.", self.ratio, self.c.head_dim, self.freqs,
+                                         self.c.rms_norm_eps)
+        if self.ratio == 4:
+            self.indexer = Indexer(self.w, "indexer.", self.c, self.freqs)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, groups: list[RequestRows],
                  cache: LayerCache) -> torch.Tensor:
@@ -78,7 +84,9 @@ class Attention:
         c, w = self.c, self.w
         qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], c.rms_norm_eps)
         q = F.linear(qr, w["wq_b"]).unflatten(-1, (self.heads, c.head_dim))
-        q = apply_rope(rms_norm(q, None, c.rms_norm_eps), positions, self.freqs)
+        if c.q_head_norm:
+            q = rms_norm(q, None, c.rms_norm_eps)
+        q = apply_rope(q, positions, self.freqs)
         return qr, q, self.keys(x, positions)
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

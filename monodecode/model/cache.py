@@ -9,6 +9,11 @@ Per layer:
   summarising positions [w * ratio, (w + 1) * ratio);
 - CSA layers also: the indexer compressor's projection ring and its keys.
 
+DeepSeek-V4.1: only a KV-source layer holds compressed state (its entries, their index keys, and
+at ratio 2 a ring of its fp32 projections, `ratio + max_step_rows` rows); the other layers read
+their source's (shared_attention.py). A model with Engram layers also keeps each request's last
+token ids (`tokens`, `engram_max_ngram_size - 1 + max_step_rows` a slot), the n-grams' history.
+
 The extra `max_step_rows` rows make a step rewindable: a verify step may write up to that many
 positions of one request that are later rejected; the rows the next step needs are still there,
 and a rejected position is overwritten when it is decoded again. Readers check the stored
@@ -53,15 +58,23 @@ class PositionRing:
 
 class LayerCache:
     def __init__(self, config: ModelConfig, ratio: int, num_slots: int, max_context: int,
-                 max_step_rows: int, device, dtype):
+                 max_step_rows: int, device, dtype, compresses: bool = True):
+        """`compresses`: whether the layer makes its own compressed entries (V4.1: its KV sources
+        only; the other layers keep their window alone)."""
         d = config.head_dim
         self.window = PositionRing(num_slots, config.sliding_window + max_step_rows, {"kv": d}, device, dtype)
         self.source = self.entries = self.index_source = self.index_entries = None
-        if ratio == 0:
+        if ratio == 0 or not compresses:
+            return
+        num_entries = max_context // ratio
+        if config.is_v41:
+            self.entries = torch.zeros(num_slots, num_entries, d, dtype=dtype, device=device)
+            self.index_entries = torch.zeros(num_slots, num_entries, config.index_head_dim, dtype=dtype, device=device)
+            if ratio > 1:
+                self.source = PositionRing(num_slots, ratio + max_step_rows, {"kv": d, "gate": d}, device, torch.float32)
             return
         overlap = 2 if ratio == 4 else 1
         span = overlap * ratio + max_step_rows
-        num_entries = max_context // ratio
         self.source = PositionRing(num_slots, span, {"kv": overlap * d, "gate": overlap * d}, device, dtype)
         self.entries = torch.zeros(num_slots, num_entries, d, dtype=dtype, device=device)
         if ratio == 4:
@@ -84,10 +97,17 @@ class DecodeCache:
             raise ValueError(f"num_slots ({num_slots}), max_context ({max_context}) and "
                              f"max_step_rows ({max_step_rows}) must be positive")
         self.num_slots, self.max_context, self.max_step_rows = num_slots, max_context, max_step_rows
-        self.layers = [LayerCache(config, r, num_slots, max_context, max_step_rows, device, dtype)
-                       for r in ratios]
+        self.layers = [LayerCache(config, r, num_slots, max_context, max_step_rows, device, dtype,
+                                  compresses=not config.is_v41 or config.kv_source_of(i) == i)
+                       for i, r in enumerate(ratios)]
+        self.tokens = None
+        if config.engram_layer_ids:
+            size = config.engram_max_ngram_size - 1 + max_step_rows
+            self.tokens = PositionRing(num_slots, size, {"id": 1}, device, torch.long)
 
     def clear(self, slot: int) -> None:
         """Forget a slot's request (its rows become invalid), e.g. before reusing the slot."""
         for layer in self.layers:
             layer.clear(slot)
+        if self.tokens is not None:
+            self.tokens.clear(slot)

@@ -81,25 +81,41 @@ class Indexer:
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
-        """Index scores [n, E] fp32 of each query's entries (keys [E, d], or [n, E, d] per query);
-        -inf where an entry is not visible."""
-        equation = "nhd,ed->nhe" if keys.dim() == 2 else "nhd,ned->nhe"
-        scores = torch.einsum(equation, q.float(), keys.float()).relu() * self.head_dim**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
-        visible = torch.arange(keys.shape[-2], device=keys.device)[None] < ((positions + 1) // 4)[:, None]
-        return scores.masked_fill(~visible, float("-inf"))
+        """`index_scores` of this ratio-4 indexer."""
+        return index_scores(q, weights, keys, positions, ratio=4)
 
     def top(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [n, k], valid [n, k]) of each query's top-k entries, k = min(topk, E); an
         index is valid where its entry is visible (fewer than k may be)."""
-        scores = self.scores(q, weights, keys, positions)
-        top = scores.topk(min(self.topk, keys.shape[-2]), dim=-1)
-        return top.indices, top.values > float("-inf")
+        return top_entries(self.scores(q, weights, keys, positions), self.topk)
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """Mask [n, E] of the entries each query attends: its top-k visible ones."""
-        indices, valid = self.top(q, weights, keys, positions)
-        return torch.zeros(indices.shape[0], keys.shape[-2], dtype=torch.bool, device=keys.device).scatter_(
-            1, indices, valid)
+        return top_mask(self.scores(q, weights, keys, positions), self.topk)
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                 ratio: int) -> torch.Tensor:
+    """Index scores [n, E] fp32 of queries q [n, heads, d] with their head weights [n, heads]
+    against entries keys [E, d] (or [n, E, d], per query): sum over heads of w_h * relu(q_h . k)
+    / sqrt(d); -inf where an entry is not visible (entry w < (t + 1) // ratio)."""
+    equation = "nhd,ed->nhe" if keys.dim() == 2 else "nhd,ned->nhe"
+    scores = torch.einsum(equation, q.float(), keys.float()).relu() * q.shape[-1]**-0.5
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
+    visible = torch.arange(keys.shape[-2], device=keys.device)[None] < ((positions + 1) // ratio)[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def top_entries(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices [n, k], valid [n, k]) of each row's k = min(topk, E) highest scores; valid where
+    the score is finite (a visible entry)."""
+    top = scores.topk(min(topk, scores.shape[-1]), dim=-1)
+    return top.indices, top.values > float("-inf")
+
+
+def top_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Mask [n, E] of each row's top-k visible entries (`top_entries`)."""
+    indices, valid = top_entries(scores, topk)
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, indices, valid)

@@ -1,9 +1,9 @@
-"""The DSpark draft: `num_nextn_predict_layers` window-only V4 blocks
-(`mtp.{k}.*`) that propose a whole block of tokens in one parallel pass.
+"""The DSpark draft: `num_nextn_predict_layers` window-only blocks (`mtp.{k}.*`) that propose a
+whole block of tokens in one parallel pass.
 
 Context: for every committed target position p, `main_x = main_norm(main_proj(h_p))`, where h_p
 concatenates, over `dspark_target_layer_ids`, the mean over the hc streams of the target's
-residual after that layer. Each stage keeps a ring of context keys
+residual after that layer (DeepSeek-V4.1: entering it; `Model.step`). Each stage keeps a ring of context keys
 `rope(kv_norm(wkv(main_x_p)), p)` for the last `sliding_window` committed positions; context
 positions have no queries.
 
@@ -12,7 +12,11 @@ at t + 1, the stages run over `[anchor, noise x (block_size - 1)]` at positions 
 embedding broadcast to the hc streams. Every block query attends the stage's context ring and
 all B block keys (non-causal inside the block); block keys never enter the ring. The last
 stage's hc_head and norm and the shared lm_head give B rows of base logits U; row k is for the
-token at position t + 2 + k.
+token at position t + 2 + k. DeepSeek-V4.1's draft: its stages are V4.1 blocks (the delayed mHC
+collapse, from the one-hot pre of the first stage; no per-head query norm) with the draft's own
+expert count and top-k, and the last stage's output is collapsed with its FFN pre (no hc_head);
+its Markov tables are named `markov_head.embed` / `markov_head.head` (`markov_w1` / `markov_w2`
+below).
 
 The Markov head then samples left to right: with prev = anchor, for k = 0..B-1,
 `logits_k = U_k + markov_w2 @ markov_w1[prev]`, d_k ~ probabilities(logits_k), and the confidence
@@ -33,11 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import v41
 from ..sampling import probabilities, sample_from
 from .attention import Attention, RequestRows
 from .cache import PositionRing
-from .hc import hc_head
+from .delayed_block import DelayedBlock, entry_pre
+from .hc import collapse, hc_head
 from .layer import Block
 from .norm import rms_norm
 from .weights import expert_bank
@@ -95,17 +99,20 @@ class DraftCache:
 class Draft:
     def __init__(self, model, weights: dict):
         c = model.config
-        v41.refuse_to_run(c, "the DSpark draft (V4.1: captures the input of its target layers, no hc_head)")
         self.model, self.c, self.w = model, c, weights
         self.block_size = c.dspark_block_size
-        self.stages = [
-            Block(c, weights, f"mtp.{k}.", expert_bank(weights, f"mtp.{k}.ffn.", model.tp.part(c.draft_n_routed_experts),
-                                                       model.dtype),
-                  0, False, c.draft_num_experts_per_tok, attention_cls=DraftAttention, tp=model.tp)
-            for k in range(c.num_nextn_predict_layers)
-        ]
+        self.stages = [self._stage(k) for k in range(c.num_nextn_predict_layers)]
         self.last = f"mtp.{c.num_nextn_predict_layers - 1}."
+        self.markov_w1, self.markov_w2 = (f"{self.last}markov_head.{name}" for name in c.markov_tensor_names)
         self._greedy_graphs: dict[int, tuple] = {}  # requests -> (inputs, outputs, graph)
+
+    def _stage(self, k: int) -> Block:
+        c, p, tp = self.c, f"mtp.{k}.", self.model.tp
+        experts = expert_bank(self.w, f"{p}ffn.", tp.part(c.draft_n_routed_experts), self.model.dtype)
+        if c.is_v41:
+            attention = DraftAttention(c, self.w, f"{p}attn.", 0, tp)
+            return DelayedBlock(c, self.w, p, experts, c.draft_num_experts_per_tok, attention, tp=tp)
+        return Block(c, self.w, p, experts, 0, False, c.draft_num_experts_per_tok, attention_cls=DraftAttention, tp=tp)
 
     def replace_experts(self, stage: int, experts) -> None:
         """Serve the stage's routed experts from `experts` (as `Model.replace_experts`)."""
@@ -137,35 +144,45 @@ class Draft:
         tokens = torch.full((r, b), self.c.dspark_noise_token_id, dtype=torch.long, device=device)
         tokens[:, 0] = anchors
         positions = anchor_positions.to(device)[:, None] + torch.arange(b, device=device)
+        pre = None  # V4.1: the last stage's FFN pre, that its output is collapsed with
         if stages is None:
             groups = [RequestRows(s, torch.arange(i * b, (i + 1) * b, device=device), positions[i])
                       for i, s in enumerate(slots)]
             tokens, positions = tokens.flatten(), positions.flatten()
             streams = self.model.embed(tokens)
+            if self.c.is_v41:
+                pre = entry_pre(len(tokens), self.c.hc_mult, device)
             for stage, ring in zip(self.stages, cache.rings):
-                streams = stage(streams, tokens, positions, groups, ring)
+                if pre is None:
+                    streams = stage(streams, tokens, positions, groups, ring)
+                else:
+                    streams, pre = stage(streams, tokens, positions, groups, ring, pre)
         else:
             streams = stages(tokens.flatten(), positions.flatten(), torch.tensor(slots).repeat_interleave(b))
         anchors = anchors.to(device)
         if all(temperature == 0 for temperature, *_ in sampling):
-            return self._greedy_head(streams, anchors)
-        hb, base = self._head(streams, r)
+            return self._greedy_head(streams, pre, anchors)
+        hb, base = self._head(streams, pre, r)
         return self._markov_sample(base, hb, anchors, functools.partial(_sampled, sampling=sampling))
 
-    def _head(self, streams: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last stage's hc_head output hb [R, B, d] and the base logits [R, B, vocab] (fp32)."""
+    def _head(self, streams: torch.Tensor, pre: torch.Tensor | None, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's merged output hb [R, B, d] (V4: its hc_head; V4.1: the collapse with
+        its FFN pre `pre`) and the base logits [R, B, vocab] (fp32)."""
         w, c, b = self.w, self.c, self.block_size
-        hb = hc_head(streams, w[f"{self.last}hc_head_fn"], w[f"{self.last}hc_head_base"],
-                     w[f"{self.last}hc_head_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        if pre is None:
+            hb = hc_head(streams, w[f"{self.last}hc_head_fn"], w[f"{self.last}hc_head_base"],
+                         w[f"{self.last}hc_head_scale"], hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        else:
+            hb = collapse(streams, pre)
         return hb.view(r, b, -1), self.model.lm_head(hb, w[f"{self.last}norm"]).view(r, b, -1)
 
     def _markov_step(self, base_k, hb_k, prev):
         """Position k's Markov logits and confidence from the previous token `prev` [R]."""
-        w, last = self.w, self.last
-        e = F.embedding(prev, w[f"{last}markov_head.markov_w1"])
-        logits = base_k + self.model.fp32_linear(e, w[f"{last}markov_head.markov_w2"])
+        w = self.w
+        e = F.embedding(prev, w[self.markov_w1])
+        logits = base_k + self.model.fp32_linear(e, w[self.markov_w2])
         features = torch.cat([hb_k.float(), e.float()], dim=-1)
-        confidence = torch.sigmoid(F.linear(features, w[f"{last}confidence_head.proj"].float())).squeeze(-1)
+        confidence = torch.sigmoid(F.linear(features, w[f"{self.last}confidence_head.proj"].float())).squeeze(-1)
         return logits, confidence
 
     def _markov_sample(self, base, hb, anchors, pick) -> Proposal:
@@ -181,29 +198,30 @@ class Draft:
             confidence.append(sure)
         return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))
 
-    def _greedy_markov(self, streams: torch.Tensor, anchors: torch.Tensor) -> Proposal:
+    def _greedy_markov(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """The head of an all-greedy proposal: the sampling path's tokens and one-hot distributions
         at temperature 0 (the argmax, which is what sampling a one-hot gives), batched over the
         requests, with no host sync."""
-        hb, base = self._head(streams, anchors.shape[0])
+        hb, base = self._head(streams, pre, anchors.shape[0])
         return self._markov_sample(base, hb, anchors, _argmax_and_one_hot)
 
-    def _greedy_head(self, streams: torch.Tensor, anchors: torch.Tensor) -> Proposal:
+    def _greedy_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
         use; not under tensor parallelism, whose gathers are collectives)."""
         if streams.device.type != "cuda" or self.model.tp.size > 1 or torch.cuda.is_current_stream_capturing():
-            return self._greedy_markov(streams, anchors)
+            return self._greedy_markov(streams, pre, anchors)
         r = anchors.shape[0]
         if r not in self._greedy_graphs:
-            self._greedy_graphs[r] = self._capture_greedy(streams, anchors)
+            self._greedy_graphs[r] = self._capture_greedy(streams, pre, anchors)
         inputs, outputs, graph = self._greedy_graphs[r]
-        for buffer, value in zip(inputs, (streams, anchors)):
-            buffer.copy_(value)
+        for buffer, value in zip(inputs, (streams, pre, anchors)):
+            if buffer is not None:
+                buffer.copy_(value)
         graph.replay()
         return Proposal(*(t.clone() for t in outputs))
 
-    def _capture_greedy(self, streams: torch.Tensor, anchors: torch.Tensor):
-        inputs = (streams.clone(), anchors.clone())
+    def _capture_greedy(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor):
+        inputs = (streams.clone(), None if pre is None else pre.clone(), anchors.clone())
         side = torch.cuda.Stream(streams.device)  # the warm-up sets up the GEMMs' workspaces outside the capture
         side.wait_stream(torch.cuda.current_stream(streams.device))
         with torch.cuda.stream(side):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import v41
 from ..config import ModelConfig
 
 
@@ -51,8 +52,11 @@ class TensorParallel:
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
     def check(self, config: ModelConfig) -> None:
-        """Refuse a world size that does not divide what the ranks split, naming the numbers."""
+        """Refuse a world size that does not divide what the ranks split, naming the numbers (and
+        any split of DeepSeek-V4.1, whose shared sources and Engram are not split yet)."""
         n = self.size
+        if n > 1:
+            v41.refuse_to_run(config, f"tensor parallelism (--tensor-parallel-size {n})")
         need = {"attention heads": config.num_attention_heads, "o_groups": config.o_groups,
                 "routed experts": config.n_routed_experts, "vocabulary": config.vocab_size}
         if config.has_dspark:

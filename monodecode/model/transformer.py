@@ -1,4 +1,7 @@
-"""The per-op DeepSeek-V4 model: embedding, decoder blocks, hc_head, final norm, lm_head.
+"""The per-op DeepSeek-V4 model: embedding, decoder blocks, hc_head, final norm, lm_head; and
+DeepSeek-V4.1's (`config.is_v41`): embedding, Engram on its layers, decoder blocks under the
+delayed mHC collapse (delayed_block.py) whose compressed layers read their source layers'
+(shared_attention.py), the collapse with the last block's FFN pre, final norm, lm_head.
 
 `step(cache, tokens, positions, slots)` runs one batch of rows (one row: a token, its absolute
 position, its request's cache slot, or -1 for a pad row that reads and writes no cache) and
@@ -9,18 +12,22 @@ per request) are all steps. `score(ids)` is the prefill of one sequence.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from .. import v41
 from ..checkpoint import Checkpoint, SyntheticCheckpoint
 from ..config import PRESETS, ModelConfig, preset
 from .attention import RequestRows
 from .cache import DecodeCache
-from .hc import hc_head
+from .delayed_block import DelayedBlock, entry_pre
+from .engram import Engram, compressed_token_map, ngram_ids
+from .hc import collapse, hc_head
 from .layer import Block
 from .norm import rms_norm
 from .parallel import SINGLE, TensorParallel
+from .shared_attention import SharedAttention, StepShare
 from .weights import expert_bank, free_memory, read_weights, resident_bytes
 
 
@@ -29,23 +36,30 @@ class Model:
     rank runs every step with the same inputs and gets the same logits."""
 
     def __init__(self, config: ModelConfig, weights: dict, device, dtype, checkpoint=None, tp: TensorParallel = SINGLE):
-        v41.refuse_to_run(config, "the per-op model")
         tp.check(config)
         self.config, self.device, self.dtype, self.tp = config, torch.device(device), dtype, tp
         self.w, self.checkpoint, self._draft = weights, checkpoint, None
         self._fp32_output_gemm = has_fp32_output_gemm(self.device, dtype)
-        experts = tp.part(config.n_routed_experts)
-        self.blocks = [
-            Block(config, weights, f"layers.{i}.", expert_bank(weights, f"layers.{i}.ffn.", experts, dtype),
-                  ratio, config.is_hash_layer(i), config.num_experts_per_tok, tp=tp)
-            for i, ratio in enumerate(config.compress_ratios)
-        ]
+        self.blocks = [self._block(i) for i in range(config.num_hidden_layers)]
+        self.token_map, self.engrams = None, {}
+        if config.engram_layer_ids:
+            self.token_map = compressed_token_map(config, _tokenizer_file(checkpoint)).to(self.device)
+            self.engrams = {i: Engram(config, weights, f"layers.{i}.engram.", i, self.token_map)
+                            for i in config.engram_layer_ids}
+
+    def _block(self, i: int) -> Block:
+        c, p = self.config, f"layers.{i}."
+        experts = expert_bank(self.w, f"{p}ffn.", self.tp.part(c.n_routed_experts), self.dtype)
+        if c.is_v41:
+            attention = SharedAttention(c, self.w, f"{p}attn.", i, self.tp)
+            return DelayedBlock(c, self.w, p, experts, c.num_experts_per_tok, attention, tp=self.tp)
+        return Block(c, self.w, p, experts, c.compress_ratios[i], c.is_hash_layer(i), c.num_experts_per_tok,
+                     tp=self.tp)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint | SyntheticCheckpoint, device="cpu", dtype=torch.float32,
                         tp: TensorParallel = SINGLE) -> "Model":
-        v41.refuse_to_run(ckpt.config, "the per-op model")  # before any weight is read
-        tp.check(ckpt.config)
+        tp.check(ckpt.config)  # before any weight is read
         tp.check_same("config and checkpoint tensors",
                       repr(ckpt.config) + "".join(f"{s.name}{s.shape}{s.fmt}" for s in ckpt.specs))
         ckpt.validate()
@@ -65,21 +79,63 @@ class Model:
     def step(self, cache: DecodeCache, tokens, positions, slots, return_hidden: bool = False):
         """fp32 logits [N, vocab]; with `return_hidden`, also the DSpark draft's input features
         [N, len(dspark_target_layer_ids) * hidden]: per target layer, the mean over the hc
-        streams of the residual after that layer."""
+        streams of the residual after that layer (V4.1: entering it)."""
         tokens, positions, slots = (torch.as_tensor(t, dtype=torch.long, device=self.device)
                                     for t in (tokens, positions, slots))
         groups = self.group_rows(cache, tokens, positions, slots)
         streams = self.embed(tokens)
         targets = (self.config.dspark_target_layer_ids or ()) if return_hidden else ()
         captured = {}
-        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
-            streams = block(streams, tokens, positions, groups, layer_cache)
-            if i in targets:
-                captured[i] = streams.mean(dim=1)
-        logits = self.logits(streams)
+        if self.config.is_v41:
+            streams, pre = self._delayed_blocks(cache, streams, tokens, positions, groups, targets, captured)
+            logits = self.logits(streams, pre)
+        else:
+            for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+                streams = block(streams, tokens, positions, groups, layer_cache)
+                if i in targets:
+                    captured[i] = streams.mean(dim=1)
+            logits = self.logits(streams)
         if not return_hidden:
             return logits
         return logits, torch.cat([captured[i] for i in targets], dim=-1)
+
+    def _delayed_blocks(self, cache: DecodeCache, streams, tokens, positions, groups, targets, captured):
+        """V4.1's blocks: (the final streams, the last block's FFN pre). A target layer's
+        features are captured as the streams enter it, after its Engram (the official code's
+        order; vLLM's is before it, which no released layout distinguishes)."""
+        share = StepShare(cache.layers)
+        pre = entry_pre(len(tokens), self.config.hc_mult, self.device)
+        ngrams = self._ngrams(cache, tokens, groups) if self.engrams else None
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+            if i in self.engrams:
+                streams = self.engrams[i](streams, ngrams)
+            if i in targets:
+                captured[i] = streams.mean(dim=1)
+            streams, pre = block(streams, tokens, positions, groups, layer_cache, pre, share=share)
+        if ngrams is not None:
+            for g in groups:
+                cache.tokens.write(g.slot, g.positions, {"id": tokens[g.index, None]})
+        return streams, pre
+
+    def _ngrams(self, cache: DecodeCache, tokens: torch.Tensor, groups: list[RequestRows]) -> torch.Tensor:
+        """The rows' compressed n-gram ids [N, engram_max_ngram_size] (column s: the token s
+        positions back; -1 before the sequence start), from the step's rows and the request's
+        earlier tokens in the cache (pad rows: no history)."""
+        n = self.config.engram_max_ngram_size
+        history = torch.full((len(tokens), n - 1), -1, dtype=torch.long, device=self.device)
+        for g in groups:
+            p0 = int(g.positions[0])
+            before = torch.arange(p0 - n + 1, p0, device=self.device)
+            old, valid = cache.tokens.read(g.slot, before)
+            lost = ~valid & (before >= 0)
+            if lost.any():
+                raise RuntimeError(f"slot {g.slot}: the token ids of positions {before[lost].tolist()} are not in "
+                                   "the cache: a request's steps must follow one another")
+            known = torch.cat([torch.where(valid, old["id"][:, 0], -1), tokens[g.index]])  # positions p0 - n + 1 ..
+            rows = torch.arange(len(g.index), device=self.device)
+            for s in range(1, n):
+                history[g.index, s - 1] = known[rows + n - 1 - s]
+        return ngram_ids(self.token_map, tokens, history)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embedding broadcast to the hc streams [N, hc, d] (layer 0's settled residual)."""
@@ -109,8 +165,12 @@ class Model:
         layer's own bank is released."""
         self.blocks[layer].moe.experts = experts
 
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+    def logits(self, streams: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the final streams: V4 merges them with hc_head, V4.1 collapses them
+        with the last block's FFN pre `pre`."""
         c, w = self.config, self.w
+        if pre is not None:
+            return self.lm_head(collapse(streams, pre))
         x = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
                     hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
         return self.lm_head(x)
@@ -162,6 +222,12 @@ class Model:
         return groups
 
 
+def _tokenizer_file(checkpoint) -> Path | None:
+    """The checkpoint directory's tokenizer.json, if it has one (Engram's token map reads it)."""
+    path = Path(str(getattr(checkpoint, "path", ""))) / "tokenizer.json"
+    return path if checkpoint is not None and path.is_file() else None
+
+
 def has_fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch.mm can multiply `dtype` operands on `device` into an fp32 result
     (`out_dtype`: CUDA, bf16 / fp16, torch >= 2.8). The lm_head then reads its bf16 weight once
@@ -179,13 +245,19 @@ def has_fp32_output_gemm(device: torch.device, dtype: torch.dtype) -> bool:
 def _check_fits(ckpt, device, dtype, tp: TensorParallel) -> None:
     """Refuse, before reading anything, weights that cannot fit where they are to live (a
     tensor-parallel rank: its experts, and the other tensors whole: an upper bound)."""
-    need = resident_bytes([s for s in ckpt.specs if s.group == "model" and tp.holds(s.name, ckpt.config)], dtype)
+    specs = [s for s in ckpt.specs if s.group == "model" and tp.holds(s.name, ckpt.config)]
+    need = resident_bytes(specs, dtype)
     free = free_memory(device)
     if need > free:
         raise MemoryError(
             f"{ckpt.path}: the weights need {_gib(need)} on {device} as loaded "
             f"({str(dtype).removeprefix('torch.')}), {_gib(free)} is free. Use fewer layers, "
             f"e.g. `monodecode make-checkpoint --preset NAME --layers 2 --out DIR`, or another device.")
+    tables = sum(s.nbytes() for s in specs if s.role == "hashed")  # Engram: host memory, as stored
+    host = free_memory("cpu") - (need if torch.device(device).type == "cpu" else 0)
+    if tables > host:
+        raise MemoryError(f"{ckpt.path}: the Engram tables need {_gib(tables)} of host memory, {_gib(max(host, 0))} "
+                          "is free beside the other weights")
 
 
 def _gib(n: int) -> str:

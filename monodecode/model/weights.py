@@ -3,7 +3,9 @@
 Memory (documented choice): dense FP8 weights are dequantized at load to the compute dtype
 (bf16: twice their checkpoint bytes; fp32: four times); the routed experts stay in MXFP4 (their
 checkpoint bytes) and are dequantized on the fly, one expert at a time, for the experts a step
-selects. Norm weights, mHC parameters, sinks, compressor position biases and router biases are
+selects. DeepSeek-V4.1's Engram tables (hundreds of millions of rows, ~100 GB each as stored) stay
+as stored, FP8 codes and scales, in host memory whatever the device: a step gathers its tokens'
+rows there and dequantizes only those (model/engram.py). Norm weights, mHC parameters, sinks, compressor position biases and router biases are
 kept in fp32 as the reference does. Unquantized checkpoints are cast to the compute dtype.
 
 Keys are the schema's names without a `.weight` suffix (`layers.0.attn.wq_a`,
@@ -76,6 +78,8 @@ def resident_bytes(specs: list[TensorSpec], dtype: torch.dtype) -> int:
     itemsize = torch.tensor([], dtype=dtype).element_size()
     total = 0
     for spec in specs:
+        if spec.role == "hashed":  # host memory, as stored
+            continue
         if spec.fmt == "mxfp4":
             total += spec.nbytes()
         else:
@@ -110,6 +114,8 @@ def _as_tuple(value) -> tuple[torch.Tensor, ...]:
 
 
 def _convert(spec: TensorSpec, raw: dict[str, torch.Tensor], device, dtype):
+    if spec.role == "hashed":  # an Engram table: as stored, in host memory (codes and scales, or plain)
+        return tuple(raw.pop(name) for name in spec.stored())
     if spec.fmt == "fp8":
         q, scale = raw.pop(f"{spec.name}.weight").to(device), raw.pop(f"{spec.name}.scale").to(device)
         return formats.dequantize_fp8_block(q, scale, spec.fp8_block, dtype)
