@@ -13,6 +13,7 @@ from monodecode import v41
 from monodecode.checkpoint import Checkpoint, SyntheticCheckpoint
 from monodecode.cli import main
 from monodecode.config import preset
+from monodecode.engine import Engine, SamplingParams
 from monodecode.engine.tokenizer import ByteTokenizer
 from monodecode.generate import generate, generate_speculative
 from monodecode.model import Model, load_model
@@ -138,3 +139,17 @@ def test_a_tiny_v41_checkpoint_through_make_checkpoint_generate_and_serve(tmp_pa
         reply = client(url).completions.create(model=str(out), prompt=prompt, max_tokens=8, temperature=0,
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
     assert reply.choices[0].model_extra["token_ids"] == expected
+
+
+@pytest.mark.parametrize("method", [None, "block"])
+def test_the_engine_runs_v41_as_one_request_at_a_time(method):
+    """Six prompts through three slots, prefilled seven tokens a step (chunks that cut Engram's
+    n-grams and the ratio-2 groups, queueing, mixed prefill and decode steps), greedy, with and
+    without speculation: each output equals plain generation of its prompt alone."""
+    model = load_model(NAME, seed=SEED)
+    prompts = [[5, 9, 14], list(range(40, 61)), [300, 300, 7], [11], list(range(100, 140)), [77] * 9]
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5,
+                                        "rejection_sample_method": method}) if method else None
+    engine = Engine(model, max_model_len=128, max_num_seqs=3, max_num_batched_tokens=7, mono="off", speculative=spec)
+    got = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert got == [generate(model, p, 12) for p in prompts]
