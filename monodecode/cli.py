@@ -12,7 +12,7 @@ from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, write_synthetic_checkpoint
 from .config import PRESETS, ConfigError, load_config
 from .describe import GiB, describe_config, describe_layers, describe_step_bytes, describe_tensors
-from .mono.plan import MonoRefused
+from .mono.plan import MAX_ROWS, MonoRefused
 from .ranks import RankError
 from .spec.config import SpeculativeConfig
 
@@ -72,6 +72,28 @@ def tensor_parallel_arg(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of ranks")
     return size
+
+
+def counts_arg(low: int, high: int, what: str):
+    """A type for comma-separated whole numbers in [low, high] (`what` names them in the error)."""
+    def parse(text: str) -> list[int]:
+        items = [t.strip() for t in text.split(",")]
+        if not all(t.isdigit() for t in items) or not all(low <= int(t) <= high for t in items):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be comma-separated whole numbers "
+                                             f"from {low} to {high}")
+        return [int(t) for t in items]
+    return parse
+
+
+def positive_int_arg(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def layers_arg(text: str) -> str | int:
+    return text if text == "fit" else positive_int_arg(text)
 
 
 def speculative_config_arg(text: str) -> SpeculativeConfig:
@@ -273,10 +295,11 @@ def add_bench_commands(commands) -> None:
         description="Times a window, a CSA and an HCA layer at --preset sizes (synthetic weights, bf16) "
                     "at each width, per-op (eager) and mono, against the bytes the step must read over "
                     "the copy bandwidth measured in the same run (monodecode/bench/layer.py).")
-    layer.add_argument("--preset", default="v4-flash", help="model sizes (default: v4-flash)")
-    layer.add_argument("--widths", default="1,2,4,6,8,12,16,24,32,48", help="rows a step, comma-separated")
-    layer.add_argument("--context", type=int, default=512, help="tokens already cached a request")
-    layer.add_argument("--reps", type=int, default=20, help="timed repetitions (the median is kept)")
+    layer.add_argument("--preset", default="v4-flash", choices=sorted(PRESETS), help="model sizes")
+    layer.add_argument("--widths", default="1,2,4,6,8,12,16,24,32,48", type=counts_arg(1, MAX_ROWS, "widths"),
+                       help=f"rows a step, comma-separated (1 to {MAX_ROWS}: what the kernels take)")
+    layer.add_argument("--context", type=positive_int_arg, default=512, help="tokens already cached a request")
+    layer.add_argument("--reps", type=positive_int_arg, default=20, help="timed repetitions (the median is kept)")
     layer.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under "
                                                         "Triton's interpreter (times meaningless)")
     layer.add_argument("--compile", metavar="MODE", help="also time the batched per-op layer under "
@@ -299,16 +322,19 @@ def add_bench_commands(commands) -> None:
                     "of --preset at each request count, per-op (the verify step in a CUDA graph, the draft eager) "
                     "and on the mono kernels (the verify step and the draft's stages): step time split into draft, verify (head) and host work, tokens/s per "
                     "user (monodecode/bench/decode.py).")
-    decode.add_argument("--preset", default="v4-flash", help="model sizes (default: v4-flash)")
-    decode.add_argument("--layers", default="fit", help="target layers: a number, or `fit` (as many as the GPU "
-                                                       "holds with the mono kernels' copies; ~35 s a v4-flash layer "
-                                                       "to build)")
-    decode.add_argument("--requests", default="1,2,4,8", help="request counts, comma-separated")
+    decode.add_argument("--preset", default="v4-flash", choices=sorted(PRESETS), help="model sizes")
+    decode.add_argument("--layers", default="fit", type=layers_arg,
+                        help="target layers: a number, or `fit` (as many as the GPU holds with the mono kernels' "
+                             "copies; ~35 s a v4-flash layer to build)")
+    decode.add_argument("--requests", default="1,2,4,8", type=counts_arg(1, MAX_ROWS // 6, "request counts"),
+                        help=f"request counts, comma-separated (1 to {MAX_ROWS // 6}: the kernels take "
+                             f"{MAX_ROWS} rows, 6 a request)")
     decode.add_argument("--acceptance", type=float, default=3.51,
                         help="synthetic acceptance: mean tokens committed a step (default 3.51)")
-    decode.add_argument("--context", type=int, default=256, help="tokens prefilled a request")
-    decode.add_argument("--steps", type=int, default=20, help="timed steps a request count (the median is kept)")
-    decode.add_argument("--reps", type=int, default=20, help="timed repetitions of the head alone")
+    decode.add_argument("--context", type=positive_int_arg, default=256, help="tokens prefilled a request")
+    decode.add_argument("--steps", type=positive_int_arg, default=20,
+                        help="timed steps a request count (the median is kept)")
+    decode.add_argument("--reps", type=positive_int_arg, default=20, help="timed repetitions of the head alone")
     decode.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under Triton's "
                                                          "interpreter (times meaningless)")
     decode.add_argument("--out", default=".", help="where bench_decode.json goes")
@@ -318,13 +344,24 @@ def add_bench_commands(commands) -> None:
 def run_bench_decode(args: argparse.Namespace) -> int:
     from .bench.decode import run
 
+    check_device(args.device)
     return run(args)
 
 
 def run_bench_layer(args: argparse.Namespace) -> int:
     from .bench.layer import run
 
+    if not args.replot:  # replotting a saved run needs no device
+        check_device(args.device)
     return run(args)
+
+
+def check_device(text: str) -> None:
+    """`device_arg`'s checks, for a --device whose default (cuda) only a command that uses it checks."""
+    try:
+        device_arg(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--device {e}") from None
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

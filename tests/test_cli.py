@@ -172,6 +172,29 @@ def test_bad_flags_are_named_without_a_traceback(command, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "layer", "--widths", "0,2"], "argument --widths: '0,2': widths must be comma-separated whole numbers from 1 to 48"),
+    (["bench", "layer", "--widths", "1,x"], "argument --widths: '1,x': widths must be"),
+    (["bench", "layer", "--context", "-5"], "argument --context: '-5' is not a positive whole number"),
+    (["bench", "layer", "--preset", "tiny4"], "argument --preset: invalid choice: 'tiny4'"),
+    (["bench", "decode", "--requests", "1,9"], "argument --requests: '1,9': request counts must be comma-separated "
+                                               "whole numbers from 1 to 8"),
+    (["bench", "decode", "--layers", "none"], "argument --layers: 'none' is not a positive whole number"),
+])
+def test_bench_flags_are_refused_before_anything_runs(argv, message, capsys):
+    assert message in refused_at_parse(argv, capsys)
+
+
+def test_bench_device_and_kinds_errors_are_named(capsys):
+    if not torch.cuda.is_available():  # the default device, checked by the commands that use it
+        for command in ("layer", "decode"):
+            assert main(["bench", command, "--preset", "tiny"]) == 2
+            err = capsys.readouterr().err
+            assert "monodecode bench: error: --device 'cuda': this torch" in err and "Traceback" not in err
+    assert main(["bench", "layer", "--preset", "tiny", "--device", "cpu", "--kinds", "window,MLA"]) == 2
+    assert "monodecode bench: error: --kinds: unknown MLA (known: window, CSA, HCA)" in capsys.readouterr().err
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails a test that loads a model: the check under test must come first."""

@@ -174,7 +174,7 @@ def head_seconds(model: Model, rows: int, reps: int) -> float:
 
 def run(args) -> int:
     device = torch.device(args.device)
-    layers = layers_that_fit(args.preset, device) if args.layers == "fit" else int(args.layers)
+    layers = layers_that_fit(args.preset, device) if args.layers == "fit" else args.layers
     started = time.strftime("%Y-%m-%d %H:%M")
     model = build(args.preset, layers, args.device)  # a Decoder: prefills run per-op, verify steps on the kernels
     block = model.draft().block_size
@@ -187,7 +187,7 @@ def run(args) -> int:
               f"{layers} layers (use --layers N for a model where both paths fit)")
     g = torch.Generator().manual_seed(0)
     rows = []
-    for count in [int(b) for b in args.requests.split(",")]:
+    for count in args.requests:
         base = SpeculativeDecoder(model, SpeculativeConfig.from_json(
             {"method": "dspark", "num_speculative_tokens": block, "rejection_sample_method": "synthetic",
              "synthetic_acceptance_length": args.acceptance}))

@@ -268,14 +268,14 @@ def run(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         return show(json.loads(Path(args.replot).read_text()), out)
     device = torch.device(args.device)
-    widths = [int(w) for w in args.widths.split(",")]
+    widths = args.widths
     shapes = [LaunchShape.parse(text) for text in args.shapes.split(";")]
     kinds = args.kinds.split(",")
     unknown = set(kinds) - set(KINDS.values())
     if unknown:
-        raise SystemExit(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS.values())})")
+        raise ValueError(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS.values())})")
     if args.timeline and device.type != "cuda":
-        raise SystemExit("--timeline reads the GPU's global timer: it needs --device cuda")
+        raise ValueError("--timeline reads the GPU's global timer: it needs --device cuda")
     started = time.strftime("%Y-%m-%d %H:%M")
     decoder = build(args.preset, args.device)
     model = decoder.model
