@@ -290,6 +290,8 @@ def test_bad_chat_requests_name_the_field(server, change, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **change}
     status, answer = post(server, "/v1/chat/completions", body)
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"], answer
+    if "image_url" in str(change):
+        assert "image, audio and file parts are not supported" in answer["error"]["message"]
 
 
 def test_chat_accepts_text_parts_a_null_assistant_content_and_no_op_fields(server):

@@ -72,7 +72,8 @@ def _is_content(value) -> bool:
 
 Prompt = _one_of("a string, a list of strings, a non-empty list of token ids, or a list of such lists", _is_prompt)
 Stop = _one_of("a string or a list of strings", _is_stop)
-Content = _one_of('a string or a list of text parts ({"type": "text", "text": ...})', _is_content)
+Content = _one_of('a string or a list of text parts ({"type": "text", "text": ...}); image, audio and file parts '
+                  'are not supported: monodecode serves the text model only', _is_content)
 
 
 class _Strict(BaseModel):
