@@ -103,7 +103,7 @@ class KernelDraft:
     def make_cache(self, num_slots: int):
         return self.draft.make_cache(num_slots)
 
-    def commit(self, cache, slot: int | list[int], positions: torch.Tensor, hidden: torch.Tensor) -> None:
+    def commit(self, cache, slot: int | list[int] | torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         self.draft.commit(cache, slot, positions, hidden)
 
     def propose(self, cache, anchors, anchor_positions, slots, sampling):

@@ -40,10 +40,11 @@ class PositionRing:
         valid = (positions >= 0) & (self.pos[slot, index] == positions)
         return {k: v[slot, index] for k, v in self.data.items()}, valid
 
-    def write(self, slot: int | list[int], positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+    def write(self, slot: int | list[int] | torch.Tensor, positions: torch.Tensor,
+              values: dict[str, torch.Tensor]) -> None:
         """Rows of `positions` [n] and `values` ([n, width] each) into one slot (of a long prompt
-        only the last `size` rows are kept), or with `slot` a list, row i into slot[i] (the rows
-        of one slot then fit the ring: a verify step's committed rows)."""
+        only the last `size` rows are kept), or with `slot` a list or tensor, row i into slot[i]
+        (the rows of one slot then fit the ring: a verify step's rows)."""
         keep = slice(max(positions.shape[0] - self.size, 0), None)  # later rows win
         if not isinstance(slot, int):
             slot, keep = torch.as_tensor(slot, device=self.pos.device), slice(None)

@@ -122,10 +122,11 @@ class Draft:
         return DraftCache(self.c, num_slots, self.model.device, self.model.dtype)
 
     @torch.no_grad()
-    def commit(self, cache: DraftCache, slot: int | list[int], positions: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Add committed target positions [n] with their features `hidden` [n, T * d] to the
-        context rings of `slot`, or of each row's slot (`slot` a list: several requests' rows
-        of a verify step at once)."""
+    def commit(self, cache: DraftCache, slot: int | list[int] | torch.Tensor, positions: torch.Tensor,
+               hidden: torch.Tensor) -> None:
+        """Add target positions [n] with their features `hidden` [n, T * d] to the context rings
+        of `slot`, or of each row's slot (`slot` a list or tensor: a verify step's rows of several
+        requests at once, rejected ones included: later steps write those positions again)."""
         main_x = rms_norm(F.linear(hidden.to(self.model.dtype), self.w["mtp.0.main_proj"]),
                           self.w["mtp.0.main_norm"], self.c.rms_norm_eps)
         for stage, ring in zip(self.stages, cache.rings):

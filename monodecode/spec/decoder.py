@@ -5,12 +5,15 @@ target; every position before it is committed (in the target's caches and, as co
 the draft's rings). One step:
 1. the draft proposes a block of B tokens for each request (one parallel pass + Markov head);
 2. the target runs [anchor, d_0 .. d_{B-1}] for each request in one step (1 + B rows a request);
-3. each request's rows are verified (greedy, standard, block or synthetic), committing a + 1
-   tokens: a accepted draft tokens and one from the target;
-4. the target features of the anchor and the accepted rows go to the draft's rings, and the last
-   committed token becomes the new anchor.
+3. the target features of every verify row go to the draft's rings (before verification, so the
+   step's launches do not wait on its verdicts);
+4. each request's rows are verified (greedy, standard, block or synthetic), committing a + 1
+   tokens: a accepted draft tokens and one from the target; the last committed token becomes the
+   new anchor.
 Rejected rows need no undo: the target's caches keep enough history to overwrite them when those
-positions are decoded again (model/cache.py), and the draft rings only ever see committed rows.
+positions are decoded again (model/cache.py). The draft's rings likewise: a block reads only the
+positions before its anchor, all committed, and the step that commits a position writes it last
+(a rejected row's position is written again by every later step until one commits it).
 """
 
 from __future__ import annotations
@@ -115,23 +118,19 @@ class SpeculativeDecoder:
         positions = (starts[:, None] + torch.arange(b + 1, device=device)).flatten()
         slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
         logits, hidden = self.target_step(caches.target, tokens, positions, slots, return_hidden=True)
-        logits, hidden = logits.view(len(requests), b + 1, -1), hidden.view(len(requests), b + 1, -1)
+        self.draft.commit(caches.draft, slots, positions, hidden)
+        logits = logits.view(len(requests), b + 1, -1)
         method = self.config.rejection_sample_method
         verdicts = verify_greedy_batch(logits, proposal.tokens) if method == "greedy" else [
             verify(method, logits[i], proposal.tokens[i], proposal.probs[i], temperature=r.temperature,
                    top_p=r.top_p, top_k=r.top_k, generator=r.generator,
                    acceptance_length=self.config.synthetic_acceptance_length) for i, r in enumerate(requests)]
-        committed, kept_rows, row_slots = [], [], []
-        for i, (r, verdict) in enumerate(zip(requests, verdicts)):
-            kept = verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
-            kept_rows += range(i * (b + 1), i * (b + 1) + kept)
-            row_slots += [r.slot] * kept
-            r.position += kept
+        committed = []
+        for r, verdict in zip(requests, verdicts):
+            r.position += verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
             r.anchor = verdict.tokens[-1]
             self._count(verdict.accepted)
             committed.append(verdict.tokens)
-        rows = torch.tensor(kept_rows, device=device)  # every request's committed rows in one commit
-        self.draft.commit(caches.draft, row_slots, positions[rows], hidden.flatten(0, 1)[rows])
         if return_logits:
             return committed, [logits[i, :len(tokens)] for i, tokens in enumerate(committed)]
         return committed
