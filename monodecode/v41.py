@@ -36,20 +36,20 @@ VISION_ONLY_FIELDS = ("vision_config", "image_token_id", "image_start_token_id",
 
 
 class NotBuilt(ConfigError):
-    """Something built for DeepSeek-V4 only (the per-op layer benchmark, tensor parallelism) was
-    given a DeepSeek-V4.1 config; it would silently compute V4's semantics. (The mono kernels
-    refuse V4.1 with their own reasons: mono/plan.py.)"""
+    """Something built for DeepSeek-V4 only (the per-op layer benchmark) was given a DeepSeek-V4.1
+    config; it would silently compute V4's semantics. (The mono kernels refuse V4.1 with their own
+    reasons: mono/plan.py.)"""
 
     def __init__(self, what: str):
         super().__init__(f"DeepSeek-V4.1 ({TEXT_MODEL_TYPE}): {what} is not built yet. " + RUNS_ON)
 
 
-RUNS_ON = ("V4.1 runs on the per-op path on one device (`generate`, `serve`, the DSpark draft); the mono kernels, "
-           "tensor parallelism and `bench layer` implement V4 only")
+RUNS_ON = ("V4.1 runs on the per-op path (`generate`, `serve`, the DSpark draft, tensor parallelism); the mono "
+           "kernels and `bench layer` implement V4 only")
 
 
 def refuse_to_run(config, what: str) -> None:
-    """Raise NotBuilt if `config` is V4.1: `what` (e.g. "tensor parallelism") cannot run it."""
+    """Raise NotBuilt if `config` is V4.1: `what` (e.g. "`bench layer`") cannot run it."""
     if config.is_v41:
         raise NotBuilt(what)
 

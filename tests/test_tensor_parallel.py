@@ -17,9 +17,9 @@ from monodecode.model import Model
 from monodecode.model.parallel import SINGLE, TensorParallel
 
 
-def tiny(size: int):
-    """The tiny preset, with heads and o groups that `size` ranks divide."""
-    return preset("tiny", num_attention_heads=max(4, 2 * size), o_groups=max(2, size))
+def tiny(size: int, name: str = "tiny"):
+    """A tiny preset (V4's or V4.1's), with heads and o groups that `size` ranks divide."""
+    return preset(name, num_attention_heads=max(4, 2 * size), o_groups=max(2, size))
 
 
 def steps(model: Model) -> list[torch.Tensor]:
@@ -55,29 +55,31 @@ def draft_probs(model: Model) -> torch.Tensor:
     return draft.propose(dcache, torch.tensor([3, 9]), torch.tensor([7, 4]), [0, 1], greedy).probs
 
 
-def _rank(rank: int, size: int, store: str, results: str):
+def _rank(rank: int, size: int, name: str, store: str, results: str):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
         tp = TensorParallel.from_process_group()
-        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(size), seed=3), "cpu", torch.float32, tp=tp)
+        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(size, name), seed=3), "cpu", torch.float32, tp=tp)
         held = sum(t.numel() for v in model.w.values() for t in (v if isinstance(v, tuple) else (v,)))
         torch.save({"logits": steps(model), "draft": draft_probs(model), "held": held}, f"{results}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(size: int, tmp_path) -> list[dict]:
+def run_ranks(size: int, tmp_path, name: str = "tiny") -> list[dict]:
     results = str(tmp_path / "logits")
-    mp.start_processes(_rank, args=(size, str(tmp_path / "store"), results), nprocs=size, start_method="spawn")
+    mp.start_processes(_rank, args=(size, name, str(tmp_path / "store"), results), nprocs=size, start_method="spawn")
     return [torch.load(f"{results}.{rank}") for rank in range(size)]
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_ranks_give_the_one_process_logits(size, tmp_path):
-    one = Model.from_checkpoint(SyntheticCheckpoint(tiny(size), seed=3), "cpu", torch.float32)
+@pytest.mark.parametrize("size, name", [(2, "tiny"), (2, "tiny-v4.1"), pytest.param(4, "tiny", marks=pytest.mark.slow),
+                                        pytest.param(4, "tiny-v4.1", marks=pytest.mark.slow)])
+def test_ranks_give_the_one_process_logits(size, name, tmp_path):
+    """V4 and V4.1 (whose compressors, indexers and Engram every rank holds whole)."""
+    one = Model.from_checkpoint(SyntheticCheckpoint(tiny(size, name), seed=3), "cpu", torch.float32)
     reference, reference_draft = steps(one), draft_probs(one)
-    ranks = run_ranks(size, tmp_path)
+    ranks = run_ranks(size, tmp_path, name)
     whole = sum(t.numel() for v in one.w.values() for t in (v if isinstance(v, tuple) else (v,)))
     for rank, result in enumerate(ranks):
         assert result["held"] < whole  # a rank holds its part, not the whole model

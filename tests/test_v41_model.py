@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's per-op model against an independent whole-sequence oracle (v41_oracle.py), one
 test per V4.1 rule showing that the model follows it and not V4's alternative, the V4.1 DSpark
-draft (lossless greedy speculation), and a tiny V4.1 checkpoint through make-checkpoint, generate
-and serve. Decode equals prefill for V4.1 is in test_model.py (its model fixture runs both)."""
+draft (lossless greedy speculation), the engine, and a tiny V4.1 checkpoint through make-checkpoint,
+generate and serve. Decode equals prefill for V4.1 is in test_model.py (its model fixture runs
+both), tensor parallelism in test_tensor_parallel.py."""
 
 import asyncio
 
@@ -9,7 +10,6 @@ import openai
 import pytest
 import torch
 
-from monodecode import v41
 from monodecode.checkpoint import Checkpoint, SyntheticCheckpoint
 from monodecode.cli import main
 from monodecode.config import preset
@@ -17,7 +17,6 @@ from monodecode.engine import Engine, SamplingParams
 from monodecode.engine.tokenizer import ByteTokenizer
 from monodecode.generate import generate, generate_speculative
 from monodecode.model import Model, load_model
-from monodecode.model.parallel import TensorParallel
 from monodecode.model.weights import read_weights
 from monodecode.serve import make_app
 from monodecode.spec.config import SpeculativeConfig
@@ -115,13 +114,6 @@ def test_a_step_without_its_requests_history_is_refused():
     model.step(cache, random_ids(4, 8), range(8), [0] * 8)
     with pytest.raises(RuntimeError, match=r"slot 0: the token ids of positions \[10, 11\] are not in the cache"):
         model.step(cache, [5], [12], [0])
-
-
-def test_tensor_parallelism_refuses_v41_by_name(config, capsys):
-    with pytest.raises(v41.NotBuilt, match=r"tensor parallelism \(--tensor-parallel-size 2\) is not built yet"):
-        TensorParallel(rank=0, size=2).check(config)
-    assert main(["generate", "--model", NAME, "--tensor-parallel-size", "2"]) == 2
-    assert "tensor parallelism (--tensor-parallel-size 2) is not built yet" in capsys.readouterr().err
 
 
 def test_a_tiny_v41_checkpoint_through_make_checkpoint_generate_and_serve(tmp_path, capsys):

@@ -14,7 +14,9 @@ Rank r of N (contiguous ranges; `TensorParallel.check` refuses an N that does no
   picks spread over the ranks (the per-op path loops over picked experts).
 - embedding: vocab rows r V/N ..; a token outside them embeds to zeros, so `reduce` is exact.
 - lm_head: vocab rows r V/N ..; the logits are `gather`ed along the vocabulary.
-- mHC, norms, hc_head and everything else: whole.
+- mHC, norms, hc_head and everything else: whole (DeepSeek-V4.1's compressors, index keys,
+  indexers and Engram too: each rank holds the Engram tables in its host memory, which at
+  V4.1-Flash sizes, ~200 GB a rank, wants one copy a host instead: not built).
 The DSpark draft's blocks (`mtp.k.`) are split the same way (its routed experts by its own
 count); its Markov and confidence heads are whole.
 
@@ -34,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import v41
 from ..config import ModelConfig
 
 
@@ -52,11 +53,8 @@ class TensorParallel:
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
     def check(self, config: ModelConfig) -> None:
-        """Refuse a world size that does not divide what the ranks split, naming the numbers (and
-        any split of DeepSeek-V4.1, whose shared sources and Engram are not split yet)."""
+        """Refuse a world size that does not divide what the ranks split, naming the numbers."""
         n = self.size
-        if n > 1:
-            v41.refuse_to_run(config, f"tensor parallelism (--tensor-parallel-size {n})")
         need = {"attention heads": config.num_attention_heads, "o_groups": config.o_groups,
                 "routed experts": config.n_routed_experts, "vocabulary": config.vocab_size}
         if config.has_dspark:
