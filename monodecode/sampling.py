@@ -43,6 +43,20 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     return top_p_filter(probs, top_p) if top_p < 1 else probs
 
 
+def grouped_probabilities(logits: torch.Tensor, settings: list[tuple[float, float, int]]) -> torch.Tensor:
+    """`probabilities` of each request's logits (logits [R, ..., vocab], request i's
+    (temperature, top_p, top_k) in settings[i]): the requests that share their settings are
+    computed together, one set of launches for a batch of like requests, not one a request."""
+    together: dict[tuple, list[int]] = {}
+    for i, setting in enumerate(settings):
+        together.setdefault(tuple(setting), []).append(i)
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for setting, rows in together.items():
+        index = torch.tensor(rows, device=logits.device)
+        probs[index] = probabilities(logits[index], *setting)
+    return probs
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """probs [..., vocab] (non-negative weights; need not sum to 1) -> token ids [...]."""
     rows = probs.reshape(-1, probs.shape[-1])

@@ -20,8 +20,8 @@ import torch
 from monodecode.sampling import probabilities, sample, sample_from
 from monodecode.spec import verify as verify_module
 from monodecode.spec.config import SpeculativeConfig
-from monodecode.spec.verify import (Verdict, synthetic_acceptance_rate, verify, verify_block, verify_greedy,
-                                    verify_greedy_batch, verify_standard, verify_synthetic)
+from monodecode.spec.verify import (Verdict, synthetic_acceptance_rate, verify, verify_batch, verify_block,
+                                    verify_greedy, verify_greedy_batch, verify_standard, verify_synthetic)
 
 V, K = 6, 3
 TRIALS = 15_000
@@ -175,6 +175,24 @@ def test_temperature_zero_is_exactly_greedy(method):
         assert verify(method, logits, drafts, draft_probs, temperature=0.0, top_p=top_p, generator=g) == expected
         seen.add(expected.accepted)
     assert seen == set(range(k + 1))  # every accepted count, 0 (first rejected) to k (bonus), was checked
+
+
+@pytest.mark.parametrize("method", ["standard", "block", "synthetic", "greedy"])
+def test_requests_verified_together_as_one_by_one(method):
+    """verify_batch on requests of different settings, each with its own generator, gives each the
+    verdict it gets alone with the same generator state (the same draws in the same order)."""
+    g = torch.Generator().manual_seed(70)
+    settings = [(0.7, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 5), (0.0, 1.0, 0), (0.7, 1.0, 0)]
+    r, vocab = len(settings), 12
+    logits = torch.randn(r, K + 1, vocab, generator=g) * 2
+    draft_probs = torch.rand(r, K, vocab, generator=g).softmax(dim=-1)
+    drafts = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=g).view(r, K)
+    seeded = lambda: [(*s, torch.Generator().manual_seed(100 + i)) for i, s in enumerate(settings)]
+    together = verify_batch(method, logits, drafts, draft_probs, seeded(), acceptance_length=2.0)
+    alone = [verify(method, logits[i], drafts[i], draft_probs[i], temperature=t, top_p=p, top_k=k, generator=gen,
+                    acceptance_length=2.0) for i, (t, p, k, gen) in enumerate(seeded())]
+    assert together == alone
+    assert len({v.accepted for v in together}) > 1 or method == "greedy"  # the requests really differ
 
 
 def test_zero_draft_probability_and_zero_residual():

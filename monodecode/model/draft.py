@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..sampling import probabilities, sample_from
+from ..sampling import grouped_probabilities, sample_from
 from .attention import Attention, RequestRows
 from .cache import PositionRing
 from .delayed_block import DelayedBlock, entry_pre
@@ -235,17 +235,10 @@ class Draft:
 
 
 def _sampled(logits: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's token drawn from its distribution (its temperature, top_p, top_k, generator).
-    The distributions of the requests that share their settings are computed together (one set
-    of launches for a batch of like requests, not one a request); each request then draws with
-    its own generator."""
-    together: dict[tuple, list[int]] = {}
-    for i, (temperature, top_p, top_k, _) in enumerate(sampling):
-        together.setdefault((temperature, top_p, top_k), []).append(i)
-    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for settings, rows in together.items():
-        index = torch.tensor(rows, device=logits.device)
-        probs[index] = probabilities(logits[index], *settings)
+    """Each request's token drawn from its distribution (its temperature, top_p, top_k, generator):
+    the distributions of like requests computed together, each request drawing with its own
+    generator."""
+    probs = grouped_probabilities(logits, [settings for *settings, _ in sampling])
     return torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)]), probs
 
 

@@ -27,7 +27,7 @@ from ..model.cache import DecodeCache
 from ..model.draft import DraftCache
 from ..sampling import check_sampling, sample
 from .config import SpeculativeConfig
-from .verify import verify, verify_greedy_batch
+from .verify import verify_batch
 
 
 @dataclass
@@ -120,11 +120,8 @@ class SpeculativeDecoder:
         logits, hidden = self.target_step(caches.target, tokens, positions, slots, return_hidden=True)
         self.draft.commit(caches.draft, slots, positions, hidden)
         logits = logits.view(len(requests), b + 1, -1)
-        method = self.config.rejection_sample_method
-        verdicts = verify_greedy_batch(logits, proposal.tokens) if method == "greedy" else [
-            verify(method, logits[i], proposal.tokens[i], proposal.probs[i], temperature=r.temperature,
-                   top_p=r.top_p, top_k=r.top_k, generator=r.generator,
-                   acceptance_length=self.config.synthetic_acceptance_length) for i, r in enumerate(requests)]
+        verdicts = verify_batch(self.config.rejection_sample_method, logits, proposal.tokens, proposal.probs,
+                                [r.sampling for r in requests], self.config.synthetic_acceptance_length)
         committed = []
         for r, verdict in zip(requests, verdicts):
             r.position += verdict.accepted + 1  # the anchor's row and the accepted drafts' rows

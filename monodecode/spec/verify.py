@@ -50,7 +50,7 @@ from functools import lru_cache
 
 import torch
 
-from ..sampling import probabilities, sample_from
+from ..sampling import grouped_probabilities, sample_from
 from .config import REJECTION_SAMPLE_METHODS
 
 
@@ -61,24 +61,36 @@ class Verdict:
 
 
 def verify(method: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-           draft_probs: torch.Tensor, *, temperature: float, top_p: float, top_k: int = 0,
+           draft_probs: torch.Tensor | None, *, temperature: float, top_p: float, top_k: int = 0,
            generator: torch.Generator | None, acceptance_length: float | None = None) -> Verdict:
     """Verify one request's draft with `method` (a SpeculativeConfig.rejection_sample_method).
     target_logits [k + 1, V], draft_tokens [k], draft_probs [k, V]; `acceptance_length` is read
-    by "synthetic" only."""
+    by "synthetic" only; greedy and synthetic read no draft_probs (None will do)."""
+    return verify_batch(method, target_logits[None], draft_tokens[None], None if draft_probs is None else draft_probs[None],
+                        [(temperature, top_p, top_k, generator)], acceptance_length)[0]
+
+
+def verify_batch(method: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                 sampling: list[tuple[float, float, int, torch.Generator | None]],
+                 acceptance_length: float | None = None) -> list[Verdict]:
+    """`verify` for R requests at once: target_logits [R, k + 1, V], draft_tokens [R, k],
+    draft_probs [R, k, V], request i's (temperature, top_p, top_k, generator) in sampling[i].
+    The rules run on the device for all requests together, each drawing from its own generator
+    (k uniforms, then the one token; as one request alone would), and the device is read once."""
     if method not in REJECTION_SAMPLE_METHODS:
         raise ValueError(f"unknown verification method {method!r}; expected one of {list(REJECTION_SAMPLE_METHODS)}")
     if method == "greedy":
-        return verify_greedy(target_logits, draft_tokens)
-    target_probs = probabilities(target_logits, temperature, top_p, top_k)
+        return verify_greedy_batch(target_logits, draft_tokens)
+    target_probs = grouped_probabilities(target_logits, [settings for *settings, _ in sampling])
+    generators = [g for *_, g in sampling]
     if method == "synthetic":
-        return verify_synthetic(target_probs, draft_tokens, acceptance_length, generator)
-    verifier = verify_block if method == "block" else verify_standard
-    return verifier(target_probs, draft_tokens, draft_probs, generator)
+        return verify_synthetic_batch(target_probs, draft_tokens, acceptance_length, generators)
+    rule = verify_block_batch if method == "block" else verify_standard_batch
+    return rule(target_probs, draft_tokens, draft_probs, generators)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
-    _check_rows(target_logits, draft_tokens)
+    _check_rows(target_logits[None], draft_tokens[None])
     return verify_greedy_batch(target_logits[None], draft_tokens[None])[0]
 
 
@@ -88,36 +100,51 @@ def verify_greedy_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor)
     k = draft_tokens.shape[-1]
     best = target_logits.argmax(dim=-1)
     accepted = (best[:, :k] == draft_tokens).cumprod(dim=1).sum(dim=1)
-    drafts, accepted, best = draft_tokens.tolist(), accepted.tolist(), best.tolist()
-    return [Verdict(a, d[:a] + [b[a]]) for d, a, b in zip(drafts, accepted, best)]
+    return _verdicts(draft_tokens, accepted, best.gather(1, accepted[:, None]).squeeze(1))
 
 
+# One request's rules (the batched ones on a batch of one): the tests' entry points.
 def verify_standard(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                     generator: torch.Generator | None) -> Verdict:
-    k = _check_rows(target_probs, draft_tokens, draft_probs)
-    uniforms = _uniforms(k, target_probs, generator)
-    ratios = zip(_at_drafts(target_probs, draft_tokens), _at_drafts(draft_probs, draft_tokens))
-    for i, (u, (target_p, draft_p)) in enumerate(zip(uniforms, ratios)):
-        if not u < _capped_ratio(target_p, draft_p):
-            return _verdict(draft_tokens, i, sample_from(_residual(target_probs[i], draft_probs[i]), generator))
-    return _verdict(draft_tokens, k, sample_from(target_probs[k], generator))
+    return verify_standard_batch(target_probs[None], draft_tokens[None], draft_probs[None], [generator])[0]
 
 
 def verify_block(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                  generator: torch.Generator | None) -> Verdict:
-    k = _check_rows(target_probs, draft_tokens, draft_probs)
-    uniforms = _uniforms(k, target_probs, generator)
-    weights = _prefix_weights(target_probs, draft_tokens, draft_probs)
-    thresholds = _block_thresholds(weights, target_probs, draft_probs)
-    accepted = max((i + 1 for i, (u, h) in enumerate(zip(uniforms, thresholds)) if u < h), default=0)
-    if accepted == k:
-        return _verdict(draft_tokens, k, sample_from(target_probs[k], generator))
-    residual = _residual(target_probs[accepted], draft_probs[accepted], weights[accepted])
-    return _verdict(draft_tokens, accepted, sample_from(residual, generator))
+    return verify_block_batch(target_probs[None], draft_tokens[None], draft_probs[None], [generator])[0]
 
 
 def verify_synthetic(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
                      generator: torch.Generator | None) -> Verdict:
+    return verify_synthetic_batch(target_probs[None], draft_tokens[None], acceptance_length, [generator])[0]
+
+
+def verify_standard_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                          generators: list) -> list[Verdict]:
+    """Token by token: x_{i+1} kept while u_i < min(1, P_i(x) / Q_i(x)); the first rejection
+    draws from the residual, a full acceptance from P_k."""
+    k = _check_rows(target_probs, draft_tokens, draft_probs)
+    uniforms = _uniforms(k, target_probs, generators)
+    ratios = _capped_ratio(_at_drafts(target_probs, draft_tokens), _at_drafts(draft_probs, draft_tokens))
+    accepted = (uniforms < ratios).cumprod(dim=1).sum(dim=1)
+    return _verdicts(draft_tokens, accepted, _draw_last(target_probs, draft_probs, accepted, None, generators))
+
+
+def verify_block_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                       generators: list) -> list[Verdict]:
+    """Whole prefixes (the module's docstring): a = the last i with u_i < h_i; the appended
+    token from P_k if a = k, else from the residual scaled by w_a."""
+    k = _check_rows(target_probs, draft_tokens, draft_probs)
+    uniforms = _uniforms(k, target_probs, generators)
+    weights = _prefix_weights(target_probs, draft_tokens, draft_probs)
+    thresholds = _block_thresholds(weights, target_probs, draft_probs)
+    passed = (uniforms < thresholds) * torch.arange(1, k + 1, device=uniforms.device)
+    accepted = passed.amax(dim=1)
+    return _verdicts(draft_tokens, accepted, _draw_last(target_probs, draft_probs, accepted, weights, generators))
+
+
+def verify_synthetic_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
+                           generators: list) -> list[Verdict]:
     """NOT lossless, for benchmarks only: keeps draft tokens whatever they are, to run the engine
     at a chosen expected acceptance length L (tokens committed per step, accepted drafts + 1).
     Each position is kept with the rate r that solves 1 + r + ... + r^k = L, in turn until the
@@ -125,9 +152,9 @@ def verify_synthetic(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acc
     (its argmax at temperature 0)."""
     k = _check_rows(target_probs, draft_tokens)
     rate = synthetic_acceptance_rate(acceptance_length, k)
-    uniforms = _uniforms(k, target_probs, generator)
-    accepted = next((i for i, u in enumerate(uniforms) if not u < rate), k)
-    return _verdict(draft_tokens, accepted, sample_from(target_probs[accepted], generator))
+    accepted = (_uniforms(k, target_probs, generators) < rate).cumprod(dim=1).sum(dim=1)
+    rows = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
+    return _verdicts(draft_tokens, accepted, _draw(rows, generators))
 
 
 @lru_cache(maxsize=64)
@@ -144,62 +171,81 @@ def synthetic_acceptance_rate(acceptance_length: float, k: int) -> float:
     return (low + high) / 2
 
 
-def _prefix_weights(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                    draft_probs: torch.Tensor) -> list[float]:
-    """Block verification's w_0..w_k."""
-    weights = [1.0]
-    for target_p, draft_p in zip(_at_drafts(target_probs, draft_tokens), _at_drafts(draft_probs, draft_tokens)):
-        weights.append(_capped_ratio(weights[-1] * target_p, draft_p))
-    return weights
+def _prefix_weights(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Block verification's w_0..w_k, [R, k + 1]."""
+    at_target, at_draft = _at_drafts(target_probs, draft_tokens), _at_drafts(draft_probs, draft_tokens)
+    weights = [torch.ones_like(at_target[:, 0])]
+    for i in range(at_target.shape[1]):
+        weights.append(_capped_ratio(weights[-1] * at_target[:, i], at_draft[:, i]))
+    return torch.stack(weights, dim=1)
 
 
-def _block_thresholds(weights: list[float], target_probs: torch.Tensor, draft_probs: torch.Tensor) -> list[float]:
-    """Block verification's h_1..h_k."""
-    k = len(weights) - 1
-    scale = torch.tensor(weights[1:k], dtype=target_probs.dtype, device=target_probs.device)[:, None]
-    masses = (scale * target_probs[1:k] - draft_probs[1:k]).clamp(min=0).sum(dim=-1).tolist()
-    return [_keep_probability(mass, w) for mass, w in zip(masses, weights[1:k])] + [weights[k]]
+def _block_thresholds(weights: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Block verification's h_1..h_k, [R, k]."""
+    k = weights.shape[1] - 1
+    inner = weights[:, 1:k]
+    masses = (inner[..., None] * target_probs[:, 1:k] - draft_probs[:, 1:k]).clamp(min=0).sum(dim=-1)
+    return torch.cat([_keep_probability(masses, inner), weights[:, k:]], dim=1)
 
 
-def _keep_probability(residual_mass: float, weight: float) -> float:
+def _keep_probability(residual_mass: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     denominator = residual_mass + 1 - weight
-    return residual_mass / denominator if denominator > 0 else 1.0
+    return torch.where(denominator > 0, residual_mass / denominator.clamp(min=torch.finfo(denominator.dtype).tiny),
+                       1.0)
 
 
-def _residual(target_row: torch.Tensor, draft_row: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-    """max(weight * target - draft, 0), unnormalised (sample_from normalises); the target row
-    itself when that is all zero."""
-    residual = (weight * target_row - draft_row).clamp(min=0)
-    return residual if residual.sum() > 0 else target_row
+def _draw_last(target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: torch.Tensor,
+               weights: torch.Tensor | None, generators: list) -> torch.Tensor:
+    """The appended token of each request: from P_k where all k were kept, else from the
+    residual at the first position not kept (scaled by w_a for block, `weights` given)."""
+    k, vocab = draft_probs.shape[1], target_probs.shape[-1]
+    at = accepted.clamp(max=k - 1).view(-1, 1, 1).expand(-1, 1, vocab)
+    weight = 1.0 if weights is None else weights.gather(1, accepted.clamp(max=k - 1)[:, None])
+    residual = _residual(target_probs.gather(1, at).squeeze(1), draft_probs.gather(1, at).squeeze(1), weight)
+    rows = torch.where((accepted == k)[:, None], target_probs[:, k], residual)
+    return _draw(rows, generators)
 
 
-def _capped_ratio(numerator: float, denominator: float) -> float:
-    """min(1, numerator / denominator) for a numerator >= 0, with 0 whenever the numerator is 0."""
-    if numerator <= 0:
-        return 0.0
-    return 1.0 if numerator >= denominator else numerator / denominator
+def _residual(target_rows: torch.Tensor, draft_rows: torch.Tensor, weight=1.0) -> torch.Tensor:
+    """max(weight * target - draft, 0) per row [R, V], unnormalised (sample_from normalises); a
+    row's target row itself when that is all zero."""
+    residual = (weight * target_rows - draft_rows).clamp(min=0)
+    return torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target_rows)
 
 
-def _uniforms(k: int, like: torch.Tensor, generator: torch.Generator | None) -> list[float]:
+def _capped_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """min(1, numerator / denominator) for numerators >= 0, with 0 wherever the numerator is 0."""
+    ratio = numerator / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+    return torch.where(numerator <= 0, 0.0, torch.where(numerator >= denominator, 1.0, ratio))
+
+
+def _uniforms(k: int, like: torch.Tensor, generators: list) -> torch.Tensor:
     # Drawn first and k of them in every sampled method, so that one generator state gives standard
     # and block the same uniforms: the tests compare the two on equal draws.
-    return torch.rand(k, generator=generator, device=like.device).tolist()
+    return torch.stack([torch.rand(k, generator=g, device=like.device) for g in generators])
 
 
-def _at_drafts(probs: torch.Tensor, draft_tokens: torch.Tensor) -> list[float]:
-    """probs[i, x_{i+1}] for i = 0..k-1."""
-    k = draft_tokens.shape[0]
-    return probs[:k].gather(1, draft_tokens.view(k, 1)).view(k).tolist()
+def _draw(rows: torch.Tensor, generators: list) -> torch.Tensor:
+    """One token from each row [R, V], request i with generators[i]."""
+    return torch.stack([sample_from(row, g) for row, g in zip(rows, generators)])
+
+
+def _at_drafts(probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """probs[:, i, x_{i+1}] for i = 0..k-1, [R, k]."""
+    k = draft_tokens.shape[1]
+    return probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(-1)
 
 
 def _check_rows(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> int:
-    k = draft_tokens.shape[0]
-    if target.shape[0] != k + 1 or (draft_probs is not None and draft_probs.shape[0] != k):
-        draft_rows = "" if draft_probs is None else f" and {draft_probs.shape[0]} draft rows"
+    k = draft_tokens.shape[1]
+    if target.shape[1] != k + 1 or (draft_probs is not None and draft_probs.shape[1] != k):
+        draft_rows = "" if draft_probs is None else f" and {draft_probs.shape[1]} draft rows"
         raise ValueError(f"{k} draft tokens need {k + 1} target rows and {k} draft rows, "
-                         f"got {target.shape[0]} target rows{draft_rows}")
+                         f"got {target.shape[1]} target rows{draft_rows}")
     return k
 
 
-def _verdict(draft_tokens: torch.Tensor, accepted: int, last: torch.Tensor) -> Verdict:
-    return Verdict(accepted, draft_tokens[:accepted].tolist() + [int(last)])
+def _verdicts(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> list[Verdict]:
+    """The requests' verdicts, from one read of the device."""
+    drafts, accepted, last = draft_tokens.tolist(), accepted.tolist(), last.tolist()
+    return [Verdict(a, d[:a] + [t]) for d, a, t in zip(drafts, accepted, last)]
