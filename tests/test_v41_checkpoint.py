@@ -8,12 +8,10 @@ import re
 import pytest
 import torch
 
-import monodecode
 from monodecode import formats, v41
 from monodecode.checkpoint import INDEX_FILE, Checkpoint, CheckpointError, SyntheticCheckpoint, write_synthetic_checkpoint
 from monodecode.cli import main
 from monodecode.config import preset
-from monodecode.model import Model
 from monodecode.mono.plan import refusals
 from monodecode.schema import tensor_specs
 

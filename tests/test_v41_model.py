@@ -4,9 +4,6 @@ draft (lossless greedy speculation), the engine, and a tiny V4.1 checkpoint thro
 generate and serve. Decode equals prefill for V4.1 is in test_model.py (its model fixture runs
 both), tensor parallelism in test_tensor_parallel.py."""
 
-import asyncio
-
-import openai
 import pytest
 import torch
 
