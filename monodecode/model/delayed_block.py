@@ -1,13 +1,13 @@
-"""A DeepSeek-V4.1 decoder block: V4's sub-blocks under a delayed mHC collapse, and Engram.
+"""A DeepSeek-V4.1 decoder block: V4's sub-blocks under a delayed mHC collapse.
 
 Each mHC site still computes its mixes (pre, post, comb) from the streams entering it, and applies
 post and comb at once; but the sub-block's input is collapsed with the pre of the sub-block before
 it, carried along: the attention with the previous block's FFN pre (the model's first attention
 with the one-hot on stream 0, `entry_pre`: all streams equal the embedding then), the FFN with
 this block's attention pre. The block returns its FFN pre for the next one; after the last block
-the model collapses with it (no hc_head). An Engram layer first adds its gated n-gram memory to
-the streams (engram.py), after the carried pre was computed. DeepSeek-V4.1's `inference/model.py`
-(Block.forward, Transformer.forward) defines this order.
+the model collapses with it (no hc_head). On an Engram layer the model adds the gated n-gram
+memory to the streams before the block (engram.py), after the carried pre was computed.
+DeepSeek-V4.1's `inference/model.py` (Block.forward, Transformer.forward) defines this order.
 """
 
 from __future__ import annotations
@@ -31,20 +31,18 @@ def entry_pre(rows: int, hc: int, device) -> torch.Tensor:
 
 class DelayedBlock(Block):
     def __init__(self, config, w: dict[str, torch.Tensor], prefix: str, experts: ExpertBank, topk: int,
-                 attention, engram=None, tp: TensorParallel = SINGLE):
+                 attention, tp: TensorParallel = SINGLE):
         """`attention`: the block's attention (shared_attention.SharedAttention, or a draft
-        stage's); `engram`: its Engram (engram.Engram) on an Engram layer."""
+        stage's)."""
         self.c, self.w, self.p = config, w, prefix
-        self.attention, self.engram = attention, engram
+        self.attention = attention
         self.moe = MoE(config, w, f"{prefix}ffn.", experts, False, topk, tp)
 
     def __call__(self, streams: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, groups, cache,
-                 pre: torch.Tensor, *, ngrams: torch.Tensor | None = None, share=None):
+                 pre: torch.Tensor, *, share=None):
         """(streams after the block, its FFN pre) from the streams entering it and the carried
-        `pre` [N, hc]; `ngrams` [N, max_ngram_size]: the rows' compressed n-gram ids (Engram layers);
-        `share`: the step's cross-layer state, for the attention (shared_attention.StepShare)."""
-        if self.engram is not None:
-            streams = self.engram(streams, ngrams)
+        `pre` [N, hc]; `share`: the step's cross-layer state, for the attention
+        (shared_attention.StepShare; none for a draft stage's)."""
         attn_pre, post, comb = self.mixes(streams, "attn")
         x = self.collapsed_input(streams, pre, "attn")
         extra = {} if share is None else {"share": share}

@@ -135,9 +135,15 @@ def hash_rows(config: ModelConfig, slot: int, ngrams: torch.Tensor, pad_id: int)
     """The table rows, int64 [N, columns], of `ngrams` [N, max_ngram_size] (classes, column s the
     token s positions back, -1 before the sequence start) in Engram layer `slot`; `pad_id` is the
     pad token's class. Column (n - 2) * heads + head is head `head` of the n-gram of n tokens."""
-    device, heads = ngrams.device, config.engram_n_heads
-    multipliers = hash_multipliers(config)[slot].to(device)
-    primes, offsets = (t.to(device) for t in hash_buckets(config, slot))
+    primes, offsets = hash_buckets(config, slot)
+    return _hashed(ngrams, hash_multipliers(config)[slot], primes, offsets, config.engram_n_heads, pad_id)
+
+
+def _hashed(ngrams: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
+            heads: int, pad_id: int) -> torch.Tensor:
+    """`hash_rows` with the layer's constants given (on the n-grams' device)."""
+    device = ngrams.device
+    multipliers, primes, offsets = (t.to(device) for t in (multipliers, primes, offsets))
     # Sticky: once a slot lies before the start, it and every farther slot hold the pad's class.
     blocked = (ngrams < 0).cumsum(dim=1) > 0
     values = torch.where(blocked, pad_id, ngrams.long())
@@ -164,11 +170,15 @@ class Engram:
         # The gate reads only the product of the two weights, formed in fp32 as the reference does.
         self.gate_weight = weights[f"{prefix}q_weight"].float() * weights[f"{prefix}k_weight"].float()
         self.pad_id = int(token_map[config.engram_pad_token_id])
+        # the hash's constants, made once on the device rather than every step
+        device = self.wkv.device
+        self.multipliers = hash_multipliers(config)[self.slot].to(device)
+        self.primes, self.offsets = (t.to(device) for t in hash_buckets(config, self.slot))
 
     def __call__(self, streams: torch.Tensor, ngrams: torch.Tensor) -> torch.Tensor:
         """streams [N, hc, d] and their rows' `ngrams` [N, max_ngram_size] (see `hash_rows`) ->
         the streams with the gated value added, in the streams' dtype."""
-        rows = hash_rows(self.c, self.slot, ngrams, self.pad_id)
+        rows = _hashed(ngrams, self.multipliers, self.primes, self.offsets, self.c.engram_n_heads, self.pad_id)
         keys, value = self.project(self.gather(rows).to(self.wkv.device))
         return gated_update(streams, keys, value, self.gate_weight, self.c.rms_norm_eps)
 

@@ -5,8 +5,8 @@ Memory (documented choice): dense FP8 weights are dequantized at load to the com
 checkpoint bytes) and are dequantized on the fly, one expert at a time, for the experts a step
 selects. DeepSeek-V4.1's Engram tables (hundreds of millions of rows, ~100 GB each as stored) stay
 as stored, FP8 codes and scales, in host memory whatever the device: a step gathers its tokens'
-rows there and dequantizes only those (model/engram.py). Norm weights, mHC parameters, sinks, compressor position biases and router biases are
-kept in fp32 as the reference does. Unquantized checkpoints are cast to the compute dtype.
+rows there and dequantizes only those (model/engram.py). Norm weights, mHC parameters, sinks,
+compressor position biases and router biases are kept in fp32 as the reference does. Unquantized checkpoints are cast to the compute dtype.
 
 Keys are the schema's names without a `.weight` suffix (`layers.0.attn.wq_a`,
 `layers.0.attn_norm`, `layers.0.hc_attn_fn`), whatever the checkpoint's format.
