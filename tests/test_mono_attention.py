@@ -236,14 +236,15 @@ def test_attend_over_draft_blocks(device, requests):
     assert (o[slots < 0] == 0).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows,splits", [(1, 0), (5, 0), (16, 0), (1, 8), (5, 2), (16, 1)])
 @pytest.mark.parametrize("ratio,entry_block", [(128, 16), (1024, 64)])
-def test_attend_over_compressed_entries(device, rows, ratio, entry_block):
+def test_attend_over_compressed_entries(device, rows, splits, ratio, entry_block):
     """A compressed layer's attend (HCA's: every visible entry): the window's keys and the slot's
     compressed entries w < (p + 1) // ratio, one softmax over both and the sink, against
     Attention.attend over [window keys; entries] with the reference's masks. Requests far on see
     hundreds to thousands of entries (blocks of `entry_block`, the last partial); the entries past the
-    visible ones hold random data, which must not leak in."""
+    visible ones hold random data, which must not leak in. With `splits`, the entries' blocks are
+    spread over that many tasks a pair (some with none) and the window's task combines them."""
     config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=500 + rows + ratio)
     g = torch.Generator().manual_seed(rows + ratio)
     D, n_heads = config.head_dim, config.num_attention_heads
@@ -262,13 +263,13 @@ def test_attend_over_compressed_entries(device, rows, ratio, entry_block):
     ref = apply_rope(ref, positions, attn.freqs.to(device), inverse=True)
     o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
                  config.sliding_window, config.rms_norm_eps, entries=entries, ratio=ratio, entry_block=entry_block,
-                 poison=True)
+                 splits=splits, poison=True)
     assert_close(o, ref, differ=0.02, rel=5e-4)
     assert (o[slots < 0] == 0).all()
 
 
-@pytest.mark.parametrize("rows", [5, 16])
-def test_attend_over_selected_entries(device, rows):
+@pytest.mark.parametrize("rows,splits", [(5, 0), (16, 0), (5, 4)])
+def test_attend_over_selected_entries(device, rows, splits):
     """CSA's attend: the window's keys and the entries the row's indexer selected (a list of
     `topk` entry ids, -1 where fewer are visible), one softmax over both and the sink, against
     Attention.attend over [window keys; the visible entries] masked to the selected ones."""
@@ -298,6 +299,38 @@ def test_attend_over_selected_entries(device, rows):
     ref = apply_rope(ref, positions, attn.freqs.to(device), inverse=True)
     o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
                  config.sliding_window, config.rms_norm_eps, entries=entries, ratio=ratio, entry_block=16,
-                 selected=selected.to(device), poison=True)
+                 selected=selected.to(device), splits=splits, poison=True)
     assert_close(o, ref, differ=0.02, rel=5e-4)
     assert (o[slots < 0] == 0).all()
+
+
+def test_expired_split_wait_raises_and_keeps_tickets(device):
+    """A window task whose entry splits never reach its ticket (tickets far below zero) gives up
+    after its polls: the launch ends, MonoSyncError names attend, and every ticket ends where it
+    began (the splits' signals and the window task's take-back cancel)."""
+    from monodecode.mono.sync import MonoSyncError
+    config, attn, positions, slots, groups, cache, _ = setup(device, 5, seed=700)
+    g = torch.Generator().manual_seed(700)
+    D, n_heads = config.head_dim, config.num_attention_heads
+    entries = torch.randn(NUM_SLOTS, (int(positions.max()) + 1) // 128 + 3, D, generator=g).to(torch.bfloat16)
+    q_raw = (3 * torch.randn(5, n_heads, D, generator=g)).to(torch.bfloat16).to(device)
+    tickets = torch.full((A.attend_tasks(5, n_heads),), -1000, dtype=torch.int32, device=device)
+    with pytest.raises(MonoSyncError, match="'attend'"):
+        A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
+                 config.sliding_window, config.rms_norm_eps, entries=entries.to(device), ratio=128, entry_block=16,
+                 splits=2, tickets=tickets, max_polls=64)
+    assert (tickets == -1000).all()
+
+
+def test_entry_splits_fill_one_round():
+    """Splits a pair: a power of two, at most MAX_SPLITS and the entries' blocks, and (splits + 1)
+    tasks a pair fitting the programs; none once the pairs alone fill them."""
+    for rows in range(1, 49):
+        for entries in (4, 64, 128, 512, 1024):
+            s = A.entry_splits(rows, 64, entries, 132)
+            blocks = -(-entries // A.KE)
+            assert s & (s - 1) == 0 and s <= min(A.MAX_SPLITS, blocks)
+            if s:
+                assert rows * 4 * (s + 1) <= 132 and (2 * s > min(A.MAX_SPLITS, blocks) or rows * 4 * (2 * s + 1) > 132)
+            else:
+                assert rows * 4 * 2 > 132

@@ -377,6 +377,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 @pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2,k1_warps=4", 6),
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
                                          "expert_programs_per_sm=1,expert_warps=4,settle_columns=64", 6),
+                                        ("attend_splits=2", 1),
                                         pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
@@ -385,8 +386,9 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     along K (slices of 32: 2 to 4 a block, summed by the last to arrive, in every layer of the
     step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of
     32 and 16 rows (`experts.load_fragments`' 16-row blocks), settle tiles of half a row (two
-    passes over it): the same result up to fp32 summation order; fold tasks of all 48 rows of a
-    step (`slow`)."""
+    passes over it), the compressed layers' attend entries split over two tasks a pair (the
+    window's task combining them): the same result up to fp32 summation order; fold tasks of all
+    48 rows of a step (`slow`)."""
     g = torch.Generator().manual_seed(21)
     caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)
     tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[width])
@@ -427,6 +429,8 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(fold_rows=24))
     with pytest.raises(ValueError, match=r"settle columns 0 or a power of two from 16 \(here 48\)"):
         d.mono.configure(LaunchShape(settle_columns=48))
+    with pytest.raises(ValueError, match=r"attend_splits must be 0 \(automatic\) or a power of two up to 8"):
+        d.mono.configure(LaunchShape(attend_splits=3))
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts
@@ -441,6 +445,36 @@ def test_an_expired_wait_in_the_csa_layers_k1_names_its_stage(decoder):
     with pytest.raises(MonoSyncError, match="k1 index scores"):
         decoder.mono.check()
     assert int(decoder.mono.sync["k1c"].words[ERROR]) == 0  # the counters start over
+
+
+def test_an_expired_wait_for_attend_splits_raises_and_the_next_step_runs(decoder):
+    """K2's window tasks wait at their pair's ticket for the entry splits: with the tickets far
+    below zero (signals that can never add up) a step raises naming K2's attend, the tickets end
+    where they began (each window task takes back what its splits gave), and at 0 again the next
+    step runs."""
+    from monodecode.mono.sync import MonoSyncError
+
+    runner, default = decoder.mono, decoder.mono.shape
+    g = torch.Generator().manual_seed(31)
+    caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=31)
+    tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[1])
+    saved = runner.max_polls, runner.graphs_enabled
+    try:
+        runner.configure(LaunchShape(attend_splits=2))
+        runner.max_polls, runner.graphs_enabled = 64, False
+        decoder.step(caches[0], tokens, positions, slots)  # makes the width's scratch
+        tickets = runner.scratch[1].attend_tickets
+        assert (tickets == 0).all()
+        tickets.fill_(-1000)
+        with pytest.raises(MonoSyncError, match="'k2 attend'"):
+            decoder.step(caches[0], tokens, positions, slots)
+        assert (tickets == -1000).all()
+        tickets.zero_()
+        assert torch.isfinite(decoder.step(caches[1], tokens, positions, slots)).all()
+        assert (tickets == 0).all()
+    finally:
+        runner.max_polls, runner.graphs_enabled = saved
+        runner.configure(default)
 
 
 def test_an_expired_wait_in_each_k1_family_raises_and_the_next_step_runs(decoder):

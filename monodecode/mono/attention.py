@@ -77,7 +77,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan import interpreted
 from .rounding import bf16
+from .sync import _ERROR, DEFAULT_MAX_POLLS, SyncState, leader_wait, signal, wait_at_least
 
 
 HB = 16  # heads of an attend task: the M side of its dots
@@ -89,8 +91,26 @@ def norm_rope_kv_tasks(R: int) -> int:
     return 2 * R
 
 
-def attend_tasks(R: int, H: int, HB: int = HB) -> int:
-    return R * triton.cdiv(H, HB)
+MAX_SPLITS = 8  # entry splits a (row, head block) pair: the window task holds [SPLITS, HB, BD] of their outputs
+
+
+def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0) -> int:
+    return R * triton.cdiv(H, HB) * (splits + 1)
+
+
+def entry_splits(R: int, H: int, entries: int, programs: int, HB: int = HB, KE: int = KE) -> int:
+    """Entry splits a pair of a compressed layer's attend (`entries`: the most a row attends, its
+    blocks of KE the work to spread) for a launch of `programs` programs: as many as leave every
+    pair's tasks one round of the programs, a power of two, at most MAX_SPLITS and no more than
+    the blocks; 0 (the window's task takes the entries itself) when the pairs fill the programs."""
+    pairs = R * triton.cdiv(H, HB)
+    fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // pairs - 1)
+    return 0 if fit < 1 else 1 << (fit.bit_length() - 1)
+
+
+def split_partials(R: int, H: int, D: int, splits: int, HB: int = HB) -> int:
+    """fp32 values the entry splits of R rows keep for their window tasks: outputs and stats."""
+    return R * triton.cdiv(H, HB) * splits * HB * (D + 2)
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -232,11 +252,12 @@ def _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, keys_ptr, key_r
 
 @triton.jit
 def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
-                  park, visible, m, entries_ptr, slot, n_entries, sel,
+                  park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales,
                   D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr,
-                  RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr):
+                  RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr):
     """o[:, d0 .. d0 + BD] = (inverse rope of, ROPE) bf16(probs @ keys[:, d0 .. d0 + BD] / mass),
-    the keys the window's and (RATIO) the visible compressed entries."""
+    the keys the window's and (RATIO) the visible compressed entries: the task's own (SPLITS 0)
+    or the entry splits' partial outputs, each weighted by its scale."""
     d = d0 + tl.arange(0, BD)
     keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
     if FAST:
@@ -244,7 +265,11 @@ def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_row
     else:
         out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
     if RATIO > 0:
-        out += _entries_out(park, visible, m, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE, FAST, TOPK)
+        if SPLITS > 0:
+            out += _splits_out(split_outs, split_scales, d, D, HB, BD, SPLITS)
+        else:
+            out += _entries_out(park, visible, m, 0, 1, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE, FAST,
+                                TOPK)
     o = bf16(out / mass[:, None])
     if ROPE:
         pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
@@ -271,12 +296,13 @@ def _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D: tl.constexpr
 
 @triton.jit
 def _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries, visible, sel,
-                       scale, park, D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, KE: tl.constexpr,
-                       FAST: tl.constexpr, TOPK: tl.constexpr):
-    """The scaled logits of every visible compressed entry, block by block, parked at `park`
-    ([HB, EP] fp32, -inf past the visible ones); returns their max a head [HB]."""
+                       scale, park, first, stride, D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr,
+                       KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+    """The scaled logits of the visible compressed entries in blocks first, first + stride, ...,
+    block by block, parked at `park` ([HB, EP] fp32, -inf past the visible ones); returns their
+    max a head [HB] (-inf without a block)."""
     top = tl.full((HB,), float("-inf"), tl.float32)
-    for e0 in range(0, visible, KE):
+    for e0 in range(first * KE, visible, stride * KE):
         key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
         logits = _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, key_rows, live, scale, D,
                                 RD, HB, BD, KE, FAST)
@@ -293,20 +319,21 @@ def _parked(visible, e0, HB: tl.constexpr, KE: tl.constexpr):
 
 
 @triton.jit
-def _parked_mass(park, visible, m, HB: tl.constexpr, KE: tl.constexpr):
-    """sum of exp(parked logit - m) a head [HB]."""
+def _parked_mass(park, visible, m, first, stride, HB: tl.constexpr, KE: tl.constexpr):
+    """sum of exp(parked logit - m) a head [HB] over blocks first, first + stride, ..."""
     mass = tl.zeros((HB,), tl.float32)
-    for e0 in range(0, visible, KE):
+    for e0 in range(first * KE, visible, stride * KE):
         mass += tl.sum(tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None]), axis=1)
     return mass
 
 
 @triton.jit
-def _entries_out(park, visible, m, d, entries_ptr, slot, n_entries, sel, D: tl.constexpr, HB: tl.constexpr,
-                 BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
-    """probs @ entries[:, d] over the visible entries ([HB, BD] fp32, not yet divided by the mass)."""
+def _entries_out(park, visible, m, first, stride, d, entries_ptr, slot, n_entries, sel, D: tl.constexpr,
+                 HB: tl.constexpr, BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+    """probs @ entries[:, d] over the visible entries of blocks first, first + stride, ... ([HB, BD]
+    fp32, not yet divided by the mass)."""
     out = tl.zeros((HB, BD), tl.float32)
-    for e0 in range(0, visible, KE):
+    for e0 in range(first * KE, visible, stride * KE):
         key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
         p = tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None])
         keys = _key_chunk(entries_ptr, key_rows, live, d)
@@ -319,20 +346,107 @@ def _entries_out(park, visible, m, d, entries_ptr, slot, n_entries, sel, D: tl.c
 
 
 @triton.jit
+def _visible_entries(position, RATIO: tl.constexpr, TOPK: tl.constexpr):
+    """The compressed entries a row at `position` attends: every visible one (TOPK 0), else its
+    selection list's live ids, which come first: min(TOPK, visible)."""
+    visible = (position + 1) // RATIO
+    if TOPK > 0:
+        visible = tl.minimum(visible, TOPK)
+    return visible
+
+
+@triton.jit
+def _split_stats(partials_ptr, pair, n_pairs, D: tl.constexpr, HB: tl.constexpr, SPLITS: tl.constexpr):
+    """Where the entry splits of `pair` keep their outputs ([SPLITS, HB, D] fp32) and their stats
+    ([SPLITS, 2, HB] fp32: each head's max logit, then its mass under that max)."""
+    outs = partials_ptr + pair * (SPLITS * HB * D)
+    stats = partials_ptr + n_pairs * (SPLITS * HB * D) + pair * (SPLITS * 2 * HB)
+    return outs, stats
+
+
+@triton.jit
+def _entry_split(part, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries,
+                 visible, sel, scale, park, partials_ptr, tickets_ptr, D: tl.constexpr, RD, HB: tl.constexpr,
+                 BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """Entry split `part` of a pair: over its entry blocks (part, part + SPLITS, ...) the heads'
+    max logit m, their mass sum exp(logit - m) and their partial output probs @ entries (fp32,
+    not divided), stored for the pair's window task; then a signal at the pair's ticket. With no
+    block: m = -inf, mass 0, no output stored."""
+    if SPLITS > 0:
+        outs, stats = _split_stats(partials_ptr, pair, n_pairs, D, HB, SPLITS)
+        m = _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries, visible,
+                               sel, scale, park, part, SPLITS, D, RD, HB, BD, KE, FAST, TOPK)
+        if part * KE < visible:
+            for d0 in range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                out = _entries_out(park, visible, m, part, SPLITS, d, entries_ptr, slot, n_entries, sel, D, HB, BD,
+                                   KE, FAST, TOPK)
+                tl.store(outs + (part * HB + tl.arange(0, HB))[:, None] * D + d[None, :], out)
+            mass = _parked_mass(park, visible, m, part, SPLITS, HB, KE)
+        else:
+            mass = tl.zeros((HB,), tl.float32)
+        head = tl.arange(0, HB)
+        tl.store(stats + part * 2 * HB + head, m)
+        tl.store(stats + part * 2 * HB + HB + head, mass)
+        signal(tickets_ptr + pair)
+
+
+@triton.jit
+def _await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE: tl.constexpr, SPLITS: tl.constexpr,
+                  LEADER: tl.constexpr):
+    """The window task's wait for its pair's SPLITS entry splits (bounded: an expired wait records
+    STAGE in the error word and the task goes on with what is there), then the ticket taken back
+    down by SPLITS, so it is 0 between launches even after a wait gave up (every signal comes)."""
+    ticket = tickets_ptr + pair
+    if LEADER:
+        leader_wait(ticket, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
+    else:
+        wait_at_least(ticket, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
+    tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _splits_out(split_outs, split_scales, d, D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr,
+                SPLITS: tl.constexpr):
+    """sum over the entry splits of scale * their partial output[:, d] ([HB, BD] fp32); a split
+    with no entries (scale 0) is not read."""
+    s = tl.arange(0, SPLITS)[:, None, None]
+    live = split_scales[:, :, None] > 0
+    outs = tl.load(split_outs + (s * HB + tl.arange(0, HB)[None, :, None]) * D + d[None, None, :], mask=live,
+                   other=0.0)
+    return tl.sum(outs * split_scales[:, :, None], axis=0)
+
+
+@triton.jit
 def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                 freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
-                selected_ptr, HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
-                FAST: tl.constexpr, RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr):
-    """Task (row, head block): o[row, block heads] from the raw heads (normalised and rotated as
-    they are loaded), the whole window in two passes over D (module docstring); RATIO > 0: and
-    the row's visible compressed entries (TOPK 0), or the TOPK its indexer selected."""
+                selected_ptr, n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB: tl.constexpr,
+                KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RATIO: tl.constexpr,
+                KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, STAGE: tl.constexpr):
+    """Task t of (row, head block) pairs, SPLITS + 1 a pair: entry splits 0 .. SPLITS - 1, then
+    the window's task, which writes o[row, block heads] from the raw heads (normalised and rotated
+    as they are loaded), the whole window in two passes over D (module docstring); RATIO > 0: and
+    the row's compressed entries (every visible one, TOPK 0, or the TOPK its indexer selected),
+    its own (SPLITS 0) or the entry splits' (waited for at the pair's ticket)."""
     n_blocks = tl.cdiv(H, HB)
-    row = t // n_blocks
-    heads = (t % n_blocks) * HB + tl.arange(0, HB)
+    pair = t // (SPLITS + 1)
+    part = t - pair * (SPLITS + 1)
+    row = pair // n_blocks
+    heads = (pair % n_blocks) * HB + tl.arange(0, HB)
     hmask = heads < H
     rows = (row * H + heads)[:, None] * D
     slot = tl.load(slots_ptr + row)
-    if slot < 0:
+    park = park_ptr + t * park_stride
+    sel = selected_ptr + row * TOPK
+    if part < SPLITS:
+        if slot >= 0:
+            inv = _heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
+            position = tl.load(positions_ptr + row)
+            _entry_split(part, pair, n_rows * n_blocks, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr,
+                         slot, n_entries, _visible_entries(position, RATIO, TOPK), sel, scale, park, partials_ptr,
+                         tickets_ptr, D, RD, HB, BD, KE, FAST, TOPK, SPLITS)
+    elif slot < 0:
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             tl.store(o_ptr + rows + d[None, :], tl.zeros((HB, BD), dtype=tl.bfloat16), mask=hmask[:, None])
@@ -343,21 +457,33 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         key_rows, valid = _window(end, slot, ring_pos_ptr, ring_size, W, D, KW)
         logits = _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, ring_kv_ptr, key_rows, valid, scale, D,
                                 RD, HB, BD, KW, FAST)
-        # one softmax over the valid keys and the sink (a key with no value)
+        # one softmax over the valid keys, the compressed entries and the sink (a key with no value)
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
         m = tl.maximum(tl.max(logits, axis=1), sink)
-        park = park_ptr + t * park_stride
-        sel = selected_ptr + row * TOPK
         visible = 0
-        if RATIO > 0:  # the compressed keys: logits parked, one softmax over all keys
-            visible = TOPK if TOPK > 0 else (position + 1) // RATIO
-            m = tl.maximum(m, _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot,
-                                                 n_entries, visible, sel, scale, park, D, RD, HB, BD, KE, FAST,
-                                                 TOPK))
+        split_outs = partials_ptr  # the entry splits' outputs and scales [SPLITS, HB] (SPLITS > 0)
+        split_scales = m
+        if RATIO > 0:
+            visible = _visible_entries(position, RATIO, TOPK)
+            if SPLITS > 0:
+                _await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE, SPLITS, FAST)
+                split_outs, stats = _split_stats(partials_ptr, pair, n_rows * n_blocks, D, HB, SPLITS)
+                at = stats + tl.arange(0, SPLITS)[:, None] * 2 * HB + tl.arange(0, HB)[None, :]
+                split_m = tl.load(at)
+                split_mass = tl.load(at + HB)
+                m = tl.maximum(m, tl.max(split_m, axis=0))
+                split_scales = tl.exp(split_m - m[None, :])  # 0 for a split with no entries (-inf)
+            else:
+                m = tl.maximum(m, _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot,
+                                                     n_entries, visible, sel, scale, park, 0, 1, D, RD, HB, BD, KE,
+                                                     FAST, TOPK))
         p = tl.exp(logits - m[:, None])
         mass = tl.sum(p, axis=1) + tl.exp(sink - m)
         if RATIO > 0:
-            mass += _parked_mass(park, visible, m, HB, KE)
+            if SPLITS > 0:
+                mass += tl.sum(split_mass * split_scales, axis=0)
+            else:
+                mass += _parked_mass(park, visible, m, 0, 1, HB, KE)
         hi = p  # the output chunks' operands: p itself without FAST
         lo = p
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
@@ -366,12 +492,12 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         plain = (D - RD) // BD * BD  # the chunks before any rope channel: no inverse rotation to compute
         for d0 in range(0, plain, BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
-                          park, visible, m, entries_ptr, slot, n_entries, sel, D, RD, HB, BD, FAST, False, RATIO, KE,
-                          TOPK)
+                          park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales, D, RD, HB,
+                          BD, FAST, False, RATIO, KE, TOPK, SPLITS)
         for d0 in range(plain, D, BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
-                          park, visible, m, entries_ptr, slot, n_entries, sel, D, RD, HB, BD, FAST, True, RATIO, KE,
-                          TOPK)
+                          park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales, D, RD, HB,
+                          BD, FAST, True, RATIO, KE, TOPK, SPLITS)
 
 
 # --- standalone launches --------------------------------------------------------------------------
@@ -388,12 +514,14 @@ def _norm_rope_kv(n_tasks, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw
 @triton.jit
 def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
             freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
-            selected_ptr, HB: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr,
-            FAST: tl.constexpr, RATIO: tl.constexpr, KE: tl.constexpr, TOPK: tl.constexpr):
+            selected_ptr, n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB: tl.constexpr,
+            KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RATIO: tl.constexpr,
+            KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                     freqs_ptr, H, D, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride, selected_ptr,
-                    HB, KW, BD, BLOCK, FAST, RATIO, KE, TOPK)
+                    n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB, KW, BD, BLOCK, FAST, RATIO, KE, TOPK,
+                    SPLITS, 0)
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -455,13 +583,17 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
            freqs: torch.Tensor, window: int, eps: float, *, block: int = 0, heads_per_task: int = HB,
            d_chunk: int = BD, num_warps: int = 4, num_stages: int = 3, poison: bool = False,
            entries: torch.Tensor | None = None, ratio: int = 0, entry_block: int = KE,
-           selected: torch.Tensor | None = None) -> torch.Tensor:
+           selected: torch.Tensor | None = None, splits: int = 0, tickets: torch.Tensor | None = None,
+           max_polls: int = DEFAULT_MAX_POLLS) -> torch.Tensor:
     """q_raw [R, H, D] bf16 (the wq_b GEMV's heads, before their norm and rope), ring the layer's
     window `PositionRing` (the step's rows already written), positions / slots int64 [R], sink fp32
     [H], freqs fp32 [RD / 2], eps the heads' rms_norm epsilon -> o [R, H, D] bf16 (the module
     docstring's contract; pad rows 0); `block` > 0: the rows are draft blocks of that many rows,
     `window` counting the block. `poison` fills o with NaN first. num_stages 3 pipelines the chunk
-    loads (faster than 2 on the H200)."""
+    loads (faster than 2 on the H200). A compressed layer (`ratio`) can spread its entries over
+    `splits` tasks a pair (a power of two): its window tasks then wait on them, so the launch is
+    cooperative, at most a program a SM, through `tickets` (int32, a pair's each, 0 between launches;
+    made here if None) and a wait of `max_polls` polls, which raises MonoSyncError if it expires."""
     q = q_raw
     R, H, D = q.shape
     assert block >= 0 and (block == 0 or (R % block == 0 and window > block)), \
@@ -471,10 +603,12 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     chunk = min(d_chunk, D)
     assert heads_per_task >= 16 and chunk >= 16, "tl.dot needs M, N, K >= 16"
     assert D % chunk == 0 and chunk & (chunk - 1) == 0, "D must be a multiple of a power-of-two chunk"
+    assert splits == 0 or (ratio and splits & (splits - 1) == 0 and splits <= MAX_SPLITS), \
+        f"entry splits ({splits}): a power of two up to {MAX_SPLITS}, on a compressed layer"
     ring_kv, ring_pos = _check_ring(ring, D)
     assert ring_kv.numel() < 2**31, "the ring is addressed with int32 offsets"
     o = _empty((R, H, D), q, poison)
-    n_tasks = attend_tasks(R, H, heads_per_task)
+    n_tasks = attend_tasks(R, H, heads_per_task, splits)
     if ratio:  # a compressed layer: the visible entries too (a task's logits parked in `park`)
         assert entries is not None and entries.dtype == torch.bfloat16 and entries.is_contiguous()
         assert entries.shape[0] == ring_kv.shape[0] and entries.shape[2] == D and block == 0
@@ -483,14 +617,26 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
         park = torch.empty(n_tasks * park_stride, dtype=torch.float32, device=q.device)
     else:
         entries, park, park_stride = ring_kv, ring_kv, 0  # unread
-    if selected is not None:  # CSA: each row's selected entries [R, topk] (-1: none)
+    if selected is not None:  # CSA: each row's selected entries [R, topk] (-1: none), the live ones first
         assert ratio and selected.shape[0] == R and selected.dtype == torch.int64 and selected.is_contiguous()
+    pairs = attend_tasks(R, H, heads_per_task)
+    if tickets is None:
+        tickets = torch.zeros(pairs, dtype=torch.int32, device=q.device)
+    assert tickets.dtype == torch.int32 and tickets.numel() >= pairs
+    partials = torch.empty(max(split_partials(R, H, D, splits, heads_per_task), 1), dtype=torch.float32,
+                           device=q.device)
+    sync = SyncState(q.device, ["attend"])
     topk = 0 if selected is None else selected.shape[1]
-    _attend[_grid(n_tasks)](n_tasks, q, o, positions.contiguous(), slots.contiguous(), ring_kv, ring_pos, ring.size,
-                            sink.float().contiguous(), freqs, H, D, _check_rope(D, freqs), int(window),
-                            float(D ** -0.5), float(eps), entries, entries.shape[1] if ratio else 0, park, park_stride,
-                            positions if selected is None else selected,
-                            HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
-                            FAST=_fast(q), RATIO=ratio, KE=entry_block, TOPK=topk, num_warps=num_warps,
-                            num_stages=num_stages)
+    grid, options = _grid(n_tasks), {}
+    if splits and not interpreted():  # window tasks wait on other tasks: all programs resident
+        grid = (min(n_tasks, torch.cuda.get_device_properties(q.device).multi_processor_count),)
+        options = {"launch_cooperative_grid": True}
+    _attend[grid](n_tasks, q, o, positions.contiguous(), slots.contiguous(), ring_kv, ring_pos, ring.size,
+                  sink.float().contiguous(), freqs, H, D, _check_rope(D, freqs), int(window),
+                  float(D ** -0.5), float(eps), entries, entries.shape[1] if ratio else 0, park, park_stride,
+                  positions if selected is None else selected, R, partials, tickets, sync.words, int(max_polls),
+                  HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
+                  FAST=_fast(q), RATIO=ratio, KE=entry_block, TOPK=topk, SPLITS=splits, num_warps=num_warps,
+                  num_stages=num_stages, **options)
+    sync.check()
     return o

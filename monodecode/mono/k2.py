@@ -107,6 +107,8 @@ class K2Attention(NamedTuple):
     park: torch.Tensor  # fp32, park_stride a task: each attend task's entry logits (Scratch.park)
     park_stride: int
     selected: torch.Tensor  # a CSA layer's entries a row attends (int64 [R, TOPK], -1: none; K1's top-k)
+    partials: torch.Tensor  # the entry splits' outputs and stats for their window tasks (fp32; SPLITS > 0)
+    tickets: torch.Tensor  # int32, a (row, head block) pair's each, 0 between launches: its entry splits' signals
 
 
 class FfnArgs(NamedTuple):
@@ -172,6 +174,7 @@ class K2Meta(NamedTuple):
     BLOCK: int  # the DSpark draft's block rows (attention.attend_task), 0 for a causal window
     RATIO: int  # a compressed layer's compression ratio (its entries attended), 0 for a window layer
     TOPK: int  # a CSA layer's entries a row attends (its selection list), 0: every visible one (HCA)
+    SPLITS: int  # a compressed layer's entry splits a pair (attention.entry_splits), 0: the window task's own
     HC: int
     MIXP: int
     RB: int
@@ -284,10 +287,11 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 def _k2(a, f, m):
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
-    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB), grid):
+    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS + 1), grid):
         A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                       a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
-                      a.park_stride, a.selected, m.HB, m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, A.KE, m.TOPK)
+                      a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, f.sync.max_polls, m.HB,
+                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, A.KE, m.TOPK, m.SPLITS, 0)
     barrier(f.sync, epoch, 0, BARRIERS, m.TIMELINE, m.FAST)
     z_width = a.o_groups * a.o_lora
     gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -337,12 +341,16 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     shape, ex = runner.shape, lw.experts
     window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
     ring = cache.window
-    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk)
+    splits = _entry_splits(lw, cache, rows, c.num_attention_heads, c.index_topk, runner.grids["k2"],
+                           shape.attend_splits)
+    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk, splits)
     attn = K2Attention(
         q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
         freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
         wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank, entries=entries,
-        n_entries=n_entries, park=park, park_stride=park_stride, selected=s.selected)
+        n_entries=n_entries, park=park, park_stride=park_stride, selected=s.selected,
+        partials=s.attend_partials(A.split_partials(rows, c.num_attention_heads, hd, splits)),
+        tickets=s.attend_tickets)
     ffn = FfnArgs(
         sync=runner.sync_args("k2"), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
         residual=residual, attn_out=s.attn_out, attn_post=s.post_attn, attn_comb=s.comb_attn,
@@ -363,7 +371,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     meta = K2Meta(
         D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
-        TOPK=c.index_topk if lw.indexer else 0,
+        TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
@@ -384,7 +392,15 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     return 1 - cur
 
 
-def _entries(lw, cache, s, heads: int, topk: int):
+def _entry_splits(lw, cache, rows: int, heads: int, topk: int, programs: int, fixed: int) -> int:
+    """Attend's entry splits a pair on this layer: 0 on a window layer, else `fixed`
+    (LaunchShape.attend_splits) or as many as fill the programs (attention.entry_splits)."""
+    if lw.compressor is None:
+        return 0
+    return fixed or A.entry_splits(rows, heads, topk if lw.indexer else cache.entries.shape[1], programs)
+
+
+def _entries(lw, cache, s, heads: int, topk: int, splits: int):
     """(entries, n_entries, park, park_stride) of K2Attention: a compressed layer's entries and
     its attend tasks' park (HB x the entries a row can attend, all of them on an HCA layer, `topk`
     on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their place
@@ -394,5 +410,5 @@ def _entries(lw, cache, s, heads: int, topk: int):
         return kv, 0, kv, 0
     n_entries = cache.entries.shape[1]
     stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, A.KE) * A.KE
-    park = s.park(A.attend_tasks(s.rows, heads), stride)
+    park = s.park(A.attend_tasks(s.rows, heads, splits=splits), stride)
     return (cache.entries if n_entries else kv), n_entries, park, stride

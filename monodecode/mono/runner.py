@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..config import CSA_RATIO, ModelConfig
 from ..model.hc import hc_post
+from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import k1, k2
@@ -177,6 +178,10 @@ class MonoRunner:
         refusal = HC.fold_rows_refusal(shape.fold_rows) or HC.settle_columns_refusal(shape.settle_columns)
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the mHC fold and settle need {refusal}")
+        splits = shape.attend_splits
+        if splits & (splits - 1) or splits > A.MAX_SPLITS:
+            raise ValueError(f"launch shape {shape.spec()}: attend_splits must be 0 (automatic) or a power of two "
+                             f"up to {A.MAX_SPLITS}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

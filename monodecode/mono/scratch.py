@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from . import attention as A
 from . import hc as HC
 
 
@@ -49,7 +50,9 @@ class Scratch:
         self.z, self.attn_out = bf16(r, c.o_groups * c.o_lora_rank), bf16(r, d)
         # a compressed layer's compressor projections (2 halves at most), before its source ring
         self.source_kv, self.source_gate = bf16(r, 2 * hd), bf16(r, 2 * hd)
-        self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats a task
+        self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats
+        self.split_partials: dict[int, torch.Tensor] = {}  # attend's entry splits' outputs, by floats
+        self.attend_tickets = torch.zeros(A.attend_tasks(r, heads), dtype=torch.int32, device=device)  # 0 between launches
         # a CSA layer's indexer: its compressor's projections, the weights_proj and wq_b outputs;
         # the scores (`scores`, one buffer a cache's entries a slot) and the selection
         di, hi = c.index_head_dim, c.index_n_heads
@@ -75,7 +78,14 @@ class Scratch:
         """The parked logits of a compressed layer's attend tasks (fp32, `floats_a_task` for each of
         `tasks`), one buffer a size, made at its first use: a width's eager warm-up step, before
         any graph of it is captured."""
-        return self._first_use(self.parks, floats_a_task, "an attend park", (max(tasks * floats_a_task, 1),))
+        floats = max(tasks * floats_a_task, 1)
+        return self._first_use(self.parks, floats, "an attend park", (floats,))
+
+    def attend_partials(self, floats: int) -> torch.Tensor:
+        """The outputs and stats a compressed layer's attend entry splits keep for their window
+        tasks (fp32, `floats`: attention.split_partials), one buffer a size, made at its first use
+        (as `park`)."""
+        return self._first_use(self.split_partials, floats, "attend's split partials", (max(floats, 1),))
 
     def scores(self, n_entries: int) -> torch.Tensor:
         """The index scores of a CSA layer whose cache holds `n_entries` entries a slot (fp32

@@ -13,7 +13,10 @@ order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles fol
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
 diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task collapsing
 its row in tiles of `settle_columns` columns (0: 512 a warp, the whole row at v4-flash sizes,
-in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`).
+in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`); a compressed
+layer's attend spreading each (row, head block)'s entries over `attend_splits` tasks (0: as many
+as fill the programs, `attention.entry_splits`; else that many, a power of two: what the
+interpreter's one program needs to run the split tasks at all).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
 
@@ -38,6 +41,7 @@ class LaunchShape:
     expert_warps: int = 8
     fold_rows: int = 16
     settle_columns: int = 0
+    attend_splits: int = 0
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
