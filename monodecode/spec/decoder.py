@@ -125,7 +125,7 @@ class SpeculativeDecoder:
         else:
             verdicts, logits = self._stepwise(caches, requests)
         self.count_path(path)
-        committed = [self._commit(r, verdict) for r, verdict in zip(requests, verdicts)]
+        committed = [self._advance(r, verdict) for r, verdict in zip(requests, verdicts)]
         if return_logits:
             return committed, [logits[i, :len(tokens)] for i, tokens in enumerate(committed)]
         return committed
@@ -155,7 +155,7 @@ class SpeculativeDecoder:
                                 [r.sampling for r in requests], self.config.synthetic_acceptance_length)
         return verdicts, logits
 
-    def _commit(self, r: SpecRequest, verdict: Verdict) -> list[int]:
+    def _advance(self, r: SpecRequest, verdict: Verdict) -> list[int]:
         """Move the request past its verdict's tokens (its new anchor the last) and count them."""
         r.position += verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
         r.anchor = verdict.tokens[-1]
