@@ -50,6 +50,21 @@ def test_batched_engine_equals_one_request_at_a_time(model, method):
     assert got == [generate(model, p, 12) for p in PROMPTS]
 
 
+def test_a_whole_speculative_step_is_counted_as_such(model):
+    """The engine gives the speculative decoder its step counter: a whole greedy step on the
+    kernels (spec/step_graph.py; run in tests/test_mono_draft.py) counts as `whole`, a stepwise
+    one only by the path of its verify step (here per-op: the kernels are off)."""
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5})
+    eng = engine(model, speculative=spec)
+    eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    steps = dict(eng.metrics.steps)
+    assert steps["whole"] == 0 and steps["per-op"] == eng.decoder.stats.steps > 0
+    eng.decoder.count_path("stepwise")
+    eng.decoder.count_path("whole")
+    assert eng.metrics.steps == {**steps, "whole": 1}
+    assert 'monodecode_decode_steps_total{path="whole"} 1' in eng.metrics.render()
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
     params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
     alone = engine(model).generate([PROMPTS[1]], params)[0]

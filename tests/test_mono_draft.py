@@ -116,20 +116,37 @@ def test_the_draft_runner_takes_whole_blocks_only(model, runner):
         runner.step(cache, [1] * 7, list(range(7)), [0] * 7)
 
 
-@pytest.mark.parametrize("tokens", [pytest.param(16, marks=pytest.mark.slow), 6])
-def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(device, tokens):
-    """A decoder with the kernels on runs the draft's stages on them (`Decoder.draft`): greedy
-    speculation still gives plain greedy decoding's tokens (16 tokens are `slow`: the whole model
-    runs interpreted); the decoder builds that draft once and gives it to every caller."""
-    from monodecode.decode import Decoder, KernelDraft
-    from monodecode.generate import generate
+@pytest.fixture(scope="module")
+def kernel_decoder(device):
+    """A decoder with the kernels on (so its draft's stages run on them too), shared by the
+    speculative tests below: the kernels are built and their widths warmed once."""
+    from monodecode.decode import Decoder
+
+    return Decoder(Model.from_checkpoint(SyntheticCheckpoint(preset("tiny"), seed=21), device, torch.bfloat16), "on")
+
+
+def speculative(decoder, method="standard", paths=None, **extra):
     from monodecode.spec.config import SpeculativeConfig
     from monodecode.spec.decoder import SpeculativeDecoder
 
-    decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(preset("tiny"), seed=21), device, torch.bfloat16),
-                      "on")
-    spec = SpeculativeDecoder(decoder, SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5}))
-    assert isinstance(spec.draft, KernelDraft) and decoder.draft() is spec.draft
+    config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5,
+                                          "rejection_sample_method": method, **extra})
+    return SpeculativeDecoder(decoder, config, count_path=None if paths is None else paths.append)
+
+
+@pytest.mark.parametrize("tokens", [pytest.param(16, marks=pytest.mark.slow), 6])
+def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(kernel_decoder, tokens):
+    """A decoder with the kernels on runs the draft's stages on them (`Decoder.draft`), and every
+    greedy step runs whole (spec/step_graph.py): greedy speculation still gives plain greedy
+    decoding's tokens (16 tokens are `slow`: the whole model runs interpreted; 6 take ~85 s,
+    as 3 do: the first launches at each width cost most); the decoder builds that draft once and
+    gives it to every caller."""
+    from monodecode.decode import KernelDraft
+    from monodecode.generate import generate
+
+    paths = []
+    spec = speculative(kernel_decoder, paths=paths)
+    assert isinstance(spec.draft, KernelDraft) and kernel_decoder.draft() is spec.draft
     caches = spec.make_caches(num_slots=1, max_context=64)
     prompt = [7, 70, 300, 12]
     request = spec.prefill(caches, 0, prompt, 0.0, 1.0, None)
@@ -137,4 +154,71 @@ def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(device, to
     while len(out) < tokens:
         out += spec.step(caches, [request])[0]
     assert spec.draft.runner.sync["k1"].epoch > 0  # the draft ran on the kernels
-    assert out[:tokens] == generate(decoder, prompt, tokens)
+    assert paths == ["whole"] * spec.stats.steps
+    assert out[:tokens] == generate(kernel_decoder, prompt, tokens)
+
+
+def test_a_step_that_is_not_all_greedy_runs_stepwise(kernel_decoder):
+    """A request above temperature 0 among greedy ones, or synthetic verification, or more rows
+    than the kernels take: the stepwise path (one step of the mix run, to see it counted)."""
+    paths = []
+    spec = speculative(kernel_decoder, paths=paths)
+    caches = spec.make_caches(num_slots=2, max_context=64)
+    greedy = spec.prefill(caches, 0, [7, 70, 300])
+    sampled = spec.prefill(caches, 1, [5, 9], 1.0, 1.0, torch.Generator(kernel_decoder.device).manual_seed(0))
+    assert spec.takes_whole([greedy]) and not spec.takes_whole([greedy, sampled])
+    committed = spec.step(caches, [greedy, sampled])
+    assert paths == ["stepwise"]
+    assert [len(tokens) for tokens in committed] == [greedy.position - 3, sampled.position - 2]
+    assert not speculative(kernel_decoder, "synthetic", synthetic_acceptance_length=3.0).takes_whole([greedy])
+    assert not spec.takes_whole([greedy] * 9)  # 54 verify rows
+    assert spec.greedy_step.refusal(9) == "more than 48 rows"
+
+
+def test_a_kernel_error_in_a_whole_step_is_raised_after_it(kernel_decoder):
+    """A wait that gave up in the draft's kernels during a whole step (its error word set): the
+    step raises after it, naming the draft and the stage; the requests stay where they were, and
+    the error word starts over."""
+    from monodecode.mono.sync import ERROR, MonoSyncError
+
+    paths = []
+    spec = speculative(kernel_decoder, paths=paths)
+    caches = spec.make_caches(num_slots=1, max_context=64)
+    request = spec.prefill(caches, 0, [7, 70, 300, 12])
+    before = (request.position, request.anchor)
+    words = spec.draft.runner.sync["k1"].words
+    words[ERROR] = 1  # as a wait of the first stage that gave up
+    with pytest.raises(MonoSyncError, match="whole greedy speculative step.*the draft's kernels: a persistent "
+                                            "kernel gave up waiting in stage 'k1 fold'"):
+        spec.step(caches, [request])
+    assert (request.position, request.anchor) == before and spec.stats.steps == 0 and paths == []
+    assert int(words[ERROR]) == 0
+
+
+@pytest.mark.gpu
+def test_whole_greedy_steps_replay_bit_exact(kernel_decoder):
+    """300 whole greedy steps, 1 / 8 / 2 requests in turn, on caches where each request count's
+    step is a CUDA graph (run eagerly at its first step, captured and replayed at its second,
+    replayed after): each step's committed tokens, logits and the requests' new anchors and
+    positions are bit-equal to the same step run eagerly (graphs off) on a second set of caches
+    that holds the same context."""
+    paths = []
+    spec = speculative(kernel_decoder, "greedy", paths=paths)
+    whole = spec.greedy_step
+    assert whole.graphs_enabled
+    prompts = [[3 + s, 14, 15, 92, 65][:2 + s % 4] for s in range(8)]
+    caches, requests = [], []
+    for _ in range(2):  # [0]: graphs, [1]: eager
+        caches.append(spec.make_caches(num_slots=8, max_context=2048))  # request 0: <= 6 positions a step
+        requests.append([spec.prefill(caches[-1], slot, prompt) for slot, prompt in enumerate(prompts)])
+    for i in range(300):
+        n = (1, 8, 2)[i % 3]
+        committed, logits = spec.step(caches[0], requests[0][:n], return_logits=True)
+        whole.graphs_enabled = False
+        ref_committed, ref_logits = spec.step(caches[1], requests[1][:n], return_logits=True)
+        whole.graphs_enabled = True
+        assert committed == ref_committed, i
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), i
+        assert [(r.position, r.anchor) for r in requests[0]] == [(r.position, r.anchor) for r in requests[1]], i
+    assert paths == ["whole"] * 600
+    assert sorted(key[0] for key in whole.graphs) == [1, 2, 8]

@@ -219,7 +219,7 @@ def check_graph(decoder: Decoder, base_cache, replays: int = 300) -> dict:
     order = [1, 6, 16, 48, 6, 1]
 
     def step(width):  # embed, every layer (K1 + K2 + K3), head
-        return runner._run(runner._scratch(width), cache, return_hidden=False)
+        return runner.run_rows(runner._scratch(width), cache, return_hidden=False)
 
     for width in WIDTHS:  # inputs of each width, fixed for the graph's life
         s = runner._scratch(width)

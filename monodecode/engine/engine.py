@@ -5,8 +5,9 @@ Each `step()`:
    prefill (per-op) within the step's token budget;
 2. every request whose prompt is done decodes in one step: a row each (`Decoder.step`, which
    picks the path: the mono kernels or per-op), or under speculation 1 + k rows each
-   (`SpeculativeDecoder.step`, its verify rows through the same `Decoder`); the metrics count
-   the path each decode step took;
+   (`SpeculativeDecoder.step`, its verify rows through the same `Decoder`, or, greedy with the
+   kernels running target and draft, the whole step at once); the metrics count the path each
+   decode step took (mono, per-op, or whole);
 3. the prompt chunks run, together in one per-op step (one step each under speculation); the
    last chunk of a prompt samples the request's first token;
 4. finished requests leave, their slots cleared and freed.
@@ -49,7 +50,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.decoder = None
         if speculative is not None:
-            self.decoder = SpeculativeDecoder(self.model, speculative, target_step=self._decode_step)
+            self.decoder = SpeculativeDecoder(self.model, speculative, target_step=self._decode_step,
+                                              count_path=self._count_speculative_step)
             self.caches = self.decoder.make_caches(max_num_seqs, max_model_len + self.decoder.block_size + 1)
         else:
             self.caches = self.model.make_cache(max_num_seqs, max_model_len, max_step_rows=1)
@@ -162,6 +164,12 @@ class Engine:
         out = self.model.step(cache, tokens, positions, slots, return_hidden=return_hidden)
         self.metrics.count_step(self.model.last_path)
         return out
+
+    def _count_speculative_step(self, path: str) -> None:
+        """A whole speculative step is counted as such; a stepwise one was counted by the path
+        its verify step took (`_decode_step`)."""
+        if path == "whole":
+            self.metrics.count_step(path)
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
         """Run prompt chunks: in one step for all of them, or one each under speculation (the

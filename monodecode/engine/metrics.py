@@ -1,8 +1,10 @@
 """Serving metrics, written by the engine thread and read by `/metrics` in Prometheus text format.
 
 Counters: requests (by how they ended), prompt and generation tokens, decode steps by path
-(mono or per-op), prefill chunks; gauges: running and waiting requests, mean acceptance length
-of speculative decoding; histograms: time to first token and inter-token latency (seconds).
+(mono or per-op: the path of the step, or of a speculative step's verify rows; whole: a whole
+greedy speculative step on the kernels, spec/step_graph.py), prefill chunks; gauges: running and
+waiting requests, mean acceptance length of speculative decoding; histograms: time to first
+token and inter-token latency (seconds).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests = Counter(dict.fromkeys(("stop", "length", "abort", "error"), 0))  # by finish reason
         self.prompt_tokens = self.generation_tokens = self.prefill_chunks = 0
-        self.steps = Counter({"mono": 0, "per-op": 0})
+        self.steps = Counter({"mono": 0, "per-op": 0, "whole": 0})
         self.running = self.waiting = 0
         self.acceptance_length = 0.0
         self.ttft, self.itl = Histogram(), Histogram()

@@ -206,6 +206,12 @@ class Draft:
         hb, base = self._head(streams, pre, anchors.shape[0])
         return self._markov_sample(base, hb, anchors, _argmax_and_one_hot)
 
+    def greedy_tokens(self, streams: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The draft tokens [R, B] of an all-greedy proposal from the kernels' stages' output
+        `streams` (`propose`'s head, with no host sync and no graph of its own: a whole greedy
+        step, spec/step_graph.py, captures it in its graph)."""
+        return self._greedy_markov(streams, None, anchors).tokens
+
     def _greedy_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
         use; not under tensor parallelism, whose gathers are collectives)."""

@@ -22,7 +22,6 @@ import functools
 import torch
 
 from . import k1, k2
-from .plan import MAX_ROWS
 from .runner import LayerStack, MonoRunner
 
 
@@ -52,17 +51,17 @@ class DraftRunner(MonoRunner):
 
     def rows_refusal(self, rows: int) -> str | None:
         """Why the kernels do not take a draft pass of `rows` rows (None: they do)."""
-        if rows > MAX_ROWS:
-            return f"more than {MAX_ROWS} rows"
-        if rows % self.draft_block:
+        reason = super().rows_refusal(rows)
+        if reason is None and rows % self.draft_block:
             return f"{rows} rows are not whole draft blocks of {self.draft_block}"
-        return None
+        return reason
 
     def _residency_cache(self, requests: int, rows: int):
         return self.draft.make_cache(requests)
 
-    def _run(self, s, cache, return_hidden: bool):
-        """The embedding, every stage on the kernels, the settled streams."""
+    def run_rows(self, s, cache, return_hidden: bool):
+        """The embedding, every stage on the kernels, the settled streams (device work only, as
+        `MonoRunner.run_rows`)."""
         s.streams[0].copy_(self.model.embed(s.tokens))
         cur, owed = 0, None
         for lw, lc in zip(self.layers, cache.layers):

@@ -2,7 +2,9 @@
 
 Owns, for one model: the kernel views of the weights (checked at build), the device sync state of
 each kernel family (epochs advanced on the device), one `Scratch` per step width, and one CUDA
-graph per (width, cache). `step` has Model.step's signature and result for the steps it takes;
+graph per (width, cache). `step` has Model.step's signature and result for the steps it takes
+(`prepare` checks and loads the rows on the host, `run_rows` launches the kernels: device work
+only, which a whole greedy speculative step captures inside its own graph, spec/step_graph.py);
 `refusal` says why it would not take one (more than 48 rows, a request with more rows than the
 cache can rewind, i.e. a prefill chunk), and the caller (`decode.Decoder`) runs that one per-op.
 
@@ -125,7 +127,7 @@ class MonoRunner:
         s.tokens.zero_()
         s.positions.copy_(torch.arange(rows).repeat(requests))
         s.slots.copy_(torch.arange(requests).repeat_interleave(rows))
-        self._run(s, cache, return_hidden=False)
+        self.run_rows(s, cache, return_hidden=False)
         self.check()  # a host sync
 
     def _residency_cache(self, requests: int, rows: int):
@@ -205,16 +207,32 @@ class MonoRunner:
         can run raise ValueError (`Model.group_rows`)."""
         host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
         groups = self.model.group_rows(cache, *host)
-        if host[0].numel() > MAX_ROWS:
-            return f"more than {MAX_ROWS} rows"
-        if any(len(g.index) > cache.max_step_rows for g in groups):
+        reason = self.rows_refusal(host[0].numel())
+        if reason is None and any(len(g.index) > cache.max_step_rows for g in groups):
             return "a request with more rows than the cache rewinds (prefill)"
-        return None
+        return reason
+
+    def rows_refusal(self, rows: int) -> str | None:
+        """Why the kernels do not take a step of `rows` rows, whatever the rows are (None: they may)."""
+        return f"more than {MAX_ROWS} rows" if rows > MAX_ROWS else None
 
     @torch.no_grad()
     def step(self, cache, tokens, positions, slots, return_hidden: bool = False, refusal_checked: bool = False):
         """Model.step on the kernels, for a step they take (`refusal` None; `refusal_checked`: the
         caller has just asked, so the rows are not grouped twice)."""
+        scratch = self.prepare(cache, tokens, positions, slots, refusal_checked=refusal_checked)
+        out = self._replay(scratch, cache, return_hidden) if self.graphs_enabled else None
+        if out is None:
+            out = self.run_rows(scratch, cache, return_hidden)
+        self.check()
+        return out
+
+    def prepare(self, cache, tokens, positions, slots, refusal_checked: bool = False) -> Scratch:
+        """Make a step's rows ready for `run_rows`, on the host: the refusal (a ValueError naming it;
+        skipped with `refusal_checked`), the cache's check (once a cache), the width's scratch (made
+        now, never first inside a capture) with the rows loaded into it. Returns that scratch. A
+        whole greedy step (spec/step_graph.py) passes its verify rows with 0 in the drafts' places
+        and writes the drafts there on the device."""
         reason = None if refusal_checked else self.refusal(cache, tokens, positions, slots)
         if reason:
             raise ValueError(f"the mono kernels do not take this step: {reason}")
@@ -226,11 +244,7 @@ class MonoRunner:
         scratch = self._scratch(host[0].numel())
         for buffer, values in zip((scratch.tokens, scratch.positions, scratch.slots), host):
             buffer.copy_(values, non_blocking=True)
-        out = self._replay(scratch, cache, return_hidden) if self.graphs_enabled else None
-        if out is None:
-            out = self._run(scratch, cache, return_hidden)
-        self.check()
-        return out
+        return scratch
 
     def _replay(self, scratch: Scratch, cache, return_hidden: bool):
         """The step through the graph of its width and cache (captured on first use), or None
@@ -314,16 +328,20 @@ class MonoRunner:
         return self.scratch[rows]
 
     def _capture(self, scratch: Scratch, cache, return_hidden: bool):
-        self._run(scratch, cache, return_hidden)  # compile and warm up (this step's real result is replayed)
+        self.run_rows(scratch, cache, return_hidden)  # compile and warm up (this step's real result is replayed)
         torch.cuda.synchronize(self.device)
         self.check()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._run(scratch, cache, return_hidden)
+            out = self.run_rows(scratch, cache, return_hidden)
         # The warm-up wrote this step's KV rows already; the replay rewrites the same values.
         return graph, out, return_hidden
 
-    def _run(self, s: Scratch, cache, return_hidden: bool):
+    def run_rows(self, s: Scratch, cache, return_hidden: bool):
+        """Launch the step on rows that `prepare` made ready in `s`: device work only (no refusal,
+        no graph of its own, no error check, nothing read back), so that a caller can capture it
+        inside a larger graph (spec/step_graph.py). The logits, with `return_hidden` also the
+        draft's features (Model.step's result)."""
         model, c = self.model, self.config
         s.streams[0].copy_(model.embed(s.tokens))
         cur, owed, captured = 0, None, {}

@@ -14,6 +14,9 @@ Rejected rows need no undo: the target's caches keep enough history to overwrite
 positions are decoded again (model/cache.py). The draft's rings likewise: a block reads only the
 positions before its anchor, all committed, and the step that commits a position writes it last
 (a rejected row's position is written again by every later step until one commits it).
+With the mono kernels running both the target and the draft's stages and every request greedy,
+a step runs whole instead: steps 1-4 as device work only, one CUDA graph on a GPU, then one read
+of the kernels' error words and one of the verdicts (spec/step_graph.py, `GreedyStep`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from ..model.cache import DecodeCache
 from ..model.draft import DraftCache
 from ..sampling import check_sampling, sample
 from .config import SpeculativeConfig
-from .verify import verify_batch
+from .step_graph import GreedyStep
+from .verify import Verdict, verify_batch
 
 
 @dataclass
@@ -69,17 +73,20 @@ class SpecCaches:
 
 
 class SpeculativeDecoder:
-    def __init__(self, model: Model, config: SpeculativeConfig, target_step=None):
+    def __init__(self, model: Model, config: SpeculativeConfig, target_step=None, count_path=None):
         """`model`: a `Model`, or a `decode.Decoder` (its steps on the mono kernels where they take
-        them; prompt-sized steps go per-op). `target_step` runs the target's verify rows
-        (Model.step's signature; default model.step); the engine passes its own, which counts
-        the path each step took."""
+        them; prompt-sized steps go per-op). `target_step` runs the target's verify rows of a
+        stepwise step (Model.step's signature; default model.step); the engine passes its own,
+        which counts the path each verify step took. `count_path`, if given, is called once a
+        step with the path the step took: "whole" (`GreedyStep`) or "stepwise"."""
         self.model, self.config = model, config
         self.target_step = target_step or model.step
+        self.count_path = count_path or (lambda path: None)
         self.draft = model.draft()
         config.check_block_size(self.draft.block_size)
         self.block_size = self.draft.block_size
         self.stats = AcceptanceStats(accepted_at=[0] * self.block_size)
+        self.greedy_step = GreedyStep.of(model, self.draft)  # None unless the kernels run target and draft
 
     def make_caches(self, num_slots: int, max_context: int) -> SpecCaches:
         """Caches for `num_slots` requests; a request's positions must stay below
@@ -108,7 +115,31 @@ class SpeculativeDecoder:
     def step(self, caches: SpecCaches, requests: list[SpecRequest], return_logits: bool = False):
         """One verify step for all `requests` (updated in place); the tokens each committed. With
         `return_logits`, also per request the target's fp32 logits [len(committed), vocab] that
-        each committed token was verified or sampled against (row j: the token at anchor + 1 + j)."""
+        each committed token was verified or sampled against (row j: the token at anchor + 1 + j).
+        Whole (`GreedyStep`: one CUDA graph on a GPU) when `takes_whole` says so, else stepwise."""
+        path = "whole" if self.takes_whole(requests) else "stepwise"
+        if path == "whole":
+            verdicts, logits = self.greedy_step.run(caches, requests)
+            if return_logits:
+                logits = logits.clone()  # on a GPU the graph's output, which the next step overwrites
+        else:
+            verdicts, logits = self._stepwise(caches, requests)
+        self.count_path(path)
+        committed = [self._advance(r, verdict) for r, verdict in zip(requests, verdicts)]
+        if return_logits:
+            return committed, [logits[i, :len(tokens)] for i, tokens in enumerate(committed)]
+        return committed
+
+    def takes_whole(self, requests: list[SpecRequest]) -> bool:
+        """Whether a step of `requests` runs whole: the kernels run target and draft, every request
+        is greedy, the method is not synthetic (whose acceptance is not greedy's), the runners
+        take the rows."""
+        return (self.greedy_step is not None and all(r.temperature == 0 for r in requests)
+                and self.config.rejection_sample_method != "synthetic"
+                and self.greedy_step.refusal(len(requests)) is None)
+
+    def _stepwise(self, caches: SpecCaches, requests: list[SpecRequest]):
+        """Draft, verify step, commit and verification in turn: the verdicts, the logits [R, B + 1, vocab]."""
         b, device = self.block_size, self.model.device
         anchors = torch.tensor([r.anchor for r in requests], device=device)
         starts = torch.tensor([r.position for r in requests], device=device)
@@ -122,15 +153,14 @@ class SpeculativeDecoder:
         logits = logits.view(len(requests), b + 1, -1)
         verdicts = verify_batch(self.config.rejection_sample_method, logits, proposal.tokens, proposal.probs,
                                 [r.sampling for r in requests], self.config.synthetic_acceptance_length)
-        committed = []
-        for r, verdict in zip(requests, verdicts):
-            r.position += verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
-            r.anchor = verdict.tokens[-1]
-            self._count(verdict.accepted)
-            committed.append(verdict.tokens)
-        if return_logits:
-            return committed, [logits[i, :len(tokens)] for i, tokens in enumerate(committed)]
-        return committed
+        return verdicts, logits
+
+    def _advance(self, r: SpecRequest, verdict: Verdict) -> list[int]:
+        """Move the request past its verdict's tokens (its new anchor the last) and count them."""
+        r.position += verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
+        r.anchor = verdict.tokens[-1]
+        self._count(verdict.accepted)
+        return verdict.tokens
 
     def _count(self, accepted: int) -> None:
         self.stats.steps += 1

@@ -97,10 +97,16 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
 def verify_greedy_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> list[Verdict]:
     """`verify_greedy` for R requests at once: target_logits [R, k + 1, V], draft_tokens [R, k];
     one read of the device's results for all of them."""
+    return read_verdicts(greedy_verdict_rows(target_logits, draft_tokens))
+
+
+def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy verification's device part (`verdict_rows`), with no host read: a whole greedy step
+    captures it in its CUDA graph (spec/step_graph.py)."""
     k = draft_tokens.shape[-1]
     best = target_logits.argmax(dim=-1)
     accepted = (best[:, :k] == draft_tokens).cumprod(dim=1).sum(dim=1)
-    return _verdicts(draft_tokens, accepted, best.gather(1, accepted[:, None]).squeeze(1))
+    return verdict_rows(draft_tokens, accepted, best.gather(1, accepted[:, None]).squeeze(1))
 
 
 # One request's rules (the batched ones on a batch of one): the tests' entry points.
@@ -246,6 +252,16 @@ def _check_rows(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: t
 
 
 def _verdicts(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> list[Verdict]:
-    """The requests' verdicts, from one read of the device."""
-    drafts, accepted, last = draft_tokens.tolist(), accepted.tolist(), last.tolist()
-    return [Verdict(a, d[:a] + [t]) for d, a, t in zip(drafts, accepted, last)]
+    return read_verdicts(verdict_rows(draft_tokens, accepted, last))
+
+
+def verdict_rows(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The requests' verdicts as one device tensor [R, k + 2]: row i's first a_i + 1 entries are
+    the tokens it commits (its a_i accepted drafts, then `last`), its final entry a_i."""
+    committed = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1).scatter(1, accepted[:, None], last[:, None])
+    return torch.cat([committed, accepted[:, None]], dim=1)
+
+
+def read_verdicts(rows: torch.Tensor) -> list[Verdict]:
+    """The verdicts of `verdict_rows`, from one read of the device."""
+    return [Verdict(row[-1], row[:row[-1] + 1]) for row in rows.tolist()]

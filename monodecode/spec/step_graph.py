@@ -1,0 +1,169 @@
+"""`GreedyStep`: a whole greedy speculative step on the mono kernels, as device work only.
+
+When `SpeculativeDecoder.step` takes it: the kernels run both the target (a `decode.Decoder`
+with its `MonoRunner`) and the draft's stages (a `decode.KernelDraft` with its `DraftRunner`),
+every request is greedy (temperature 0), the verification method is not `synthetic` (at
+temperature 0 greedy, standard and block commit the same tokens: spec/verify.py), and both
+runners take the step's rows (`rows_refusal`). Otherwise the step runs stepwise, as before.
+
+Host, before: each runner's `prepare` checks the rows (a ValueError if a runner refuses them)
+and loads them into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
+verify rows [anchor, 0 x B] (0 in the drafts' places, which the device fills), their positions
+and slots. Those scratch buffers are the step's only inputs.
+
+Device (`_device_step`; nothing read back to the host, no tensor made from host data): the
+draft's stages (`DraftRunner.run_rows`), its greedy head (`Draft.greedy_tokens`: the argmax
+proposals), the drafts written into the verify rows, the target's verify step
+(`MonoRunner.run_rows`: logits and the draft's features), the commit of every verify row to the
+draft's rings (`Draft.commit`), greedy verification's device part (`verify.greedy_verdict_rows`).
+These are the operations of the stepwise path, in its order, so the tokens are the same.
+
+On a GPU (both runners' graphs enabled) that device work is one CUDA graph a key: (request
+count, the target cache's identity, the draft cache's identity); the graph holds the two widths'
+scratch and both caches' pointers. A key's first step runs eagerly (it compiles the kernels at
+its widths and makes the scratch's lazily made buffers, outside any capture); its second step
+captures the graph and replays it; later steps replay it. A graph goes with either of its
+caches, and is captured again after either runner's `configure` (new grids and sync words). On a
+CPU (Triton's interpreter) the same device work runs eagerly every step.
+
+Host, after: one read of each runner's error words (`MonoRunner.check`; a wait that gave up in
+either raises MonoSyncError naming the runner and stage: the step's results are invalid and the
+requests are left as they were), then one read of the verdicts (accepted counts and committed
+tokens) for the caller to update the requests with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from ..decode import Decoder, KernelDraft
+from .verify import Verdict, greedy_verdict_rows, read_verdicts
+
+
+class Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    verdict_rows: torch.Tensor  # the graph's outputs: greedy_verdict_rows' [R, B + 2]
+    logits: torch.Tensor  # [R, B + 1, vocab]
+    syncs: tuple[dict, dict]  # the runners' sync states it was captured with
+
+
+class GreedyStep:
+    def __init__(self, target, draft, draft_runner):
+        """`target`: the target's `MonoRunner`; `draft`: the `Draft` (its head and commit);
+        `draft_runner`: the `DraftRunner` of its stages."""
+        self.target, self.draft, self.draft_runner = target, draft, draft_runner
+        self.block_size = draft.block_size
+        self.graphs_enabled = target.graphs_enabled and draft_runner.graphs_enabled
+        self.graphs: dict[tuple[int, int, int], Captured] = {}
+        self.warmed: set[tuple[int, int, int]] = set()  # keys whose eager first step has run
+
+    @classmethod
+    def of(cls, model, draft) -> GreedyStep | None:
+        """The whole greedy step of a speculative decoder's `model` and `draft` when the kernels
+        run both (a Decoder with its runner, a KernelDraft), else None."""
+        if isinstance(model, Decoder) and model.mono is not None and isinstance(draft, KernelDraft):
+            return cls(model.mono, draft.draft, draft.runner)
+        return None
+
+    def refusal(self, requests: int) -> str | None:
+        """Why the runners do not take a step of `requests` requests (None: they do)."""
+        b = self.block_size
+        return self.target.rows_refusal(requests * (b + 1)) or self.draft_runner.rows_refusal(requests * b)
+
+    @torch.no_grad()
+    def run(self, caches, requests) -> tuple[list[Verdict], torch.Tensor]:
+        """One whole greedy step of `requests` (SpecRequests, not updated here) on `caches`
+        (SpecCaches): each request's verdict, and the target's logits [R, B + 1, vocab] of the
+        verify rows (on a GPU the graph's output: valid until the next step)."""
+        drafted, verified = self._prepare(caches, requests)
+        rows, logits = self._device_work(caches, len(requests), drafted, verified)
+        self._check_runners()
+        return read_verdicts(rows), logits
+
+    def _check_runners(self) -> None:
+        """Read both runners' error words (each `check` that finds one starts its counters over),
+        then raise MonoSyncError naming the runner and stage of each wait that gave up."""
+        from ..mono.sync import MonoSyncError  # a kernel module: imported once the runners exist
+
+        errors = []
+        for name, runner in (("draft", self.draft_runner), ("target", self.target)):
+            try:
+                runner.check()
+            except MonoSyncError as e:
+                errors.append(f"the {name}'s kernels: {e}")
+        if errors:
+            raise MonoSyncError("a whole greedy speculative step failed, its results discarded: " + "; ".join(errors))
+
+    def _prepare(self, caches, requests):
+        """Both runners' scratch, loaded with the step's rows (host side)."""
+        b, r = self.block_size, len(requests)
+        anchors, starts, slots = (torch.tensor([[getattr(q, name)] for q in requests])
+                                  for name in ("anchor", "position", "slot"))
+
+        def rows(after_anchor: torch.Tensor):
+            """Each request's anchor then its `after_anchor` row, at consecutive positions from
+            the anchor's, in its slot: (tokens, positions, slots), flat."""
+            n = after_anchor.shape[1] + 1
+            return (torch.cat([anchors, after_anchor], dim=1).flatten(), (starts + torch.arange(n)).flatten(),
+                    slots.expand(-1, n).flatten())
+
+        noise = torch.full((r, b - 1), self.draft.c.dspark_noise_token_id)
+        drafted = self.draft_runner.prepare(caches.draft, *rows(noise))
+        verified = self.target.prepare(caches.target, *rows(torch.zeros(r, b, dtype=torch.long)))
+        return drafted, verified
+
+    def _device_work(self, caches, requests: int, drafted, verified) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device step eagerly, or through its key's graph (module docstring)."""
+        def work():
+            return self._device_step(caches, drafted, verified)
+
+        if not self.graphs_enabled:
+            return work()
+        key = (requests, id(caches.target), id(caches.draft))
+        captured = self.graphs.get(key)
+        if captured is not None and not self._current(captured):  # a runner was configured since
+            del self.graphs[key]
+            self.warmed.discard(key)
+            captured = None
+        if captured is None:
+            if key not in self.warmed:
+                self.warmed.add(key)
+                self._forget_with(key, caches)
+                return work()
+            captured = self.graphs[key] = self._capture(work)
+        captured.graph.replay()
+        return captured.verdict_rows, captured.logits
+
+    def _current(self, captured: Captured) -> bool:
+        """Whether `captured` launches with the runners' present grids and sync words."""
+        target_sync, draft_sync = captured.syncs
+        return target_sync is self.target.sync and draft_sync is self.draft_runner.sync
+
+    def _forget_with(self, key, caches) -> None:
+        """Drop the key's graph, and that it was warmed, with either of its caches: the graph holds
+        their pointers, and a later cache may take their ids."""
+        for cache in (caches.target, caches.draft):
+            weakref.finalize(cache, self.graphs.pop, key, None)
+            weakref.finalize(cache, self.warmed.discard, key)
+
+    def _capture(self, work) -> Captured:
+        torch.cuda.synchronize(self.target.device)  # the eager step and the rows' copies are done
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rows, logits = work()
+        return Captured(graph, rows, logits, (self.target.sync, self.draft_runner.sync))
+
+    def _device_step(self, caches, drafted, verified) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole step on the prepared scratch `drafted` (the draft runner's) and `verified`
+        (the target runner's): the verdict rows [R, B + 2] and the logits [R, B + 1, vocab]."""
+        b = self.block_size
+        streams = self.draft_runner.run_rows(drafted, caches.draft, return_hidden=False)
+        drafts = self.draft.greedy_tokens(streams, drafted.tokens.view(-1, b)[:, 0])
+        verified.tokens.view(-1, b + 1)[:, 1:].copy_(drafts)
+        logits, hidden = self.target.run_rows(verified, caches.target, return_hidden=True)
+        self.draft.commit(caches.draft, verified.slots, verified.positions, hidden)
+        logits = logits.view(drafts.shape[0], b + 1, -1)
+        return greedy_verdict_rows(logits, drafts), logits
