@@ -51,7 +51,21 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   entries) into the task's park (fp32, HB x the entries rounded up to KE, at t * park_stride),
   so that one softmax covers the window, the entries and the sink, as the reference's single
   softmax over [window; entries]; each output chunk adds probs @ entries before dividing by the
-  mass. A window layer (RATIO 0) compiles none of it.
+  mass. A window layer (RATIO 0) compiles none of it. A CSA row's selection list holds its live
+  ids first (the top-k stage's contract), so it attends the first min(TOPK, (p + 1) // RATIO).
+  Entry splits (SPLITS > 0, a power of two; `attend_tasks(R, H, HB, SPLITS)` tasks): a pair
+  (row, head block) has SPLITS + 1 tasks, t = pair (SPLITS + 1) + part. Part s < SPLITS takes
+  the entry blocks s, s + SPLITS, ... (parking their logits in its own park), stores the heads'
+  max logit m_s, their mass sum exp(logit - m_s) and partial output probs @ entries (fp32 [HB,
+  D], undivided) into `partials` (`split_partials` values: every pair's outputs, then every
+  pair's [SPLITS, 2, HB] stats), then signals the pair's ticket (int32, 0 between launches; a
+  split with no block stores m_s = -inf, mass 0 and no output). Part SPLITS, the window's task,
+  waits until the ticket reaches SPLITS (bounded: `max_polls`, an expired wait records STAGE + 1
+  in the error word of `sync_ptr` and the task goes on), subtracts SPLITS, and scales each
+  split's mass and output by exp(m_s - m) for the common max m of the window, the splits and
+  the sink. Waits go only to lower-numbered tasks, which never wait: no cycle, and under the
+  interpreter (tasks in order) every wait is already met. Fp32 summation order differs from the
+  unsplit task's only.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
   reads what both wrote, so grid barriers (or the end of a launch) must separate them.

@@ -11,10 +11,12 @@ K3 runs two programs a SM, twice the expert weight loads in flight.
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
 0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on a
-                                                      compressed layer (RATIO > 0) its visible
+                                   * (SPLITS + 1)     compressed layer (RATIO > 0) its visible
                                                       entries (HCA) or those K1 selected (CSA,
-                                                      TOPK > 0; logits parked in `park`), sinks -> o
-                                                      (inverse RoPE; zero for pad rows)
+                                                      TOPK > 0; logits parked in `park`; SPLITS
+                                                      entry splits a pair, their partials
+                                                      combined by the pair's window task), sinks
+                                                      -> o (inverse RoPE; zero for pad rows)
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
@@ -38,11 +40,14 @@ Waits: a grid barrier after every stage of a launch but its last (K2 6, K3 3), s
 only what finished stages wrote; an expired wait names the stage it waited
 on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
-nothing, it only finds out that it is last. Rounding points: those of each stage module (bf16
+nothing, it only finds out that it is last. Inside stage 0 a compressed layer's window tasks
+wait (bounded, naming attend) at their pair's ticket (`Scratch.attend_tickets`, 0 between
+launches) for the SPLITS entry splits numbered before them, which wait on nothing. Rounding points: those of each stage module (bf16
 where the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert
 output rounded to bf16).
 Scratch: `Scratch` of the step's width (on a compressed layer also its attend park,
-`Scratch.park`, and on a CSA layer K1's selection); the KV ring is the layer's
+`Scratch.park`, its entry splits' partials and tickets, and on a CSA layer K1's selection); the KV
+ring is the layer's
 `LayerCache.window` (a compressed layer's entries `LayerCache.entries`, read);
 the split GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes them); the route
 ticket.
