@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from monodecode.config import preset
+from monodecode.mono import attend_entries as AE
 from monodecode.mono import attention as A
 from monodecode.model.attention import Attention, RequestRows
 from monodecode.model.cache import LayerCache, PositionRing
@@ -327,10 +328,11 @@ def test_entry_splits_fill_one_round():
     tasks a pair fitting the programs; none once the pairs alone fill them."""
     for rows in range(1, 49):
         for entries in (4, 64, 128, 512, 1024):
-            s = A.entry_splits(rows, 64, entries, 132)
-            blocks = -(-entries // A.KE)
-            assert s & (s - 1) == 0 and s <= min(A.MAX_SPLITS, blocks)
+            s = AE.entry_splits(rows, 64, entries, 132)
+            blocks = -(-entries // AE.KE)
+            assert s & (s - 1) == 0 and s <= min(AE.MAX_SPLITS, blocks)
             if s:
-                assert rows * 4 * (s + 1) <= 132 and (2 * s > min(A.MAX_SPLITS, blocks) or rows * 4 * (2 * s + 1) > 132)
+                assert rows * 4 * (s + 1) <= 132
+                assert 2 * s > min(AE.MAX_SPLITS, blocks) or rows * 4 * (2 * s + 1) > 132
             else:
                 assert rows * 4 * 2 > 132

@@ -53,19 +53,8 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   softmax over [window; entries]; each output chunk adds probs @ entries before dividing by the
   mass. A window layer (RATIO 0) compiles none of it. A CSA row's selection list holds its live
   ids first (the top-k stage's contract), so it attends the first min(TOPK, (p + 1) // RATIO).
-  Entry splits (SPLITS > 0, a power of two; `attend_tasks(R, H, HB, SPLITS)` tasks): a pair
-  (row, head block) has SPLITS + 1 tasks, t = pair (SPLITS + 1) + part. Part s < SPLITS takes
-  the entry blocks s, s + SPLITS, ... (parking their logits in its own park), stores the heads'
-  max logit m_s, their mass sum exp(logit - m_s) and partial output probs @ entries (fp32 [HB,
-  D], undivided) into `partials` (`split_partials` values: every pair's outputs, then every
-  pair's [SPLITS, 2, HB] stats), then signals the pair's ticket (int32, 0 between launches; a
-  split with no block stores m_s = -inf, mass 0 and no output). Part SPLITS, the window's task,
-  waits until the ticket reaches SPLITS (bounded: `max_polls`, an expired wait records STAGE + 1
-  in the error word of `sync_ptr` and the task goes on), subtracts SPLITS, and scales each
-  split's mass and output by exp(m_s - m) for the common max m of the window, the splits and
-  the sink. Waits go only to lower-numbered tasks, which never wait: no cycle, and under the
-  interpreter (tasks in order) every wait is already met. Fp32 summation order differs from the
-  unsplit task's only.
+  Entry splits (SPLITS > 0): a pair's compressed entries spread over SPLITS more tasks, whose
+  partial softmaxes the window's task waits for and combines (`attend_entries.py`).
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
   reads what both wrote, so grid barriers (or the end of a launch) must separate them.
@@ -85,83 +74,27 @@ dot is wrong).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .plan import interpreted
+from .attend_entries import (KE, MAX_SPLITS, attended_entries, await_splits, entries_out, entry_split,
+                             park_entry_logits, parked_mass, split_partials, split_stats, splits_out)
+from .attention_math import HB, heads_inverse_rms, key_chunk, pair_offsets, rms_norm, rope, scaled_logits
+from .plan import fast_dots, interpreted, task_grid
 from .rounding import bf16
-from .sync import _ERROR, DEFAULT_MAX_POLLS, SyncState, leader_wait, signal, wait_at_least
+from .sync import DEFAULT_MAX_POLLS, SyncState
 
 
-HB = 16  # heads of an attend task: the M side of its dots
 BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs @ keys
-KE = 64  # compressed entries of a block (a compressed layer's attend): the N side of q . k
 
 
 def norm_rope_kv_tasks(R: int) -> int:
     return 2 * R
 
 
-MAX_SPLITS = 8  # entry splits a (row, head block) pair: the window task holds [SPLITS, HB, BD] of their outputs
-
-
 def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0) -> int:
     return R * triton.cdiv(H, HB) * (splits + 1)
-
-
-def entry_splits(R: int, H: int, entries: int, programs: int, HB: int = HB, KE: int = KE) -> int:
-    """Entry splits a pair of a compressed layer's attend (`entries`: the most a row attends, its
-    blocks of KE the work to spread) for a launch of `programs` programs: as many as leave every
-    pair's tasks one round of the programs, a power of two, at most MAX_SPLITS and no more than
-    the blocks; 0 (the window's task takes the entries itself) when the pairs fill the programs."""
-    pairs = R * triton.cdiv(H, HB)
-    fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // pairs - 1)
-    return 0 if fit < 1 else 1 << (fit.bit_length() - 1)
-
-
-def split_partials(R: int, H: int, D: int, splits: int, HB: int = HB) -> int:
-    """fp32 values the entry splits of R rows keep for their window tasks: outputs and stats."""
-    return R * triton.cdiv(H, HB) * splits * HB * (D + 2)
-
-
-# --- helpers --------------------------------------------------------------------------------------
-@triton.jit
-def _pair_offsets(BLOCK: tl.constexpr):
-    """Channel offsets of a row as [BLOCK / 2, 2] (pair k holds channels 2k, 2k + 1), and the pair
-    index of each pair [BLOCK / 2]."""
-    pair = tl.arange(0, BLOCK // 2)
-    return pair[:, None] * 2 + tl.arange(0, 2)[None, :], pair
-
-
-@triton.jit
-def _rms_norm(x, n, eps, w):
-    """rms_norm of one row held in x (fp32, any shape, zeros past the n channels), weight w (fp32,
-    x's shape) or None; rounded to bf16 as fp32."""
-    y = x * tl.rsqrt(tl.sum(x * x) / n + eps)
-    if w is not None:
-        y = w * y
-    return bf16(y)
-
-
-@triton.jit
-def _rope(x, pair, position, freqs_ptr, first_pair, n_pairs, INVERSE: tl.constexpr):
-    """x [..., P, 2] fp32 (bf16 values), channel pairs (2k, 2k + 1) with pair index `pair` (shape of
-    x without its last axis): pairs first_pair .. first_pair + n_pairs - 1 are rotated in fp32 by
-    position * freqs[k - first_pair] (negated if INVERSE), the rest kept; rounded to bf16 as fp32."""
-    j = pair - first_pair
-    is_rope = (j >= 0) & (j < n_pairs)
-    angle = position.to(tl.float32) * tl.load(freqs_ptr + j, mask=is_rope, other=0.0)
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
-    if INVERSE:
-        sin = -sin
-    even, odd = tl.split(x)
-    rot_even = tl.where(is_rope, even * cos - odd * sin, even)
-    rot_odd = tl.where(is_rope, even * sin + odd * cos, odd)
-    return bf16(tl.join(rot_even, rot_odd))
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------
@@ -173,21 +106,21 @@ def norm_rope_kv_task(t, qr_raw_ptr, qr_raw_stride, q_norm_ptr, qr_ptr, kv_raw_p
     position into its slot's ring (nothing for a pad row)."""
     row = t // 2
     if t % 2 == 0:
-        c, _ = _pair_offsets(BLOCK_Q)
+        c, _ = pair_offsets(BLOCK_Q)
         mask = c < Q_LORA
         x = tl.load(qr_raw_ptr + row * qr_raw_stride + c, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(q_norm_ptr + c, mask=mask, other=0.0)
-        tl.store(qr_ptr + row * Q_LORA + c, _rms_norm(x, Q_LORA, eps, w).to(tl.bfloat16), mask=mask)
+        tl.store(qr_ptr + row * Q_LORA + c, rms_norm(x, Q_LORA, eps, w).to(tl.bfloat16), mask=mask)
     else:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:
             position = tl.load(positions_ptr + row)
-            c, pair = _pair_offsets(BLOCK_D)
+            c, pair = pair_offsets(BLOCK_D)
             mask = c < D
             x = tl.load(kv_raw_ptr + row * kv_raw_stride + c, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(kv_norm_ptr + c, mask=mask, other=0.0)
-            kv = _rope(_rms_norm(x, D, eps, w), pair, position, freqs_ptr, (D - RD) // 2, RD // 2,
-                       False)
+            kv = rope(rms_norm(x, D, eps, w), pair, position, freqs_ptr, (D - RD) // 2, RD // 2,
+                      False)
             entry = slot * ring_size + position % ring_size
             tl.store(ring_kv_ptr + entry * D + c, kv.to(tl.bfloat16), mask=mask)
             tl.store(ring_pos_ptr + entry, position)
@@ -206,65 +139,6 @@ def _window(end, slot, ring_pos_ptr, ring_size, W, D, KW: tl.constexpr):
 
 
 @triton.jit
-def _key_chunk(ring_kv_ptr, key_rows, valid, d):
-    """Channels d of the window's keys: bf16 [KW, BD], zero where invalid."""
-    return tl.load(ring_kv_ptr + key_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-
-
-@triton.jit
-def _heads_inverse_rms(q_ptr, rows, hmask, eps, D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr):
-    """rsqrt(mean(q^2) + eps) of each of the task's raw heads [HB] (the heads' rms_norm), its D / BD
-    chunk loads all issued at once (unrolled)."""
-    squares = tl.zeros((HB, BD), dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BD):
-        x = tl.load(q_ptr + rows + (d0 + tl.arange(0, BD))[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-        squares += x * x
-    return tl.rsqrt(tl.sum(squares, axis=1) / D + eps)
-
-
-@triton.jit
-def _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D: tl.constexpr, RD, HB: tl.constexpr,
-                 BD: tl.constexpr, ROPE: tl.constexpr):
-    """Channels d0 .. d0 + BD of the task's queries: rope(rms_norm(raw head)) (no norm weight), bf16
-    values as fp32 [HB, BD]; ROPE False: a chunk before the rope channels, normalised only."""
-    d = d0 + tl.arange(0, BD)
-    x = tl.load(q_ptr + rows + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    normed = bf16(x * inv[:, None])
-    if ROPE:
-        pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
-        normed = tl.reshape(_rope(tl.reshape(normed, (HB, BD // 2, 2)), pair, position, freqs_ptr, (D - RD) // 2,
-                                  RD // 2, False), (HB, BD))
-    return normed
-
-
-@triton.jit
-def _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid,
-                  D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr):
-    """logits + q[:, d0 .. d0 + BD] . keys[:, d0 .. d0 + BD] ([HB, KW] fp32)."""
-    q = _query_chunk(q_ptr, rows, hmask, inv, d0, position, freqs_ptr, D, RD, HB, BD, ROPE)
-    keys = _key_chunk(ring_kv_ptr, key_rows, valid, d0 + tl.arange(0, BD))
-    if FAST:
-        return tl.dot(q.to(tl.bfloat16), tl.trans(keys), logits)
-    return tl.dot(q, tl.trans(keys.to(tl.float32)), logits, input_precision="ieee")
-
-
-@triton.jit
-def _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, keys_ptr, key_rows, live, scale,
-                   D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, NK: tl.constexpr, FAST: tl.constexpr):
-    """scale * q . keys ([HB, NK] fp32; -inf where a key is not live), over D in chunks of BD: the
-    chunks before any rope channel first, with no rotation to compute."""
-    logits = tl.zeros((HB, NK), dtype=tl.float32)
-    plain = (D - RD) // BD * BD
-    for d0 in range(0, plain, BD):
-        logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, keys_ptr, key_rows, live,
-                               D, RD, HB, BD, FAST, False)
-    for d0 in range(plain, D, BD):
-        logits = _logits_chunk(logits, q_ptr, rows, hmask, inv, d0, position, freqs_ptr, keys_ptr, key_rows, live,
-                               D, RD, HB, BD, FAST, True)
-    return tl.where(live[None, :], logits * scale, float("-inf"))
-
-
-@triton.jit
 def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
                   park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales,
                   D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, ROPE: tl.constexpr,
@@ -273,163 +147,23 @@ def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_row
     the keys the window's and (RATIO) the visible compressed entries: the task's own (SPLITS 0)
     or the entry splits' partial outputs, each weighted by its scale."""
     d = d0 + tl.arange(0, BD)
-    keys = _key_chunk(ring_kv_ptr, key_rows, valid, d)
+    keys = key_chunk(ring_kv_ptr, key_rows, valid, d)
     if FAST:
         out = tl.dot(lo, keys, tl.dot(hi, keys))
     else:
         out = tl.dot(p, keys.to(tl.float32), input_precision="ieee")
     if RATIO > 0:
         if SPLITS > 0:
-            out += _splits_out(split_outs, split_scales, d, D, HB, BD, SPLITS)
+            out += splits_out(split_outs, split_scales, d, D, HB, BD, SPLITS)
         else:
-            out += _entries_out(park, visible, m, 0, 1, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE, FAST,
-                                TOPK)
+            out += entries_out(park, visible, m, 0, 1, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE, FAST,
+                               TOPK)
     o = bf16(out / mass[:, None])
     if ROPE:
         pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
-        o = tl.reshape(_rope(tl.reshape(o, (HB, BD // 2, 2)), pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True),
+        o = tl.reshape(rope(tl.reshape(o, (HB, BD // 2, 2)), pair, position, freqs_ptr, (D - RD) // 2, RD // 2, True),
                        (HB, BD))
     tl.store(o_ptr + rows + d[None, :], o.to(tl.bfloat16), mask=hmask[:, None])
-
-
-@triton.jit
-def _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D: tl.constexpr, KE: tl.constexpr,
-                 TOPK: tl.constexpr):
-    """Keys e0 .. e0 + KE of the row's compressed ones: (each entry's row offset in the slot's
-    compressed cache [KE], live [KE]). TOPK 0: the entries themselves, the first `visible` live;
-    else the row's selected entries, sel[j] (-1: none), the first TOPK of the list."""
-    j = e0 + tl.arange(0, KE)
-    if TOPK > 0:
-        e = tl.load(sel + j, mask=j < TOPK, other=-1)
-        live = e >= 0
-    else:
-        e = j
-        live = j < visible
-    return (slot * n_entries + tl.where(live, e, 0)) * D, live
-
-
-@triton.jit
-def _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries, visible, sel,
-                       scale, park, first, stride, D: tl.constexpr, RD, HB: tl.constexpr, BD: tl.constexpr,
-                       KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
-    """The scaled logits of the visible compressed entries in blocks first, first + stride, ...,
-    block by block, parked at `park` ([HB, EP] fp32, -inf past the visible ones); returns their
-    max a head [HB] (-inf without a block)."""
-    top = tl.full((HB,), float("-inf"), tl.float32)
-    for e0 in range(first * KE, visible, stride * KE):
-        key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
-        logits = _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, key_rows, live, scale, D,
-                                RD, HB, BD, KE, FAST)
-        tl.store(park + _parked(visible, e0, HB, KE), logits)
-        top = tl.maximum(top, tl.max(logits, axis=1))
-    return top
-
-
-@triton.jit
-def _parked(visible, e0, HB: tl.constexpr, KE: tl.constexpr):
-    """Offsets [HB, KE] of entries e0 .. e0 + KE's logits in a task's park (a head's row: the
-    visible entries rounded up to KE)."""
-    return tl.arange(0, HB)[:, None] * (tl.cdiv(visible, KE) * KE) + (e0 + tl.arange(0, KE))[None, :]
-
-
-@triton.jit
-def _parked_mass(park, visible, m, first, stride, HB: tl.constexpr, KE: tl.constexpr):
-    """sum of exp(parked logit - m) a head [HB] over blocks first, first + stride, ..."""
-    mass = tl.zeros((HB,), tl.float32)
-    for e0 in range(first * KE, visible, stride * KE):
-        mass += tl.sum(tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None]), axis=1)
-    return mass
-
-
-@triton.jit
-def _entries_out(park, visible, m, first, stride, d, entries_ptr, slot, n_entries, sel, D: tl.constexpr,
-                 HB: tl.constexpr, BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
-    """probs @ entries[:, d] over the visible entries of blocks first, first + stride, ... ([HB, BD]
-    fp32, not yet divided by the mass)."""
-    out = tl.zeros((HB, BD), tl.float32)
-    for e0 in range(first * KE, visible, stride * KE):
-        key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
-        p = tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None])
-        keys = _key_chunk(entries_ptr, key_rows, live, d)
-        if FAST:
-            hi = p.to(tl.bfloat16)
-            out = tl.dot((p - hi.to(tl.float32)).to(tl.bfloat16), keys, tl.dot(hi, keys, out))
-        else:
-            out = tl.dot(p, keys.to(tl.float32), out, input_precision="ieee")
-    return out
-
-
-@triton.jit
-def _visible_entries(position, RATIO: tl.constexpr, TOPK: tl.constexpr):
-    """The compressed entries a row at `position` attends: every visible one (TOPK 0), else its
-    selection list's live ids, which come first: min(TOPK, visible)."""
-    visible = (position + 1) // RATIO
-    if TOPK > 0:
-        visible = tl.minimum(visible, TOPK)
-    return visible
-
-
-@triton.jit
-def _split_stats(partials_ptr, pair, n_pairs, D: tl.constexpr, HB: tl.constexpr, SPLITS: tl.constexpr):
-    """Where the entry splits of `pair` keep their outputs ([SPLITS, HB, D] fp32) and their stats
-    ([SPLITS, 2, HB] fp32: each head's max logit, then its mass under that max)."""
-    outs = partials_ptr + pair * (SPLITS * HB * D)
-    stats = partials_ptr + n_pairs * (SPLITS * HB * D) + pair * (SPLITS * 2 * HB)
-    return outs, stats
-
-
-@triton.jit
-def _entry_split(part, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries,
-                 visible, sel, scale, park, partials_ptr, tickets_ptr, D: tl.constexpr, RD, HB: tl.constexpr,
-                 BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """Entry split `part` of a pair: over its entry blocks (part, part + SPLITS, ...) the heads'
-    max logit m, their mass sum exp(logit - m) and their partial output probs @ entries (fp32,
-    not divided), stored for the pair's window task; then a signal at the pair's ticket. With no
-    block: m = -inf, mass 0, no output stored."""
-    if SPLITS > 0:
-        outs, stats = _split_stats(partials_ptr, pair, n_pairs, D, HB, SPLITS)
-        m = _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries, visible,
-                               sel, scale, park, part, SPLITS, D, RD, HB, BD, KE, FAST, TOPK)
-        if part * KE < visible:
-            for d0 in range(0, D, BD):
-                d = d0 + tl.arange(0, BD)
-                out = _entries_out(park, visible, m, part, SPLITS, d, entries_ptr, slot, n_entries, sel, D, HB, BD,
-                                   KE, FAST, TOPK)
-                tl.store(outs + (part * HB + tl.arange(0, HB))[:, None] * D + d[None, :], out)
-            mass = _parked_mass(park, visible, m, part, SPLITS, HB, KE)
-        else:
-            mass = tl.zeros((HB,), tl.float32)
-        head = tl.arange(0, HB)
-        tl.store(stats + part * 2 * HB + head, m)
-        tl.store(stats + part * 2 * HB + HB + head, mass)
-        signal(tickets_ptr + pair)
-
-
-@triton.jit
-def _await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE: tl.constexpr, SPLITS: tl.constexpr,
-                  LEADER: tl.constexpr):
-    """The window task's wait for its pair's SPLITS entry splits (bounded: an expired wait records
-    STAGE in the error word and the task goes on with what is there), then the ticket taken back
-    down by SPLITS, so it is 0 between launches even after a wait gave up (every signal comes)."""
-    ticket = tickets_ptr + pair
-    if LEADER:
-        leader_wait(ticket, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
-    else:
-        wait_at_least(ticket, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
-    tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _splits_out(split_outs, split_scales, d, D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr,
-                SPLITS: tl.constexpr):
-    """sum over the entry splits of scale * their partial output[:, d] ([HB, BD] fp32); a split
-    with no entries (scale 0) is not read."""
-    s = tl.arange(0, SPLITS)[:, None, None]
-    live = split_scales[:, :, None] > 0
-    outs = tl.load(split_outs + (s * HB + tl.arange(0, HB)[None, :, None]) * D + d[None, None, :], mask=live,
-                   other=0.0)
-    return tl.sum(outs * split_scales[:, :, None], axis=0)
 
 
 @triton.jit
@@ -455,22 +189,23 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
     sel = selected_ptr + row * TOPK
     if part < SPLITS:
         if slot >= 0:
-            inv = _heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
+            inv = heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
             position = tl.load(positions_ptr + row)
-            _entry_split(part, pair, n_rows * n_blocks, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr,
-                         slot, n_entries, _visible_entries(position, RATIO, TOPK), sel, scale, park, partials_ptr,
-                         tickets_ptr, D, RD, HB, BD, KE, FAST, TOPK, SPLITS)
+            visible = attended_entries(row, positions_ptr, slots_ptr, RATIO, TOPK)
+            entry_split(part, pair, n_rows * n_blocks, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr,
+                        slot, n_entries, visible, sel, scale, park, partials_ptr, tickets_ptr, D, RD, HB, BD, KE,
+                        FAST, TOPK, SPLITS)
     elif slot < 0:
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             tl.store(o_ptr + rows + d[None, :], tl.zeros((HB, BD), dtype=tl.bfloat16), mask=hmask[:, None])
     else:
-        inv = _heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
+        inv = heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
         position = tl.load(positions_ptr + row)
         end = position if BLOCK == 0 else position - row % BLOCK + BLOCK - 1  # the window's last key
         key_rows, valid = _window(end, slot, ring_pos_ptr, ring_size, W, D, KW)
-        logits = _scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, ring_kv_ptr, key_rows, valid, scale, D,
-                                RD, HB, BD, KW, FAST)
+        logits = scaled_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, ring_kv_ptr, key_rows, valid, scale, D,
+                               RD, HB, BD, KW, FAST)
         # one softmax over the valid keys, the compressed entries and the sink (a key with no value)
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
         m = tl.maximum(tl.max(logits, axis=1), sink)
@@ -478,26 +213,26 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         split_outs = partials_ptr  # the entry splits' outputs and scales [SPLITS, HB] (SPLITS > 0)
         split_scales = m
         if RATIO > 0:
-            visible = _visible_entries(position, RATIO, TOPK)
+            visible = attended_entries(row, positions_ptr, slots_ptr, RATIO, TOPK)
             if SPLITS > 0:
-                _await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE, SPLITS, FAST)
-                split_outs, stats = _split_stats(partials_ptr, pair, n_rows * n_blocks, D, HB, SPLITS)
+                await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE, SPLITS, FAST)
+                split_outs, stats = split_stats(partials_ptr, pair, n_rows * n_blocks, D, HB, SPLITS)
                 at = stats + tl.arange(0, SPLITS)[:, None] * 2 * HB + tl.arange(0, HB)[None, :]
                 split_m = tl.load(at)
                 split_mass = tl.load(at + HB)
                 m = tl.maximum(m, tl.max(split_m, axis=0))
                 split_scales = tl.exp(split_m - m[None, :])  # 0 for a split with no entries (-inf)
             else:
-                m = tl.maximum(m, _park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot,
-                                                     n_entries, visible, sel, scale, park, 0, 1, D, RD, HB, BD, KE,
-                                                     FAST, TOPK))
+                m = tl.maximum(m, park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot,
+                                                    n_entries, visible, sel, scale, park, 0, 1, D, RD, HB, BD, KE,
+                                                    FAST, TOPK))
         p = tl.exp(logits - m[:, None])
         mass = tl.sum(p, axis=1) + tl.exp(sink - m)
         if RATIO > 0:
             if SPLITS > 0:
                 mass += tl.sum(split_mass * split_scales, axis=0)
             else:
-                mass += _parked_mass(park, visible, m, 0, 1, HB, KE)
+                mass += parked_mass(park, visible, m, 0, 1, HB, KE)
         hi = p  # the output chunks' operands: p itself without FAST
         lo = p
         if FAST:  # p = hi + lo, both bf16: ~16 bits of each probability through bf16 tensor cores
@@ -538,15 +273,6 @@ def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_p
                     SPLITS, 0)
 
 
-def _fast(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.version.cuda is not None
-
-
-def _grid(n_tasks: int) -> tuple[int]:
-    # the interpreter runs programs one after another: one program loops over every task
-    return (1,) if os.environ.get("TRITON_INTERPRET") == "1" else (n_tasks,)
-
-
 def _empty(shape, like: torch.Tensor, poison: bool) -> torch.Tensor:
     if poison:
         return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=like.device)
@@ -580,11 +306,11 @@ def norm_rope_kv(qr_raw: torch.Tensor, kv_raw: torch.Tensor, q_norm: torch.Tenso
     ring_kv, ring_pos = _check_ring(ring, D)
     qr = _empty((R, q_lora), qr_raw, poison)
     n_tasks = norm_rope_kv_tasks(R)
-    _norm_rope_kv[_grid(n_tasks)](n_tasks, qr_raw, qr_raw.stride(0), q_norm.float().contiguous(), qr, kv_raw,
-                                  kv_raw.stride(0), kv_norm.float().contiguous(), positions.contiguous(),
-                                  slots.contiguous(), freqs, ring_kv, ring_pos, ring.size, q_lora, D,
-                                  _check_rope(D, freqs), float(eps), BLOCK_Q=triton.next_power_of_2(q_lora),
-                                  BLOCK_D=triton.next_power_of_2(D))
+    _norm_rope_kv[task_grid(n_tasks)](n_tasks, qr_raw, qr_raw.stride(0), q_norm.float().contiguous(), qr, kv_raw,
+                                      kv_raw.stride(0), kv_norm.float().contiguous(), positions.contiguous(),
+                                      slots.contiguous(), freqs, ring_kv, ring_pos, ring.size, q_lora, D,
+                                      _check_rope(D, freqs), float(eps), BLOCK_Q=triton.next_power_of_2(q_lora),
+                                      BLOCK_D=triton.next_power_of_2(D))
     return qr
 
 
@@ -641,7 +367,7 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
                            device=q.device)
     sync = SyncState(q.device, ["attend"])
     topk = 0 if selected is None else selected.shape[1]
-    grid, options = _grid(n_tasks), {}
+    grid, options = task_grid(n_tasks), {}
     if splits and not interpreted():  # window tasks wait on other tasks: all programs resident
         grid = (min(n_tasks, torch.cuda.get_device_properties(q.device).multi_processor_count),)
         options = {"launch_cooperative_grid": True}
@@ -650,7 +376,7 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
                   float(D ** -0.5), float(eps), entries, entries.shape[1] if ratio else 0, park, park_stride,
                   positions if selected is None else selected, R, partials, tickets, sync.words, int(max_polls),
                   HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
-                  FAST=_fast(q), RATIO=ratio, KE=entry_block, TOPK=topk, SPLITS=splits, num_warps=num_warps,
+                  FAST=fast_dots(q), RATIO=ratio, KE=entry_block, TOPK=topk, SPLITS=splits, num_warps=num_warps,
                   num_stages=num_stages, **options)
     sync.check()
     return o

@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _grid, _pair_offsets, _rms_norm, _rope
+from .attention_math import pair_offsets, rms_norm, rope
+from .plan import task_grid
 from .rounding import bf16
 
 SB = 16  # slots of a block
@@ -89,7 +90,7 @@ def emit_task(r, positions_ptr, slots_ptr, src_kv_ptr, src_gate_ptr, src_pos_ptr
     position = tl.load(positions_ptr + r)
     w = (position + 1) // M - 1
     if (slot >= 0) & ((position + 1) % M == 0) & (w < n_entries):
-        c, pair = _pair_offsets(BLOCK_D)
+        c, pair = pair_offsets(BLOCK_D)
         cmask = c < D
         top = tl.full((BLOCK_D // 2, 2), float("-inf"), tl.float32)
         for h in tl.static_range(C):
@@ -114,8 +115,8 @@ def emit_task(r, positions_ptr, slots_ptr, src_kv_ptr, src_gate_ptr, src_pos_ptr
                 prob = bf16(tl.exp(score - top[None, :, :]) / total[None, :, :])
                 pooled += tl.sum(bf16(prob * value), axis=0)
         weight = tl.load(norm_w_ptr + c, mask=cmask, other=0.0)
-        entry = _rope(_rms_norm(bf16(pooled), D, eps, weight), pair, w * M, freqs_ptr, (D - RD) // 2, RD // 2,
-                      False)
+        entry = rope(rms_norm(bf16(pooled), D, eps, weight), pair, w * M, freqs_ptr, (D - RD) // 2, RD // 2,
+                     False)
         tl.store(entries_ptr + (slot * n_entries + w) * D + c, entry.to(tl.bfloat16), mask=cmask)
 
 
@@ -145,7 +146,7 @@ def emit(ring, entries: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tens
     assert kv.dtype == gate.dtype == entries.dtype == torch.bfloat16 and kv.is_contiguous() and gate.is_contiguous()
     assert entries.is_contiguous() and positions.dtype == slots.dtype == torch.int64
     n_tasks = emit_tasks(positions.numel())
-    _emit[_grid(n_tasks)](n_tasks, positions.contiguous(), slots.contiguous(), kv, gate, pos, ring.size,
-                          ape.float().contiguous(), norm_weight.float().contiguous(), freqs.float().contiguous(),
-                          entries, E, D, 2 * freqs.numel(), float(eps), M=ratio, C=halves, SB=min(SB, ratio),
-                          BLOCK_D=triton.next_power_of_2(D))
+    _emit[task_grid(n_tasks)](n_tasks, positions.contiguous(), slots.contiguous(), kv, gate, pos, ring.size,
+                              ape.float().contiguous(), norm_weight.float().contiguous(), freqs.float().contiguous(),
+                              entries, E, D, 2 * freqs.numel(), float(eps), M=ratio, C=halves, SB=min(SB, ratio),
+                              BLOCK_D=triton.next_power_of_2(D))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import experts as X
-from .plan import interpreted
+from .plan import fast_dots, interpreted
 from .shape import LaunchShape
 
 SWIGLU_BLOCK = 1024  # intermediate columns of a SwiGLU task (as K3's)
@@ -106,7 +106,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, route_weights: torch.Tens
     pick, skipped), routing weights [R, k]; each row's per-pick outputs summed in top-k order.
     `fast`: the NVIDIA decode (default: on a CUDA GPU); `poison`: NaN-filled intermediates."""
     if fast is None:
-        fast = x.is_cuda and torch.version.cuda is not None
+        fast = fast_dots(x)
     buffers = StageBuffers(ids.numel(), weights, x.device, poison)
     launch_stages(x.contiguous(), X.group_picks(ids), route_weights.to(torch.float32).flatten().contiguous(),
                   weights, limit, buffers, shape=shape, fast=fast)

@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from .experts import swiglu_value
-from .plan import interpreted
+from .plan import fast_dots, interpreted
 from .rounding import bf16
 from .sync import arrive
 
@@ -448,7 +448,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"gemv: out_dtype must be bf16 or fp32, found {out_dtype}")
     if fast is None:
-        fast = x.is_cuda and torch.version.cuda is not None
+        fast = fast_dots(x)
     y = torch.full((R, N), float("nan") if poison else 0.0, dtype=out_dtype, device=x.device)
     br = row_block(R)
     sums, tickets = split_scratch(N, bn, split, br)

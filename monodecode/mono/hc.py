@@ -44,12 +44,12 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .plan import task_grid
 from .rounding import bf16
 
 
@@ -271,11 +271,6 @@ def _settle(n_tasks, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, 
 # in shared memory (sm_90 compile of the fold at RB = 16: 72 KB a program, 12 KB without).
 
 
-def _grid(n_tasks: int) -> tuple[int]:
-    # the interpreter runs programs one after another: one program loops over every task
-    return (1,) if os.environ.get("TRITON_INTERPRET") == "1" else (n_tasks,)
-
-
 def _empty(shape, dtype, like: torch.Tensor, poison: bool) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=like.device) if poison else \
         torch.empty(shape, dtype=dtype, device=like.device)
@@ -300,9 +295,9 @@ def fold(residual: torch.Tensor, fn: torch.Tensor, owed=None, *, chunk: int = CH
         post, comb = post.float().contiguous(), comb.float().contiguous()
         streams = _empty(residual.shape, torch.bfloat16, residual, poison)
     n_tasks = fold_tasks(R, d, chunk, rows)
-    _fold[_grid(n_tasks)](n_tasks, R, d, residual, out, out.stride(0), post, comb, streams, fn.contiguous(),
-                          partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None,
-                          num_stages=1)
+    _fold[task_grid(n_tasks)](n_tasks, R, d, residual, out, out.stride(0), post, comb, streams, fn.contiguous(),
+                              partials, HC=hc, MIXP=mix_pad(hc), RB=rows, CHUNK=chunk, HAS_OWED=owed is not None,
+                              num_stages=1)
     return streams, partials
 
 
@@ -319,8 +314,8 @@ def settle(streams: torch.Tensor, partials: torch.Tensor, base: torch.Tensor, sc
     post = _empty((R, hc), torch.float32, streams, poison)
     comb = _empty((R, hc, hc), torch.float32, streams, poison)
     n_tasks = settle_tasks(R)
-    _settle[_grid(n_tasks)](n_tasks, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
-                            norm_weight.float().contiguous(), post, comb, x_norm, float(hc_eps), float(norm_eps),
-                            int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB, BD=min(block, triton.next_power_of_2(d)),
-                            num_stages=1)
+    _settle[task_grid(n_tasks)](n_tasks, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
+                                norm_weight.float().contiguous(), post, comb, x_norm, float(hc_eps), float(norm_eps),
+                                int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB,
+                                BD=min(block, triton.next_power_of_2(d)), num_stages=1)
     return x_norm, post, comb

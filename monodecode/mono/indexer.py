@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _fast, _grid, _pair_offsets, _rope
+from .attention_math import pair_offsets, rope, visible_entries
+from .plan import fast_dots, task_grid
 
 KE = 64  # entries of a score task
 SELECT_BLOCK = 256  # entries a selection pass loads at once
@@ -36,12 +37,6 @@ def score_tasks(R: int, E: int, KE: int = KE) -> int:
 def score_tasks_of(R, E, KE: tl.constexpr):
     """`score_tasks` inside a kernel."""
     return R * tl.cdiv(E, KE)
-
-
-@triton.jit
-def visible_entries(row, positions_ptr, slots_ptr, RATIO: tl.constexpr):
-    """The compressed entries row `row` sees: (p + 1) // RATIO at its position p, none for a pad row."""
-    return tl.where(tl.load(slots_ptr + row) >= 0, (tl.load(positions_ptr + row) + 1) // RATIO, 0)
 
 
 @triton.jit
@@ -60,10 +55,10 @@ def score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, k
     if (t % blocks) * KE < visible:
         h = tl.arange(0, BH)
         hmask = h < HI
-        c, pair = _pair_offsets(DI)
+        c, pair = pair_offsets(DI)
         q = tl.load(q_raw_ptr + (row * HI + h)[:, None, None] * DI + c[None, :, :], mask=hmask[:, None, None],
                     other=0.0).to(tl.float32)
-        q = tl.reshape(_rope(q, pair[None, :], position, freqs_ptr, (DI - RD) // 2, RD // 2, False), (BH, DI))
+        q = tl.reshape(rope(q, pair[None, :], position, freqs_ptr, (DI - RD) // 2, RD // 2, False), (BH, DI))
         keys = tl.load(keys_ptr + ((slot * n_entries + tl.where(live, e, 0)) * DI)[:, None] + tl.arange(0, DI)[None, :],
                        mask=live[:, None], other=0.0)
         if FAST:
@@ -100,11 +95,11 @@ def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tens
     assert DI & (DI - 1) == 0 and DI >= 16 and entry_block >= 16 and 2 * freqs.numel() <= DI
     out = torch.full((R, E), float("nan"), dtype=torch.float32, device=q_raw.device)
     n_tasks = score_tasks(R, E, entry_block)
-    _scores[_grid(n_tasks)](n_tasks, q_raw, weights_raw, positions.contiguous(), slots.contiguous(),
-                            freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
-                            float(HI ** -0.5),
-                            RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block,
-                            FAST=_fast(q_raw))
+    _scores[task_grid(n_tasks)](n_tasks, q_raw, weights_raw, positions.contiguous(), slots.contiguous(),
+                                freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
+                                float(HI ** -0.5),
+                                RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block,
+                                FAST=fast_dots(q_raw))
     return out
 
 
@@ -181,5 +176,5 @@ def select(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k
     R, E = scores.shape
     assert k & (k - 1) == 0 and block & (block - 1) == 0 and scores.is_contiguous()
     out = torch.full((R, k), -7, dtype=torch.int64, device=scores.device)  # poison: every slot is written
-    _select[_grid(R)](R, scores, E, out, positions.contiguous(), slots.contiguous(), RATIO=ratio, K=k, BE=block)
+    _select[task_grid(R)](R, scores, E, out, positions.contiguous(), slots.contiguous(), RATIO=ratio, K=k, BE=block)
     return out

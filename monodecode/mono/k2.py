@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attend_entries as AE
 from . import attention as A
 from . import experts as X
 from . import hc as HC
@@ -179,7 +180,7 @@ class K2Meta(NamedTuple):
     BLOCK: int  # the DSpark draft's block rows (attention.attend_task), 0 for a causal window
     RATIO: int  # a compressed layer's compression ratio (its entries attended), 0 for a window layer
     TOPK: int  # a CSA layer's entries a row attends (its selection list), 0: every visible one (HCA)
-    SPLITS: int  # a compressed layer's entry splits a pair (attention.entry_splits), 0: the window task's own
+    SPLITS: int  # a compressed layer's entry splits a pair (attend_entries.entry_splits), 0: the window task's own
     HC: int
     MIXP: int
     RB: int
@@ -296,7 +297,7 @@ def _k2(a, f, m):
         A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                       a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
                       a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, f.sync.max_polls, m.HB,
-                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, A.KE, m.TOPK, m.SPLITS, 0)
+                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, 0)
     barrier(f.sync, epoch, 0, BARRIERS, m.TIMELINE, m.FAST)
     z_width = a.o_groups * a.o_lora
     gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -354,7 +355,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
         wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank, entries=entries,
         n_entries=n_entries, park=park, park_stride=park_stride, selected=s.selected,
-        partials=s.attend_partials(A.split_partials(rows, c.num_attention_heads, hd, splits)),
+        partials=s.attend_partials(AE.split_partials(rows, c.num_attention_heads, hd, splits)),
         tickets=s.attend_tickets)
     ffn = FfnArgs(
         sync=runner.sync_args("k2"), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
@@ -399,10 +400,10 @@ def launch(runner, s, lw, cache, cur: int) -> int:
 
 def _entry_splits(lw, cache, rows: int, heads: int, topk: int, programs: int, fixed: int) -> int:
     """Attend's entry splits a pair on this layer: 0 on a window layer, else `fixed`
-    (LaunchShape.attend_splits) or as many as fill the programs (attention.entry_splits)."""
+    (LaunchShape.attend_splits) or as many as fill the programs (attend_entries.entry_splits)."""
     if lw.compressor is None:
         return 0
-    return fixed or A.entry_splits(rows, heads, topk if lw.indexer else cache.entries.shape[1], programs)
+    return fixed or AE.entry_splits(rows, heads, topk if lw.indexer else cache.entries.shape[1], programs)
 
 
 def _entries(lw, cache, s, heads: int, topk: int, splits: int):
@@ -414,6 +415,6 @@ def _entries(lw, cache, s, heads: int, topk: int, splits: int):
     if lw.compressor is None:
         return kv, 0, kv, 0
     n_entries = cache.entries.shape[1]
-    stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, A.KE) * A.KE
+    stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, AE.KE) * AE.KE
     park = s.park(A.attend_tasks(s.rows, heads, splits=splits), stride)
     return (cache.entries if n_entries else kv), n_entries, park, stride

@@ -29,6 +29,18 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def task_grid(n_tasks: int) -> tuple[int]:
+    """A standalone launch's grid: a program a task; one program for all under the interpreter,
+    which runs programs in turn."""
+    return (1,) if interpreted() else (n_tasks,)
+
+
+def fast_dots(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device take bf16 tensor-core dots (constexpr FAST): NVIDIA GPUs;
+    elsewhere fp32 operands in IEEE precision (the interpreter's bf16 dot is wrong)."""
+    return x.is_cuda and torch.version.cuda is not None
+
+
 def refusals(config: ModelConfig, device: torch.device, dtype: torch.dtype, interpreter: bool = False) -> list[str]:
     """Every reason the kernels cannot run this configuration on this device (empty: they can);
     `interpreter`: as if Triton's interpreter were on."""

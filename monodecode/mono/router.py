@@ -38,7 +38,6 @@ first (the interpreter's cast truncates) and log1p from tl.log with Goldberg's c
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -46,6 +45,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .experts import ROWS
+from .plan import fast_dots, task_grid
 from .rounding import bf16
 from .sync import arrive
 
@@ -215,15 +215,6 @@ def _combine(n, per_pick_ptr, ids_ptr, shared_ptr, y_ptr, D, K,
         combine_task(t, per_pick_ptr, ids_ptr, shared_ptr, y_ptr, D, K, BLOCK, HAS_SHARED, FAST)
 
 
-def _grid(tasks: int) -> tuple[int]:
-    """One program a task; one program for all under the interpreter, which runs programs in turn."""
-    return (1,) if os.environ.get("TRITON_INTERPRET") == "1" else (tasks,)
-
-
-def _fast(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.version.cuda is not None
-
-
 def _empty(shape, dtype, device, poison: bool) -> torch.Tensor:
     """An output buffer; poisoned (NaN, or int32 min) so that tests see any element no task wrote."""
     if not poison:
@@ -247,10 +238,10 @@ def route(logits: torch.Tensor, slots: torch.Tensor, topk: int, route_scale: flo
     ids = _empty((rows, topk), torch.int32, logits.device, poison)
     weights = _empty((rows, topk), torch.float32, logits.device, poison)
     n = route_tasks(rows)
-    _route[_grid(n)](n, logits, logits.stride(0), slots, logits if hash_routed else bias,
-                     tokens if hash_routed else slots, tid2eid if hash_routed else slots, ids, weights,
-                     num_experts, topk, float(route_scale), BE=triton.next_power_of_2(num_experts),
-                     BK=triton.next_power_of_2(topk), HASH=hash_routed, FAST=_fast(logits))
+    _route[task_grid(n)](n, logits, logits.stride(0), slots, logits if hash_routed else bias,
+                         tokens if hash_routed else slots, tid2eid if hash_routed else slots, ids, weights,
+                         num_experts, topk, float(route_scale), BE=triton.next_power_of_2(num_experts),
+                         BK=triton.next_power_of_2(topk), HASH=hash_routed, FAST=fast_dots(logits))
     return ids, weights
 
 
@@ -276,6 +267,6 @@ def combine(per_pick: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | No
     flat_ids = ids.to(torch.int32).contiguous()
     y = _empty((rows, hidden), torch.bfloat16, per_pick.device, poison)
     n = combine_tasks(rows, hidden, block)
-    _combine[_grid(n)](n, per_pick, flat_ids, per_pick if shared is None else shared, y, hidden, topk,
-                       BLOCK=block, HAS_SHARED=shared is not None, FAST=_fast(per_pick))
+    _combine[task_grid(n)](n, per_pick, flat_ids, per_pick if shared is None else shared, y, hidden, topk,
+                           BLOCK=block, HAS_SHARED=shared is not None, FAST=fast_dots(per_pick))
     return y

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..config import CSA_RATIO, ModelConfig
 from ..model.hc import hc_post
-from . import attention as A
+from . import attend_entries as AE
 from . import experts as X
 from . import hc as HC
 from . import k1, k2
@@ -153,7 +153,7 @@ class MonoRunner:
         # run in stream order, and a stage's tickets are 0 again when it ends), sized for the
         # widest step's largest stage.
         sums, tickets = (max(n) for n in zip(*(split_needs(family.dense_stages(self, MAX_ROWS), MAX_ROWS)
-                                                for family in (k1, k2))))
+                                               for family in (k1, k2))))
         self.split_sums = torch.zeros(max(sums, 1), dtype=torch.float32, device=self.device)
         self.split_tickets = torch.zeros(max(tickets, 1), dtype=torch.int32, device=self.device)
         self.graphs.clear()
@@ -181,9 +181,9 @@ class MonoRunner:
         if refusal:
             raise ValueError(f"launch shape {shape.spec()}: the mHC fold and settle need {refusal}")
         splits = shape.attend_splits
-        if splits & (splits - 1) or splits > A.MAX_SPLITS:
+        if splits & (splits - 1) or splits > AE.MAX_SPLITS:
             raise ValueError(f"launch shape {shape.spec()}: attend_splits must be 0 (automatic) or a power of two "
-                             f"up to {A.MAX_SPLITS}")
+                             f"up to {AE.MAX_SPLITS}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

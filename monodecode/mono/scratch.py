@@ -83,7 +83,7 @@ class Scratch:
 
     def attend_partials(self, floats: int) -> torch.Tensor:
         """The outputs and stats a compressed layer's attend entry splits keep for their window
-        tasks (fp32, `floats`: attention.split_partials), one buffer a size, made at its first use
+        tasks (fp32, `floats`: attend_entries.split_partials), one buffer a size, made at its first use
         (as `park`)."""
         return self._first_use(self.split_partials, floats, "attend's split partials", (max(floats, 1),))
 

@@ -15,7 +15,7 @@ diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task 
 its row in tiles of `settle_columns` columns (0: 512 a warp, the whole row at v4-flash sizes,
 in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`); a compressed
 layer's attend spreading each (row, head block)'s entries over `attend_splits` tasks (0: as many
-as fill the programs, `attention.entry_splits`; else that many, a power of two: what the
+as fill the programs, `attend_entries.entry_splits`; else that many, a power of two: what the
 interpreter's one program needs to run the split tasks at all).
 The defaults are the fastest shape measured on the H200 (docs/notes/).
 """
