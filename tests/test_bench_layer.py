@@ -180,26 +180,32 @@ def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path, kinds):
 
 @pytest.mark.parametrize("requests,steps", [pytest.param((1, 2), 2, marks=pytest.mark.slow), ((1,), 1)],
                          ids=["1_and_2_requests", "1_request"])
-def test_bench_decode_times_both_paths_at_each_request_count(device, tmp_path, requests, steps):
+def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, requests, steps):
     """Two request counts of two timed steps are `slow`; by default one request, one timed step
-    (after the two warm-up steps)."""
+    (after the two warm-up steps). The per-op and mono stepwise steps split into draft, verify and
+    the rest, the whole mono step into its device work and the rest; all three accept alike."""
     assert main(["bench", "decode", "--preset", "tiny", "--layers", "2", "--requests", ",".join(map(str, requests)),
                  "--steps", str(steps), "--context", "12", "--reps", "1", "--device", device,
                  "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
     assert report["layers"] == 2 and report["block"] >= 1 and report["steps"] == steps
     assert [(r["path"], r["requests"]) for r in report["rows"]] == [
-        (path, count) for count in requests for path in ("per-op graph", "mono")]
+        (path, count) for count in requests for path in ("per-op graph", "mono stepwise", "mono")]
     for r in report["rows"]:
         assert r["rows"] == r["requests"] * (report["block"] + 1)
-        assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > r["head_s"] > 0
         assert 1 <= r["tokens_per_step"] <= report["block"] + 1 and r["tokens_per_s_per_user"] > 0
-        if r["path"] == "mono":  # the draft's stages ran on the kernels, inside its proposal
+        if r["path"] == "mono":  # one device part: nothing timed apart
+            assert r["step_s"] >= r["device_s"] > 0 and r["other_s"] == r["step_s"] - r["device_s"]
+            assert r["draft_s"] is r["verify_s"] is r["draft_stages_s"] is None
+            continue
+        assert r["device_s"] is None
+        assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > r["head_s"] > 0
+        if r["path"] == "mono stepwise":  # the draft's stages ran on the kernels, inside its proposal
             assert 0 < r["draft_stages_s"] < r["draft_s"]
         else:
             assert r["draft_stages_s"] is None
-    per_op, mono = report["rows"][0::2], report["rows"][1::2]  # the same synthetic acceptances on both paths
-    assert [r["tokens_per_step"] for r in per_op] == [r["tokens_per_step"] for r in mono]
+    accepted = [[r["tokens_per_step"] for r in report["rows"][i::3]] for i in range(3)]
+    assert accepted[0] == accepted[1] == accepted[2]  # the same synthetic acceptances on every path
 
 
 def test_the_per_op_graph_step_is_the_per_op_step(device):

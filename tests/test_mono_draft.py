@@ -159,8 +159,9 @@ def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(kernel_dec
 
 
 def test_a_step_that_is_not_all_greedy_runs_stepwise(kernel_decoder):
-    """A request above temperature 0 among greedy ones, or synthetic verification, or more rows
-    than the kernels take: the stepwise path (one step of the mix run, to see it counted)."""
+    """A request above temperature 0 among greedy ones, or more rows than the kernels take: the
+    stepwise path (one step of the mix run, to see it counted). Synthetic verification of greedy
+    requests runs whole, as the other methods do."""
     paths = []
     spec = speculative(kernel_decoder, paths=paths)
     caches = spec.make_caches(num_slots=2, max_context=64)
@@ -170,9 +171,38 @@ def test_a_step_that_is_not_all_greedy_runs_stepwise(kernel_decoder):
     committed = spec.step(caches, [greedy, sampled])
     assert paths == ["stepwise"]
     assert [len(tokens) for tokens in committed] == [greedy.position - 3, sampled.position - 2]
-    assert not speculative(kernel_decoder, "synthetic", synthetic_acceptance_length=3.0).takes_whole([greedy])
+    assert speculative(kernel_decoder, "synthetic", synthetic_acceptance_length=3.0).takes_whole([greedy])
     assert not spec.takes_whole([greedy] * 9)  # 54 verify rows
     assert spec.greedy_step.refusal(9) == "more than 48 rows"
+
+
+@pytest.mark.parametrize("steps", [pytest.param(3, marks=pytest.mark.slow), 1])
+def test_synthetic_whole_steps_accept_as_stepwise_ones(kernel_decoder, steps):
+    """Synthetic verification at temperature 0 runs whole (its uniforms drawn from each request's
+    generator before the device work): with the same seeds and context, each step commits the
+    tokens the stepwise path commits, and the generators end in the same state (B uniforms a
+    step, nothing else drawn on either path). 3 steps are `slow` (~30 s a step interpreted)."""
+    from dataclasses import replace
+
+    paths = []
+    spec = speculative(kernel_decoder, "synthetic", paths=paths, synthetic_acceptance_length=3.0)
+    whole = spec.greedy_step
+    prompts = [[7, 70, 300, 12], [5, 9, 41]]
+    caches, requests = [], []
+    for _ in range(2):  # [0]: whole steps, [1]: stepwise
+        caches.append(spec.make_caches(num_slots=2, max_context=64))
+        requests.append([replace(spec.prefill(caches[-1], slot, prompt),
+                                 generator=torch.Generator(kernel_decoder.device).manual_seed(40 + slot))
+                         for slot, prompt in enumerate(prompts)])
+    for _ in range(steps):
+        committed = spec.step(caches[0], requests[0])
+        spec.greedy_step = None
+        assert spec.step(caches[1], requests[1]) == committed
+        spec.greedy_step = whole
+    assert paths == ["whole", "stepwise"] * steps
+    for a, b in zip(*requests):
+        assert (a.position, a.anchor) == (b.position, b.anchor)
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
 
 
 def test_a_kernel_error_in_a_whole_step_is_raised_after_it(kernel_decoder):

@@ -8,13 +8,17 @@ a step), the target verifying B x (1 + block) rows a step, through
 - `per-op graph`: the per-op layers in fixed shapes (`bench/batched.py` BatchedLayer: the routed
   experts dequantized to bf16 once, about 12.9 GB a v4-flash layer, so only when they fit) and
   the head, captured in a CUDA graph per width;
-- `mono`: the mono runner (K1, K2, K3 a layer, its CUDA graph per width).
-Per path and B: the median step time, split into the draft's proposal (of which, on the mono path,
-its stages on the kernels: the draft runner's steps), the target's verify step
+- `mono stepwise`: the mono runner (K1, K2, K3 a layer, its CUDA graph per width) for the verify
+  step, the draft's stages on the kernels (`Decoder.draft`), the rest as the per-op path runs it;
+- `mono`: the whole step (spec/step_graph.py: draft, verify step, commits and verification as one
+  CUDA graph a request count), what the engine runs for greedy requests on the kernels.
+Per path and B: the median step time; stepwise, split into the draft's proposal (of which, on
+mono stepwise, its stages on the kernels: the draft runner's steps), the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
-commits to the draft's rings: host work); tokens committed a step a request; tokens/s per user.
-The draft follows its path: per-op and eager with the per-op graph, its stages on the kernels
-(`Decoder.draft`) with mono.
+commits to the draft's rings: host work); whole, split into its device work (the graph's replay,
+the device synchronised around it) and the rest (host work: loading the rows, drawing the
+uniforms, reading the verdicts); tokens committed a step a request; tokens/s per user. The
+draft follows its path: per-op and eager with the per-op graph, on the kernels with mono.
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
 interpreter: the code paths, not the numbers.
 """
@@ -125,16 +129,20 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
-def measure(model, target_step, caches, requests, steps: int, acceptance: float) -> dict:
+def measure(model, target_step, caches, requests, steps: int, acceptance: float, whole: bool = False) -> dict:
     """`steps` timed speculative steps (after two warm-up steps, which capture the graphs) of
     `model` (a Model: the draft per-op; a Decoder: the draft as it gives it) verifying with
-    `target_step`."""
+    `target_step`; `whole`: every step whole (a Decoder's, spec/step_graph.py), else stepwise."""
     block = model.draft().block_size
     config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": block,
                                           "rejection_sample_method": "synthetic",
                                           "synthetic_acceptance_length": acceptance})
     verify = Timer(target_step, model.device)
     decoder = SpeculativeDecoder(model, config, target_step=verify)
+    if not whole:
+        decoder.greedy_step = None
+    elif not decoder.takes_whole(requests):
+        raise SystemExit(f"mono: a step of {len(requests)} requests does not run whole here")
     draft = decoder.draft
     propose = Timer(draft.propose, model.device)
     draft.propose = propose
@@ -142,11 +150,14 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float)
     stages = Timer(runner.step, model.device) if runner else None
     if runner:
         runner.step = stages
+    device_work = Timer(decoder.greedy_step.device_work, model.device) if whole else None
+    if whole:
+        decoder.greedy_step.device_work = device_work
     step = Timer(decoder.step, model.device)
     try:
         for _ in range(2):
             step(caches, requests)
-        for timer in (verify, propose, step, stages):
+        for timer in (verify, propose, step, stages, device_work):
             if timer:
                 timer.seconds.clear()
         committed = sum(len(tokens) for _ in range(steps) for tokens in step(caches, requests))
@@ -155,8 +166,9 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float)
         if runner:
             del runner.step
     median = statistics.median
-    return {"step_s": median(step.seconds), "draft_s": median(propose.seconds),
-            "draft_stages_s": median(stages.seconds) if stages else None, "verify_s": median(verify.seconds),
+    parts = {"draft_s": propose, "draft_stages_s": stages, "verify_s": verify, "device_s": device_work}
+    return {"step_s": median(step.seconds),
+            **{name: median(t.seconds) if t and t.seconds else None for name, t in parts.items()},
             "tokens_per_step": committed / steps / len(requests),
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds)}
 
@@ -195,12 +207,16 @@ def run(args) -> int:
         requests = [base.prefill(caches, slot, torch.randint(0, model.config.vocab_size, (args.context,),
                                                                generator=g).tolist()) for slot in range(count)]
         head = head_seconds(model.model, count * (block + 1), args.reps)
-        for path, decoder, step in (("per-op graph", model.model, per_op), ("mono", model, model.step)):
+        paths = (("per-op graph", model.model, per_op, False), ("mono stepwise", model, model.step, False),
+                 ("mono", model, model.step, True))
+        for path, decoder, step, whole in paths:
             if step is None:
                 continue
-            m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device), args.steps, args.acceptance)
+            m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device), args.steps,
+                        args.acceptance, whole)
+            timed_parts = (m["device_s"],) if whole else (m["draft_s"], m["verify_s"])
             rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
-                         "other_s": m["step_s"] - m["draft_s"] - m["verify_s"]})
+                         "other_s": m["step_s"] - sum(timed_parts)})
             print(line(rows[-1]), flush=True)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
@@ -218,7 +234,11 @@ def run(args) -> int:
 
 def line(r: dict) -> str:
     ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
-    stages = f" (stages {ms(r['draft_stages_s']).strip()})" if r["draft_stages_s"] is not None else ""
-    return (f"{r['path']:<13}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = draft "
-            f"{ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])} (head {ms(r['head_s'])}) + other {ms(r['other_s'])}; "
-            f"{r['tokens_per_step']:.2f} tokens a step, {r['tokens_per_s_per_user']:.1f} tokens/s/user")
+    if r["device_s"] is not None:
+        split = f"device {ms(r['device_s'])} (draft, verify, head and verification: one graph)"
+    else:
+        stages = f" (stages {ms(r['draft_stages_s']).strip()})" if r["draft_stages_s"] is not None else ""
+        split = f"draft {ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])} (head {ms(r['head_s'])})"
+    return (f"{r['path']:<14}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = {split} "
+            f"+ other {ms(r['other_s'])}; {r['tokens_per_step']:.2f} tokens a step, "
+            f"{r['tokens_per_s_per_user']:.1f} tokens/s/user")

@@ -86,7 +86,7 @@ class SpeculativeDecoder:
         config.check_block_size(self.draft.block_size)
         self.block_size = self.draft.block_size
         self.stats = AcceptanceStats(accepted_at=[0] * self.block_size)
-        self.greedy_step = GreedyStep.of(model, self.draft)  # None unless the kernels run target and draft
+        self.greedy_step = GreedyStep.of(model, self.draft, config)  # None unless the kernels run target and draft
 
     def make_caches(self, num_slots: int, max_context: int) -> SpecCaches:
         """Caches for `num_slots` requests; a request's positions must stay below
@@ -132,10 +132,8 @@ class SpeculativeDecoder:
 
     def takes_whole(self, requests: list[SpecRequest]) -> bool:
         """Whether a step of `requests` runs whole: the kernels run target and draft, every request
-        is greedy, the method is not synthetic (whose acceptance is not greedy's), the runners
-        take the rows."""
+        is greedy (any verification method), the runners take the rows."""
         return (self.greedy_step is not None and all(r.temperature == 0 for r in requests)
-                and self.config.rejection_sample_method != "synthetic"
                 and self.greedy_step.refusal(len(requests)) is None)
 
     def _stepwise(self, caches: SpecCaches, requests: list[SpecRequest]):

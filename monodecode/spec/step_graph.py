@@ -2,20 +2,25 @@
 
 When `SpeculativeDecoder.step` takes it: the kernels run both the target (a `decode.Decoder`
 with its `MonoRunner`) and the draft's stages (a `decode.KernelDraft` with its `DraftRunner`),
-every request is greedy (temperature 0), the verification method is not `synthetic` (at
-temperature 0 greedy, standard and block commit the same tokens: spec/verify.py), and both
-runners take the step's rows (`rows_refusal`). Otherwise the step runs stepwise, as before.
+every request is greedy (temperature 0), and both runners take the step's rows
+(`rows_refusal`). Otherwise the step runs stepwise, as before. Any verification method: at
+temperature 0 greedy, standard and block commit the same tokens (spec/verify.py), and synthetic
+keeps each request's drafts while its uniforms stay below the rate, then appends the target's
+argmax, as its stepwise form does at temperature 0.
 
 Host, before: each runner's `prepare` checks the rows (a ValueError if a runner refuses them)
 and loads them into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
 verify rows [anchor, 0 x B] (0 in the drafts' places, which the device fills), their positions
-and slots. Those scratch buffers are the step's only inputs.
+and slots. Synthetic verification: each request's B uniforms drawn from its generator (as the
+stepwise path draws them) into the step's uniforms buffer (one a request count). Those buffers
+are the step's only inputs.
 
 Device (`_device_step`; nothing read back to the host, no tensor made from host data): the
 draft's stages (`DraftRunner.run_rows`), its greedy head (`Draft.greedy_tokens`: the argmax
 proposals), the drafts written into the verify rows, the target's verify step
 (`MonoRunner.run_rows`: logits and the draft's features), the commit of every verify row to the
-draft's rings (`Draft.commit`), greedy verification's device part (`verify.greedy_verdict_rows`).
+draft's rings (`Draft.commit`), greedy verification's device part (`verify.greedy_verdict_rows`;
+synthetic: with the accepted counts of the uniforms, `verify.synthetic_accepted`).
 These are the operations of the stepwise path, in its order, so the tokens are the same.
 
 On a GPU (both runners' graphs enabled) that device work is one CUDA graph a key: (request
@@ -40,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from ..decode import Decoder, KernelDraft
-from .verify import Verdict, greedy_verdict_rows, read_verdicts
+from .verify import Verdict, greedy_verdict_rows, read_verdicts, synthetic_acceptance_rate, synthetic_accepted
 
 
 class Captured(NamedTuple):
@@ -51,21 +56,28 @@ class Captured(NamedTuple):
 
 
 class GreedyStep:
-    def __init__(self, target, draft, draft_runner):
+    def __init__(self, target, draft, draft_runner, synthetic_acceptance_length: float | None = None):
         """`target`: the target's `MonoRunner`; `draft`: the `Draft` (its head and commit);
-        `draft_runner`: the `DraftRunner` of its stages."""
+        `draft_runner`: the `DraftRunner` of its stages; `synthetic_acceptance_length`: verify
+        synthetically at that length (None: greedy)."""
         self.target, self.draft, self.draft_runner = target, draft, draft_runner
         self.block_size = draft.block_size
+        self.synthetic_rate = (None if synthetic_acceptance_length is None else
+                               synthetic_acceptance_rate(synthetic_acceptance_length, self.block_size))
+        self.uniforms: dict[int, torch.Tensor] = {}  # synthetic: the step's uniforms [R, B], a request count's
         self.graphs_enabled = target.graphs_enabled and draft_runner.graphs_enabled
         self.graphs: dict[tuple[int, int, int], Captured] = {}
         self.warmed: set[tuple[int, int, int]] = set()  # keys whose eager first step has run
 
     @classmethod
-    def of(cls, model, draft) -> GreedyStep | None:
-        """The whole greedy step of a speculative decoder's `model` and `draft` when the kernels
-        run both (a Decoder with its runner, a KernelDraft), else None."""
+    def of(cls, model, draft, config) -> GreedyStep | None:
+        """The whole greedy step of a speculative decoder's `model`, `draft` and `config` (its
+        SpeculativeConfig) when the kernels run both (a Decoder with its runner, a KernelDraft),
+        else None."""
         if isinstance(model, Decoder) and model.mono is not None and isinstance(draft, KernelDraft):
-            return cls(model.mono, draft.draft, draft.runner)
+            synthetic = config.rejection_sample_method == "synthetic"
+            return cls(model.mono, draft.draft, draft.runner,
+                       config.synthetic_acceptance_length if synthetic else None)
         return None
 
     def refusal(self, requests: int) -> str | None:
@@ -79,7 +91,8 @@ class GreedyStep:
         (SpecCaches): each request's verdict, and the target's logits [R, B + 1, vocab] of the
         verify rows (on a GPU the graph's output: valid until the next step)."""
         drafted, verified = self._prepare(caches, requests)
-        rows, logits = self._device_work(caches, len(requests), drafted, verified)
+        self._draw_uniforms(requests)
+        rows, logits = self.device_work(caches, len(requests), drafted, verified)
         self._check_runners()
         return read_verdicts(rows), logits
 
@@ -115,8 +128,20 @@ class GreedyStep:
         verified = self.target.prepare(caches.target, *rows(torch.zeros(r, b, dtype=torch.long)))
         return drafted, verified
 
-    def _device_work(self, caches, requests: int, drafted, verified) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device step eagerly, or through its key's graph (module docstring)."""
+    def _draw_uniforms(self, requests) -> None:
+        """Synthetic verification: each request's B uniforms from its generator, into the buffer
+        of this request count (what the step's graph reads), as the stepwise path draws them."""
+        if self.synthetic_rate is None:
+            return
+        r, b = len(requests), self.block_size
+        if r not in self.uniforms:
+            self.uniforms[r] = torch.empty(r, b, device=self.target.device)
+        for row, request in zip(self.uniforms[r], requests):
+            torch.rand(b, generator=request.generator, out=row)
+
+    def device_work(self, caches, requests: int, drafted, verified) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device step eagerly, or through its key's graph (module docstring); its verdict rows
+        and logits. `run` calls it between the host's parts (bench decode times it alone)."""
         def work():
             return self._device_step(caches, drafted, verified)
 
@@ -166,4 +191,7 @@ class GreedyStep:
         logits, hidden = self.target.run_rows(verified, caches.target, return_hidden=True)
         self.draft.commit(caches.draft, verified.slots, verified.positions, hidden)
         logits = logits.view(drafts.shape[0], b + 1, -1)
-        return greedy_verdict_rows(logits, drafts), logits
+        accepted = None
+        if self.synthetic_rate is not None:
+            accepted = synthetic_accepted(self.uniforms[drafts.shape[0]], self.synthetic_rate)
+        return greedy_verdict_rows(logits, drafts, accepted), logits

@@ -84,7 +84,8 @@ def verify_batch(method: str, target_logits: torch.Tensor, draft_tokens: torch.T
     target_probs = grouped_probabilities(target_logits, [settings for *settings, _ in sampling])
     generators = [g for *_, g in sampling]
     if method == "synthetic":
-        return verify_synthetic_batch(target_probs, draft_tokens, acceptance_length, generators)
+        greedy = [temperature == 0 for temperature, *_ in sampling]
+        return verify_synthetic_batch(target_probs, draft_tokens, acceptance_length, generators, greedy)
     rule = verify_block_batch if method == "block" else verify_standard_batch
     return rule(target_probs, draft_tokens, draft_probs, generators)
 
@@ -100,12 +101,16 @@ def verify_greedy_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor)
     return read_verdicts(greedy_verdict_rows(target_logits, draft_tokens))
 
 
-def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                        accepted: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy verification's device part (`verdict_rows`), with no host read: a whole greedy step
-    captures it in its CUDA graph (spec/step_graph.py)."""
+    captures it in its CUDA graph (spec/step_graph.py). `accepted` [R]: these counts instead of the
+    matching prefixes' (synthetic verification's at temperature 0, `synthetic_accepted`), the
+    appended token still the target's argmax after them."""
     k = draft_tokens.shape[-1]
     best = target_logits.argmax(dim=-1)
-    accepted = (best[:, :k] == draft_tokens).cumprod(dim=1).sum(dim=1)
+    if accepted is None:
+        accepted = (best[:, :k] == draft_tokens).cumprod(dim=1).sum(dim=1)
     return verdict_rows(draft_tokens, accepted, best.gather(1, accepted[:, None]).squeeze(1))
 
 
@@ -150,17 +155,29 @@ def verify_block_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, d
 
 
 def verify_synthetic_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
-                           generators: list) -> list[Verdict]:
+                           generators: list, greedy: list[bool] | None = None) -> list[Verdict]:
     """NOT lossless, for benchmarks only: keeps draft tokens whatever they are, to run the engine
     at a chosen expected acceptance length L (tokens committed per step, accepted drafts + 1).
     Each position is kept with the rate r that solves 1 + r + ... + r^k = L, in turn until the
-    first one that is not; the appended token is drawn from the target's row at that position
-    (its argmax at temperature 0)."""
+    first one that is not (`synthetic_accepted`); the appended token is drawn from the target's row
+    at that position. A request at temperature 0 (greedy[i]; its row a one-hot) takes the row's
+    argmax without a draw: its generator gives the k uniforms a step and nothing else, as in the
+    whole step (spec/step_graph.py), so both paths accept alike."""
     k = _check_rows(target_probs, draft_tokens)
     rate = synthetic_acceptance_rate(acceptance_length, k)
-    accepted = (_uniforms(k, target_probs, generators) < rate).cumprod(dim=1).sum(dim=1)
+    accepted = synthetic_accepted(_uniforms(k, target_probs, generators), rate)
     rows = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
-    return _verdicts(draft_tokens, accepted, _draw(rows, generators))
+    last = rows.argmax(dim=-1)
+    sampled = [i for i in range(len(generators)) if not (greedy and greedy[i])]
+    if sampled:
+        last[sampled] = _draw(rows[sampled], [generators[i] for i in sampled])
+    return _verdicts(draft_tokens, accepted, last)
+
+
+def synthetic_accepted(uniforms: torch.Tensor, rate: float) -> torch.Tensor:
+    """Synthetic verification's accepted counts [R] from each request's k uniforms [R, k]: the
+    positions kept in turn while u < rate."""
+    return (uniforms < rate).cumprod(dim=1).sum(dim=1)
 
 
 @lru_cache(maxsize=64)
