@@ -327,10 +327,10 @@ def test_weights_are_checked_at_build(decoder):
     lw.wq_b = good._replace(codes=good.codes.t())  # the right bytes, the wrong layout
     try:
         with pytest.raises(WeightCheckError, match=r"layers.0.attn.wq_b.weight: shape .* not contiguous"):
-            check_layer(decoder.config, "layers.0.", lw)
+            check_layer(decoder.mono.sizes, "layers.0.", lw)
     finally:
         lw.wq_b = good
-    check_layer(decoder.config, "layers.0.", lw)
+    check_layer(decoder.mono.sizes, "layers.0.", lw)
 
 
 def test_a_cache_the_kernels_cannot_use_is_refused(decoder):

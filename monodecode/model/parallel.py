@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -111,33 +112,83 @@ class TensorParallel:
 
     def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """This rank's slice of weight `name` (schema name without `.weight`), converted."""
-        if self.size == 1 or not name.startswith(("layers.", "mtp.")):
+        cut = self._cut(name, config)
+        if cut is None:
             return self._vocab_rows(name, tensor, config)
+        dim, start, stop = cut
+        return tensor.narrow(dim, start, stop - start).contiguous()
+
+    def shard_fp8(self, name: str, codes: torch.Tensor, scales: torch.Tensor,
+                  config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of FP8 matrix `name` as the checkpoint stores it (e4m3 codes [N, K],
+        block scales [N / b, K / b]): the rows or columns `shard` cuts, and their scale blocks.
+        Raises ValueError where the cut is not on block boundaries (`fp8_refusals`)."""
+        cut = self._cut(name, config)
+        if cut is None:
+            return codes, scales
+        dim, start, stop = cut
+        block = config.fp8_block[dim]
+        if start % block or stop % block:
+            raise ValueError(f"{name}: tensor parallel size {self.size} cuts it at {start}..{stop}, "
+                             f"not on its FP8 blocks of {block}")
+        return (codes.narrow(dim, start, stop - start).contiguous(),
+                scales.narrow(dim, start // block, (stop - start) // block).contiguous())
+
+    def fp8_refusals(self, config: ModelConfig) -> list[str]:
+        """Why this rank cannot slice the FP8 matrices that the mono kernels read (`shard_fp8`):
+        each split whose slice is not a whole number of FP8 blocks."""
+        if self.size == 1 or config.fp8_block is None:
+            return []
+        reasons = []
+        for leaf, what in _FP8_CUTS.items():
+            dim, start, stop = self._cut(f"layers.0.{leaf}", config)
+            block = config.fp8_block[dim]
+            if (stop - start) % block:
+                reasons.append(f"tensor parallel size {self.size} gives each rank {stop - start} {what}, not a "
+                               f"multiple of the FP8 block {block} that the kernels read scales by")
+        return reasons
+
+    def _cut(self, name: str, config: ModelConfig) -> tuple[int, int, int] | None:
+        """(dim, start, stop): the rows (dim 0) or columns (dim 1) of layer weight `name` this rank
+        holds; None where it holds the whole (or the vocabulary rows: `_vocab_rows`)."""
+        if self.size == 1 or not name.startswith(("layers.", "mtp.")):
+            return None
         c = config
-        leaf = name.split(".", 2)[2]
-        if leaf == "attn.wq_b":
-            return self._rows(tensor, self.part(c.num_attention_heads), c.head_dim)
-        if leaf == "attn.attn_sink":
-            return self._rows(tensor, self.part(c.num_attention_heads), 1)
-        if leaf == "attn.wo_a":
-            return self._rows(tensor, self.part(c.o_groups), c.o_lora_rank)
-        if leaf == "attn.wo_b":
-            return self._rows(tensor.t(), self.part(c.o_groups), c.o_lora_rank).t().contiguous()
-        if leaf in ("ffn.shared_experts.w1", "ffn.shared_experts.w3"):
-            return self._rows(tensor, self.part(c.moe_intermediate_size), 1)
-        if leaf == "ffn.shared_experts.w2":
-            return self._rows(tensor.t(), self.part(c.moe_intermediate_size), 1).t().contiguous()
-        return tensor
+        units = {"attn.wq_b": (0, c.num_attention_heads, c.head_dim), "attn.attn_sink": (0, c.num_attention_heads, 1),
+                 "attn.wo_a": (0, c.o_groups, c.o_lora_rank), "attn.wo_b": (1, c.o_groups, c.o_lora_rank),
+                 "ffn.shared_experts.w1": (0, c.moe_intermediate_size, 1),
+                 "ffn.shared_experts.w3": (0, c.moe_intermediate_size, 1),
+                 "ffn.shared_experts.w2": (1, c.moe_intermediate_size, 1)}.get(name.split(".", 2)[2])
+        if units is None:
+            return None
+        dim, total, per_unit = units
+        held = self.part(total)
+        return dim, held.start * per_unit, held.stop * per_unit
+
+    def rank_sizes(self, config: ModelConfig) -> "RankSizes":
+        """The sizes this rank's kernels run (`RankSizes`)."""
+        return RankSizes(config.replace(num_attention_heads=config.num_attention_heads // self.size,
+                                        o_groups=config.o_groups // self.size),
+                         config.moe_intermediate_size // self.size, self.part(config.n_routed_experts))
 
     def _vocab_rows(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         if self.size > 1 and name in ("embed", "head"):
-            return self._rows(tensor, self.part(config.vocab_size), 1)
+            rows = self.part(config.vocab_size)
+            return tensor[rows.start:rows.stop].contiguous()
         return tensor
 
-    @staticmethod
-    def _rows(tensor: torch.Tensor, units: range, rows_per_unit: int) -> torch.Tensor:
-        return tensor[units.start * rows_per_unit:units.stop * rows_per_unit].contiguous()
+
+class RankSizes(NamedTuple):
+    """What one rank's mono kernels size by (`TensorParallel.rank_sizes`). The per-op model keeps
+    the whole config; the kernels read this rank's slices as if they were a model of their own."""
+
+    config: ModelConfig  # this rank's attention heads and o groups; all else (the router's experts too) whole
+    shared_inter: int  # this rank's slice of the shared expert's intermediate (a routed expert's stays whole)
+    experts: range  # the routed experts this rank holds (global ids)
 
 
 SINGLE = TensorParallel()
+# the FP8 matrices the kernels read that the ranks split (`_cut`), by what a rank's slice counts
+_FP8_CUTS = {"attn.wq_b": "rows of wq_b (its heads)", "attn.wo_a": "rows of wo_a (its o groups)",
+             "ffn.shared_experts.w1": "rows of the shared expert's w1 / w3 (its intermediate)"}
 _EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")

@@ -77,12 +77,20 @@ _EXPERT_PARTS = ["expert up", "expert swiglu", "expert down", "combine"]
 _ATTENTION_PARTS = ["attend", "wo_a", "wo_b"]
 STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS]
 K3_STAGES = [f"k3 {name}" for name in _EXPERT_PARTS]
-BARRIERS = tl.constexpr(len(STAGES) - 1)
+# Under tensor parallelism K2 is two launches, each a sync family of its own (a barrier's target
+# counts its family's barriers a launch): stages 0-2 ("k2a"), then, after the reduction of
+# attn_out over the ranks, stages 3-6 ("k2f"). Each family's stages: (first, last) of STAGES.
+SPLIT_FAMILIES = ("k2a", "k2f")
+_STAGE_RANGES = {"k2": (0, len(STAGES) - 1), "k2a": (0, len(_ATTENTION_PARTS) - 1),
+                 "k2f": (len(_ATTENTION_PARTS), len(STAGES) - 1)}
 
 
 def stage_names(family: str) -> list[str]:
-    """The stages of a launch of `family` ("k2", "k3")."""
-    return {"k2": STAGES, "k3": K3_STAGES}[family]
+    """The stages of a launch of `family` ("k2", "k2a", "k2f", "k3")."""
+    if family == "k3":
+        return K3_STAGES
+    first, last = _STAGE_RANGES[family]
+    return STAGES[first:last + 1]
 
 
 SWB = 1024  # intermediate columns of a SwiGLU task
@@ -150,6 +158,9 @@ class FfnArgs(NamedTuple):
     shared: tuple[Fp8Matrix, Fp8Matrix] | None  # w1 and w3 stacked, w2 of the shared expert
     shared_gate_up: torch.Tensor  # [R, 2 I]: w1's outputs (the gate), then w3's (the up)
     shared_out: torch.Tensor
+    shared_inter: int  # the shared expert's intermediate this rank holds (I / tensor parallel size)
+    first_expert: int  # this rank's routed experts: global ids first_expert .. + held_experts - 1
+    held_experts: int
     route_ticket: torch.Tensor  # int32 [1], 0 between launches: route tasks' arrivals (router.group_when_routed)
     w1: tuple[torch.Tensor, torch.Tensor]  # the routed experts: (fragment halves int16, scale codes)
     w2: tuple[torch.Tensor, torch.Tensor]
@@ -161,8 +172,8 @@ class FfnArgs(NamedTuple):
     sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
     tickets: torch.Tensor
     d: int
-    n_experts: int
-    inter: int
+    n_experts: int  # the router's (all ranks' experts)
+    inter: int  # a routed expert's intermediate
     topk: int
     hc_eps: float
     norm_eps: float
@@ -172,6 +183,8 @@ class FfnArgs(NamedTuple):
 
 
 class K2Meta(NamedTuple):
+    FIRST: int  # the launch's stages FIRST..LAST (`_STAGE_RANGES`): 0..6 at one rank, else 0..2 or 3..6
+    LAST: int
     D: int  # head_dim
     RD: int  # rope dims of a head
     HB: int  # heads of an attend task
@@ -253,7 +266,7 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
         sums = f.sums + split_sums_of(f.n_experts, m.BN_G, m.SPLIT_G, m.BR)
         tickets = f.tickets + split_tickets_of(f.n_experts, m.BN_G, m.SPLIT_G)
         gemv_stage(pid, grid, first, f.x, f.d, R, f.shared[0].codes, f.shared[0].scales, f.shared_gate_up,
-                   2 * f.inter, 2 * f.inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
+                   2 * f.shared_inter, 2 * f.shared_inter, f.d, 0, sums, tickets, 0, m.SB, m.BN_SH, m.BK_D, m.SPLIT_D,
                    m.BR, True, m.FAST, m.DENSE_STAGES)
     barrier(f.sync, epoch, b0 + 2, NB, m.TIMELINE, m.FAST)
 
@@ -261,12 +274,13 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
     # its gate and up on the programs after the route tasks
     for t in range(pid, R, grid):
         RT.route_task(t, f.logits, f.n_experts, f.slots, f.route_bias, f.tokens, f.tid2eid, f.ids, f.route_weights,
-                      f.n_experts, f.topk, f.route_scale, m.BE, m.BTOPK, m.HASH, m.FAST)
+                      f.n_experts, f.topk, f.route_scale, f.first_expert, f.held_experts, m.BE, m.BTOPK, m.HASH,
+                      m.FAST)
         RT.group_when_routed(f.route_ticket, R, f.ids, f.order, f.experts, f.counts, R * f.topk, m.BP, m.ROWS_E)
     if m.SHARED:
-        gemv_stage(pid, grid, R, f.shared_gate_up, 2 * f.inter, R, f.shared[1].codes, f.shared[1].scales,
-                   f.shared_out, f.d, f.d, f.inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
-                   m.BR, True, m.FAST, m.DENSE_STAGES, f.shared_gate_up + f.inter, f.limit, True)
+        gemv_stage(pid, grid, R, f.shared_gate_up, 2 * f.shared_inter, R, f.shared[1].codes, f.shared[1].scales,
+                   f.shared_out, f.d, f.d, f.shared_inter, 0, f.sums, f.tickets, 0, m.SB, m.BN_S2, m.BK_I, m.SPLIT_I,
+                   m.BR, True, m.FAST, m.DENSE_STAGES, f.shared_gate_up + f.shared_inter, f.limit, True)
 
 
 @triton.jit
@@ -291,24 +305,36 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 
 @triton.jit
 def _k2(a, f, m):
+    """Stages m.FIRST..m.LAST: 0-6 (one rank), or 0-2 then 3-6 (two launches under tensor
+    parallelism); barrier k follows stage FIRST + k, the launch's last stage has none."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
+    NB: tl.constexpr = m.LAST - m.FIRST
+    if m.FIRST == 0:
+        _attention_stages(a, f, m, epoch, NB, pid, grid)
+    if m.LAST > 2:
+        if m.FIRST == 0:
+            barrier(f.sync, epoch, 2, NB, m.TIMELINE, m.FAST)
+        _front_stages(f, m, epoch, 3 - m.FIRST, NB, pid, grid)
+    end_launch(f.sync, epoch, NB, m.TIMELINE)
+
+
+@triton.jit
+def _attention_stages(a, f, m, epoch, NB: tl.constexpr, pid, grid):
+    """Stages 0..2 (attend, wo_a, wo_b); barriers 0 and 1 of NB."""
     for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS + 1), grid):
         A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                       a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
                       a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, f.sync.max_polls, m.HB,
                       m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, 0)
-    barrier(f.sync, epoch, 0, BARRIERS, m.TIMELINE, m.FAST)
+    barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
     z_width = a.o_groups * a.o_lora
     gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
                a.heads * m.D // a.o_groups, a.o_lora, f.sums, f.tickets, 0, m.SB, m.BN_OA, m.BK_O, m.SPLIT_O,
                m.BR, True, m.FAST, m.DENSE_STAGES)
-    barrier(f.sync, epoch, 1, BARRIERS, m.TIMELINE, m.FAST)
+    barrier(f.sync, epoch, 1, NB, m.TIMELINE, m.FAST)
     gemv_stage(pid, grid, 0, a.z, z_width, f.rows, a.wo_b.codes, a.wo_b.scales, f.attn_out, f.d, f.d, z_width,
                0, f.sums, f.tickets, 0, m.SB, m.BN_OB, m.BK_Z, m.SPLIT_Z, m.BR, True, m.FAST, m.DENSE_STAGES)
-    barrier(f.sync, epoch, 2, BARRIERS, m.TIMELINE, m.FAST)
-    _front_stages(f, m, epoch, 3, BARRIERS, pid, grid)
-    end_launch(f.sync, epoch, BARRIERS, m.TIMELINE)
 
 
 @triton.jit
@@ -324,7 +350,7 @@ def dense_stages(runner, rows: int):
     """K2's dense GEMV stages at `rows` rows, each a list of (N, (BN, BK, SPLIT)): wo_a, wo_b,
     gate | w1 w3 (stacked), w2."""
     c = runner.config
-    inter, d = c.moe_intermediate_size, c.hidden_size
+    inter, d = runner.sizes.shared_inter, c.hidden_size
     z_width, o_in = c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups
     oa = runner.gemv_blocks("k2", z_width, o_in, rows, group_rows=c.o_lora_rank)
     ob = runner.gemv_blocks("k2", d, z_width, rows)
@@ -365,7 +391,8 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         post=s.post_ffn, comb=s.comb_ffn, x=s.x, gate=lw.gate, route_bias=lw.route_bias, tid2eid=lw.tid2eid,
         logits=s.logits, ids=s.ids, route_weights=s.route_weights, order=s.order, experts=s.experts,
         counts=s.counts, shared=lw.shared, shared_gate_up=s.shared_gate_up,
-        shared_out=s.shared_out, route_ticket=s.route_ticket, w1=(ex.w1[0].view(torch.int16), ex.w1[1]),
+        shared_out=s.shared_out, shared_inter=runner.sizes.shared_inter, first_expert=runner.sizes.experts.start,
+        held_experts=len(runner.sizes.experts), route_ticket=s.route_ticket, w1=(ex.w1[0].view(torch.int16), ex.w1[1]),
         w2=(ex.w2[0].view(torch.int16), ex.w2[1]), w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up,
         h=s.h, per_pick=s.per_pick, y=s.y,
         sums=runner.split_sums, tickets=runner.split_tickets,
@@ -375,7 +402,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows,
                                        shape.settle_columns)
     meta = K2Meta(
-        D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
+        FIRST=0, LAST=len(STAGES) - 1, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
         TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
@@ -387,7 +414,10 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         BP=max(16, triton.next_power_of_2(row_block(rows) * c.num_experts_per_tok)),  # a build serves a row block
         ROWS_E=X.ROWS, FAST=runner.fast,
         TIMELINE=runner.timeline)
-    runner.launch(_k2, "K2", "k2", attn, ffn, meta=meta)
+    if runner.tp.size == 1:
+        runner.launch(_k2, "K2", "k2", attn, ffn, meta=meta)
+    else:
+        _launch_split(runner, s, attn, ffn, meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
     k3_args = ffn._replace(sync=runner.sync_args("k3"), route_bias=None, tid2eid=None)
     runner.launch(_k3, "K3", "k3", k3_args, meta=K3Meta(
@@ -395,7 +425,21 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline))
+    if runner.tp.size > 1:
+        s.y.copy_(runner.tp.reduce(s.y))  # this rank's experts and shared slice: a partial sum
     return 1 - cur
+
+
+def _launch_split(runner, s, attn: K2Attention, ffn: FfnArgs, meta: K2Meta) -> None:
+    """K2 under tensor parallelism: stages 0-2, the sum of the ranks' attention outputs (each
+    rank's wo_b reads only its o groups: a partial sum) into `attn_out`, where the fold reads it,
+    then stages 3-6. The reduction is a host collective between the launches."""
+    for family, name in zip(SPLIT_FAMILIES, ("K2 attention", "K2 FFN seam")):
+        first, last = _STAGE_RANGES[family]
+        runner.launch(_k2, name, family, attn, ffn._replace(sync=runner.sync_args(family)),
+                      meta=meta._replace(FIRST=first, LAST=last))
+        if family == "k2a":
+            s.attn_out.copy_(runner.tp.reduce(s.attn_out))
 
 
 def _entry_splits(lw, cache, rows: int, heads: int, topk: int, programs: int, fixed: int) -> int:

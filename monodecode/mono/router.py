@@ -13,7 +13,10 @@ Stages
   top-k of scores + bias (bias fp32 [E]), descending, ties to the lowest expert index.
   weights = scores[ids] / sum(scores[ids]) * route_scale in fp32. Writes ids [R, k] int32 and
   weights [R, k] fp32; a pad row (slot < 0) gets ids -1 and weights 0, which the later stages
-  skip. (MoE.route; expert ids must be < 2^16.)
+  skip. The ids are local to the experts held (`first`, `held`: a tensor-parallel rank's range;
+  0 and E at one rank): a pick of another rank's expert is -1 too (weight kept, unread), so a
+  live row may hold -1 picks among its own; group sorts each -1 pick with the pads and combine
+  skips it, pick by pick. (MoE.route; expert ids must be < 2^16.)
 - group (`group_task`, `group_tasks() = 1`, ONE task, one program; in the kernels the route task
   that arrives last runs it, `group_when_routed`): from the flat ids [P]
   int32 writes exactly what `experts.group_picks(ids)` returns, order, experts, counts int32
@@ -69,9 +72,12 @@ def _sqrt_softplus(x, FAST: tl.constexpr):
 
 @triton.jit
 def route_task(t, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, tid2eid_ptr,
-               ids_ptr, weights_ptr, E, K, route_scale,
+               ids_ptr, weights_ptr, E, K, route_scale, first, held,
                BE: tl.constexpr, BK: tl.constexpr, HASH: tl.constexpr, FAST: tl.constexpr):
-    """Row t: its k expert ids (int32) and routing weights (fp32), -1 and 0 on a pad row.
+    """Row t: its k expert ids (int32) and routing weights (fp32), -1 and 0 on a pad row. The
+    ids are local to the experts held, first .. first + held - 1 (a tensor-parallel rank's; all
+    E at one rank): a pick of an expert not held is -1 with its weight kept, which the later
+    stages skip like a pad's.
     BE >= E and BK >= K are powers of two; bias_ptr is unused when HASH, tokens_ptr and
     tid2eid_ptr when not. Reads stay inside the row's logits and, for a live row, its tid2eid
     row: a pad row's token (and any row's NaN logits) may be garbage."""
@@ -96,7 +102,8 @@ def route_task(t, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, ti
     scores = tl.where(picked, _sqrt_softplus(tl.load(row + ids, mask=picked, other=0.0), FAST), 0.0)
     total = tl.sum(scores, 0)
     weights = scores / tl.where(total > 0.0, total, 1.0) * route_scale  # a pad row: 0, not 0 / 0
-    tl.store(ids_ptr + t * K + slot, tl.where(picked, ids, -1), mask=slot < K)
+    mine = picked & (ids >= first) & (ids < first + held)
+    tl.store(ids_ptr + t * K + slot, tl.where(mine, ids - first, -1), mask=slot < K)
     tl.store(weights_ptr + t * K + slot, tl.where(picked, weights, 0.0), mask=slot < K)
 
 
@@ -197,10 +204,11 @@ def combine_tasks(rows: int, hidden: int, block: int) -> int:
 # --- standalone launches --------------------------------------------------------------------------
 @triton.jit
 def _route(n, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, tid2eid_ptr, ids_ptr, weights_ptr,
-           E, K, route_scale, BE: tl.constexpr, BK: tl.constexpr, HASH: tl.constexpr, FAST: tl.constexpr):
+           E, K, route_scale, first, held, BE: tl.constexpr, BK: tl.constexpr, HASH: tl.constexpr,
+           FAST: tl.constexpr):
     for t in range(tl.program_id(0), n, tl.num_programs(0)):
         route_task(t, logits_ptr, logits_stride, slots_ptr, bias_ptr, tokens_ptr, tid2eid_ptr, ids_ptr,
-                   weights_ptr, E, K, route_scale, BE, BK, HASH, FAST)
+                   weights_ptr, E, K, route_scale, first, held, BE, BK, HASH, FAST)
 
 
 @triton.jit
@@ -225,10 +233,13 @@ def _empty(shape, dtype, device, poison: bool) -> torch.Tensor:
 
 def route(logits: torch.Tensor, slots: torch.Tensor, topk: int, route_scale: float, *,
           bias: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
-          tid2eid: torch.Tensor | None = None, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          tid2eid: torch.Tensor | None = None, held: range | None = None,
+          poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [R, k] int32, weights [R, k] fp32) of logits [R, E] fp32: hash routing when
-    `tid2eid` is given (with `tokens`), else top-k of scores + `bias`."""
+    `tid2eid` is given (with `tokens`), else top-k of scores + `bias`; with `held` (a rank's
+    experts) the ids local to it, -1 for the others (`route_task`)."""
     rows, num_experts = logits.shape
+    held = held or range(num_experts)
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     hash_routed = tid2eid is not None
     if hash_routed:
@@ -240,7 +251,7 @@ def route(logits: torch.Tensor, slots: torch.Tensor, topk: int, route_scale: flo
     n = route_tasks(rows)
     _route[task_grid(n)](n, logits, logits.stride(0), slots, logits if hash_routed else bias,
                          tokens if hash_routed else slots, tid2eid if hash_routed else slots, ids, weights,
-                         num_experts, topk, float(route_scale), BE=triton.next_power_of_2(num_experts),
+                         num_experts, topk, float(route_scale), held.start, len(held), BE=triton.next_power_of_2(num_experts),
                          BK=triton.next_power_of_2(topk), HASH=hash_routed, FAST=fast_dots(logits))
     return ids, weights
 

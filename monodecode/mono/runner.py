@@ -46,11 +46,13 @@ from .weights import check_cache, fp8_names, layer_weights, read_fp8
 log = logging.getLogger("monodecode.mono")
 
 
-def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
+def kernel_grids(shape: LaunchShape, sms: int, split_k2: bool = False) -> dict[str, int]:
     """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1 (`k1c`: a CSA
-    layer's, two stages more), K2 and K3 (the routed experts)."""
+    layer's, two stages more), K2 and K3 (the routed experts); with `split_k2` (tensor
+    parallelism) K2's two launches instead of its one (`k2.stage_names`)."""
+    k2_families = k2.SPLIT_FAMILIES if split_k2 else ("k2",)
     return {"k1": sms * shape.k1_programs_per_sm, "k1c": sms * shape.k1_programs_per_sm,
-            "k2": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
+            **dict.fromkeys(k2_families, sms * shape.k2_programs_per_sm), "k3": sms * shape.expert_programs_per_sm}
 
 
 class LayerStack(NamedTuple):
@@ -79,20 +81,27 @@ class MonoRunner:
 
     def __init__(self, model, *, graphs: bool = True, max_polls: int = DEFAULT_MAX_POLLS, poison: bool = False,
                  shape: LaunchShape = LaunchShape(), stack: LayerStack | None = None):
-        """`stack`: the layers to run (default: the model's, `target_stack`)."""
-        self.model, self.config = model, stack.config if stack else model.config
-        reasons = refusals(self.config, model.device, model.dtype)
-        if model.tp.size > 1:
-            reasons.append(f"the kernels do not run under tensor parallelism yet (tensor parallel size {model.tp.size})")
+        """`stack`: the layers to run (default: the model's, `target_stack`). Under tensor
+        parallelism (`model.tp`, each rank a runner on its own Model) the runner runs this rank's
+        slices (`self.sizes`; `self.config` is their config: this rank's heads and o groups) and
+        captures no CUDA graphs (the reductions between launches are host collectives)."""
+        whole = stack.config if stack else model.config
+        self.model, self.tp = model, model.tp
+        reasons = refusals(whole, model.device, model.dtype) + self.tp.fp8_refusals(whole)
+        if self.tp.size > 1 and not hasattr(model, "blocks"):
+            reasons.append("the kernels run under tensor parallelism only as one runner a rank, on that rank's own "
+                           "Model; a model over ranks (ranks.load_ranks) runs per-op")
         if reasons:
             raise MonoRefused(reasons)
         stack = stack or target_stack(model)  # after the refusals: a model over ranks has no blocks here
+        self.sizes = self.tp.rank_sizes(whole)
+        self.config = self.sizes.config
         shared = bool(self.config.n_shared_experts)
         names = [n for p, ratio in zip(stack.prefixes, stack.ratios)
                  for n in fp8_names(p, shared, indexed=ratio == CSA_RATIO)]
-        fp8 = read_fp8(model.checkpoint, names, model.device)
+        fp8 = read_fp8(model.checkpoint, names, model.device, self.tp)
         self.ratios = stack.ratios
-        self.layers = [layer_weights(stack.weights, self.config, p, block, replace, fp8, ratio)
+        self.layers = [layer_weights(stack.weights, self.sizes, p, block, replace, fp8, ratio)
                        for p, block, replace, ratio in zip(stack.prefixes, stack.blocks, stack.replace_experts,
                                                            self.ratios)]
         self.device = model.device
@@ -105,7 +114,7 @@ class MonoRunner:
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only; `bench layer --timeline` sets it
-        self.graphs_enabled = graphs and self.device.type == "cuda"
+        self.graphs_enabled = graphs and self.device.type == "cuda" and self.tp.size == 1
         self.scratch: dict[int, Scratch] = {}
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: %d layers (compression ratios %s); %.1f MiB of FP8 weights held for the kernels",
@@ -143,7 +152,7 @@ class MonoRunner:
         self._check_shape(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.grids = kernel_grids(shape, sms)
+        self.grids = kernel_grids(shape, sms, split_k2=self.tp.size > 1)
         if interpreted():
             self.grids = dict.fromkeys(self.grids, 1)
         self.shape = shape
@@ -300,7 +309,7 @@ class MonoRunner:
     def warps(self, family: str) -> int:
         """Warps a program of kernel `family` runs (K1's for `k1` and `k1c`, K2's, K3's)."""
         return {"k1": self.shape.k1_warps, "k1c": self.shape.k1_warps,
-                "k3": self.shape.expert_warps}.get(family, self.shape.k2_warps)
+                "k3": self.shape.expert_warps}.get(family, self.shape.k2_warps)  # K2's launches
 
     def kernel_resources(self) -> list[dict]:
         """What each compiled persistent kernel holds per program (GPU only; the kernels launched so

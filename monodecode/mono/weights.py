@@ -30,6 +30,7 @@ import torch
 
 from .. import formats
 from ..config import CSA_RATIO
+from ..model.parallel import SINGLE, RankSizes, TensorParallel
 from ..model.rope import layer_frequencies
 from . import experts as X
 
@@ -118,8 +119,9 @@ def fp8_names(prefix: str, shared: bool, indexed: bool = False) -> list[str]:
     return names
 
 
-def read_fp8(checkpoint, names: list[str], device) -> dict[str, Fp8Matrix]:
-    """The checkpoint's own e4m3 codes and UE8M0 scales of these matrices, as uint8."""
+def read_fp8(checkpoint, names: list[str], device, tp: TensorParallel = SINGLE) -> dict[str, Fp8Matrix]:
+    """The checkpoint's own e4m3 codes and UE8M0 scales of these matrices, as uint8: rank `tp`'s
+    slices of those the ranks split (`TensorParallel.shard_fp8`), cut on the host."""
     stored = [f"{n}.{part}" for n in names for part in ("weight", "scale")]
     raw = dict(checkpoint.tensors(stored, desc="loading fp8 weights for the mono kernels"))
     out = {}
@@ -128,20 +130,22 @@ def read_fp8(checkpoint, names: list[str], device) -> dict[str, Fp8Matrix]:
         if codes.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
             raise WeightCheckError(f"{name}: the mono kernels read FP8 e4m3 weights with UE8M0 scales, the "
                                    f"checkpoint holds {codes.dtype} / {scales.dtype}")
-        out[name] = Fp8Matrix(codes.view(torch.uint8).to(device).contiguous(),
-                              scales.view(torch.uint8).to(device).contiguous())
+        codes, scales = tp.shard_fp8(name, codes.view(torch.uint8), scales.view(torch.uint8), checkpoint.config)
+        out[name] = Fp8Matrix(codes.to(device).contiguous(), scales.to(device).contiguous())
     return out
 
 
 class StackedExperts:
     """A layer's routed experts for the per-op path (`expert(e)`: w1, w2, w3 dequantized to the
-    compute dtype, as `model.weights.ExpertBank` gives them), read from the kernels' stack."""
+    compute dtype, as `model.weights.ExpertBank` gives them), read from the kernels' stack, whose
+    expert i is expert `first` + i (a tensor-parallel rank stacks its own range)."""
 
-    def __init__(self, stack: X.ExpertWeights, dtype: torch.dtype):
-        self.stack, self.dtype = stack, dtype
+    def __init__(self, stack: X.ExpertWeights, dtype: torch.dtype, first: int = 0):
+        self.stack, self.dtype, self.first = stack, dtype, first
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(formats.dequantize_mxfp4(*m, dtype=self.dtype) for m in self.stack.checkpoint_tensors(e))
+        return tuple(formats.dequantize_mxfp4(*m, dtype=self.dtype)
+                     for m in self.stack.checkpoint_tensors(e - self.first))
 
 
 def stack_experts(bank, replace) -> X.ExpertWeights:
@@ -152,7 +156,7 @@ def stack_experts(bank, replace) -> X.ExpertWeights:
     if isinstance(bank, StackedExperts):
         return bank.stack
     stack = X.stack(list(zip(bank.w1, bank.w2, bank.w3)))
-    replace(StackedExperts(stack, bank.dtype))
+    replace(StackedExperts(stack, bank.dtype, bank.first))
     return stack
 
 
@@ -164,13 +168,13 @@ def stack_rows(*matrices: Fp8Matrix) -> Fp8Matrix:
     return Fp8Matrix(torch.cat([m.codes for m in matrices]), torch.cat([m.scales for m in matrices]))
 
 
-def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replace_experts,
+def layer_weights(w: dict[str, torch.Tensor], sizes: RankSizes, prefix: str, block, replace_experts,
                   fp8: dict[str, Fp8Matrix], ratio: int = 0) -> LayerWeights:
     """Kernel views of the block whose names start with `prefix` (`layers.{i}.`, or a draft
-    stage's `mtp.{k}.`) in the per-op weights `w`, `config` its sizes (a draft stage's: its own
-    experts); `replace_experts` hands the per-op path the stacked experts (`stack_experts`);
-    `ratio` the layer's compression ratio (0: a window layer)."""
-    c, p = config, prefix
+    stage's `mtp.{k}.`) in the per-op weights `w`, `sizes` this rank's sizes of it (a draft
+    stage's: its own experts); `replace_experts` hands the per-op path the stacked experts
+    (`stack_experts`); `ratio` the layer's compression ratio (0: a window layer)."""
+    c, p = sizes.config, prefix
     a = f"{p}attn."
     shared = None
     if c.n_shared_experts:
@@ -191,7 +195,7 @@ def layer_weights(w: dict[str, torch.Tensor], config, prefix: str, block, replac
     if ratio == CSA_RATIO:
         i = f"{a}indexer."
         lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"], w[f"{i}weights_proj"])
-    check_layer(c, p, lw)
+    check_layer(sizes, p, lw)
     return lw
 
 
@@ -199,12 +203,13 @@ def _compressor(w: dict[str, torch.Tensor], prefix: str, ratio: int) -> Compress
     return CompressorWeights(ratio, w[f"{prefix}wkv"], w[f"{prefix}wgate"], w[f"{prefix}ape"], w[f"{prefix}norm"])
 
 
-def check_layer(config, prefix: str, lw: LayerWeights) -> None:
-    """Shape, dtype, contiguity and alignment of every tensor the kernels read."""
-    c = config
+def check_layer(sizes: RankSizes, prefix: str, lw: LayerWeights) -> None:
+    """Shape, dtype, contiguity and alignment of every tensor the kernels read: this rank's slices
+    (`sizes`) of the split ones, its own routed experts, the router over all of them."""
+    c = sizes.config
     d, hc, heads, hd = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim
     mix = (2 + hc) * hc
-    inter, n_exp = c.moe_intermediate_size, c.n_routed_experts
+    inter, n_exp, held = c.moe_intermediate_size, c.n_routed_experts, len(sizes.experts)
     block = c.fp8_block or (128, 128)
     p = prefix
     expect = {
@@ -217,12 +222,12 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
         "attn_norm": (lw.attn_norm, (d,), torch.float32),
         "ffn_norm": (lw.ffn_norm, (d,), torch.float32),
         "ffn.gate": (lw.gate, (n_exp, d), torch.bfloat16),
-        "ffn.experts.w1 codes": (lw.experts.w1[0], (n_exp, inter, d // 2), torch.uint8),
-        "ffn.experts.w1 scales": (lw.experts.w1[1], (n_exp, inter, d // 32), torch.uint8),
-        "ffn.experts.w3 codes": (lw.experts.w3[0], (n_exp, inter, d // 2), torch.uint8),
-        "ffn.experts.w3 scales": (lw.experts.w3[1], (n_exp, inter, d // 32), torch.uint8),
-        "ffn.experts.w2 codes": (lw.experts.w2[0], (n_exp, d, inter // 2), torch.uint8),
-        "ffn.experts.w2 scales": (lw.experts.w2[1], (n_exp, d, inter // 32), torch.uint8),
+        "ffn.experts.w1 codes": (lw.experts.w1[0], (held, inter, d // 2), torch.uint8),
+        "ffn.experts.w1 scales": (lw.experts.w1[1], (held, inter, d // 32), torch.uint8),
+        "ffn.experts.w3 codes": (lw.experts.w3[0], (held, inter, d // 2), torch.uint8),
+        "ffn.experts.w3 scales": (lw.experts.w3[1], (held, inter, d // 32), torch.uint8),
+        "ffn.experts.w2 codes": (lw.experts.w2[0], (held, d, inter // 2), torch.uint8),
+        "ffn.experts.w2 scales": (lw.experts.w2[1], (held, d, inter // 32), torch.uint8),
     }
     if lw.route_bias is not None:
         expect["ffn.gate.bias"] = (lw.route_bias, (n_exp,), torch.float32)
@@ -231,7 +236,7 @@ def check_layer(config, prefix: str, lw: LayerWeights) -> None:
     fp8 = {}
     if lw.shared is not None:
         fp8.update({f"ffn.shared_experts.{m}": (t, s) for m, t, s in
-                    zip(("w1 and w3", "w2"), lw.shared, ((2 * inter, d), (d, inter)))})
+                    zip(("w1 and w3", "w2"), lw.shared, ((2 * sizes.shared_inter, d), (d, sizes.shared_inter)))})
     fp8.update({"attn.wq_a and wkv": (lw.wqkv_a, (c.q_lora_rank + hd, d)),
                 "attn.wq_b": (lw.wq_b, (heads * hd, c.q_lora_rank)),
                 "attn.wo_a": (lw.wo_a, (c.o_groups * c.o_lora_rank, heads * hd // c.o_groups)),
