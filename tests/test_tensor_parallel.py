@@ -113,17 +113,6 @@ def test_a_rank_holds_its_slices():
     assert tp.shard("layers.0.attn_norm", norm, c) is norm
 
 
-def test_the_kernels_refuse_a_rank_of_several():
-    from monodecode.mono.plan import MonoRefused
-    from monodecode.mono.runner import MonoRunner
-
-    ckpt = SyntheticCheckpoint(preset("tiny"), seed=3)
-    model = Model.from_checkpoint(ckpt, "cpu", torch.bfloat16)  # one rank's view of the whole model
-    half = Model(model.config, model.w, "cpu", torch.bfloat16, ckpt, tp=TensorParallel(rank=0, size=2))
-    with pytest.raises(MonoRefused, match=r"tensor parallelism yet \(tensor parallel size 2\)"):
-        MonoRunner(half)
-
-
 def test_a_rank_that_dies_while_starting_is_an_error_not_a_wait():
     """The leader joins the group and loads while watching the other ranks: one that exits
     meanwhile raises at once, though the leader's own start would wait for it."""

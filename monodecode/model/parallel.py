@@ -116,7 +116,7 @@ class TensorParallel:
         if cut is None:
             return self._vocab_rows(name, tensor, config)
         dim, start, stop = cut
-        return tensor.narrow(dim, start, stop - start).contiguous()
+        return _own(tensor.narrow(dim, start, stop - start))
 
     def shard_fp8(self, name: str, codes: torch.Tensor, scales: torch.Tensor,
                   config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +131,8 @@ class TensorParallel:
         if start % block or stop % block:
             raise ValueError(f"{name}: tensor parallel size {self.size} cuts it at {start}..{stop}, "
                              f"not on its FP8 blocks of {block}")
-        return (codes.narrow(dim, start, stop - start).contiguous(),
-                scales.narrow(dim, start // block, (stop - start) // block).contiguous())
+        return (_own(codes.narrow(dim, start, stop - start)),
+                _own(scales.narrow(dim, start // block, (stop - start) // block)))
 
     def fp8_refusals(self, config: ModelConfig) -> list[str]:
         """Why this rank cannot slice the FP8 matrices that the mono kernels read (`shard_fp8`):
@@ -174,8 +174,14 @@ class TensorParallel:
     def _vocab_rows(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         if self.size > 1 and name in ("embed", "head"):
             rows = self.part(config.vocab_size)
-            return tensor[rows.start:rows.stop].contiguous()
+            return _own(tensor[rows.start:rows.stop])
         return tensor
+
+
+def _own(part: torch.Tensor) -> torch.Tensor:
+    """A slice in storage of its own: it does not keep the whole tensor alive, and it starts
+    aligned (the mono kernels' 16-byte loads), which a view at an offset need not."""
+    return part.clone(memory_format=torch.contiguous_format)
 
 
 class RankSizes(NamedTuple):

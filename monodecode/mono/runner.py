@@ -49,8 +49,8 @@ log = logging.getLogger("monodecode.mono")
 def kernel_grids(shape: LaunchShape, sms: int, split_k2: bool = False) -> dict[str, int]:
     """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1 (`k1c`: a CSA
     layer's, two stages more), K2 and K3 (the routed experts); with `split_k2` (tensor
-    parallelism) K2's two launches instead of its one (`k2.stage_names`)."""
-    k2_families = k2.SPLIT_FAMILIES if split_k2 else ("k2",)
+    parallelism) also K2's two launches (`k2.SPLIT_FAMILIES`; "k2" then only sizes their GEMV tiles)."""
+    k2_families = ("k2", *k2.SPLIT_FAMILIES) if split_k2 else ("k2",)
     return {"k1": sms * shape.k1_programs_per_sm, "k1c": sms * shape.k1_programs_per_sm,
             **dict.fromkeys(k2_families, sms * shape.k2_programs_per_sm), "k3": sms * shape.expert_programs_per_sm}
 
