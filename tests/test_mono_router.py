@@ -84,6 +84,21 @@ def test_route_ties_go_to_the_lowest_expert(device):
     assert ids.cpu().tolist() == [[1, 3, 4, 2]]
 
 
+def test_a_rank_routes_as_one_and_keeps_its_own_picks(device):
+    """A tensor-parallel rank holding experts 4..7 of 8: the one-rank picks and weights, its own
+    picks renumbered from 0, the others' -1 (their weights kept: a row's weights stay normalised
+    over all k picks)."""
+    g = torch.Generator().manual_seed(5)
+    rows, experts, topk = 7, 8, 3
+    logits, slots = torch.randn(rows, experts, generator=g), pad_rows(g, rows).to(device)
+    bias = (torch.randn(experts, generator=g) / 4).to(device)
+    ids, weights = M.route(logits.to(device), slots, topk, SCALE, bias=bias, poison=True)
+    mine, my_weights = M.route(logits.to(device), slots, topk, SCALE, bias=bias, held=range(4, 8), poison=True)
+    held = ids >= 4
+    assert torch.equal(mine, torch.where(held, ids - 4, -1)) and torch.equal(my_weights, weights)
+    assert held.any() and ((ids >= 0) & ~held).any()
+
+
 def assert_groups_equal(ids, device):
     """Bit for bit what group_picks returns; gives the kernel's (order, experts, counts)."""
     got = tuple(a.cpu() for a in M.group(ids.to(device), poison=True))
@@ -133,6 +148,7 @@ def test_combine_matches_torch_sum(device, rows, with_shared):
     topk, d = 6, 80  # d = 80 with blocks of 32 leaves a masked tail
     ids = torch.randint(0, 256, (rows, topk), generator=g)
     ids[torch.rand(rows, generator=g) < 0.25] = -1
+    ids[torch.rand(rows, topk, generator=g) < 0.15] = -1  # single picks too: another rank's experts
     per_pick = torch.randn(rows * topk, d, generator=g) * 3
     per_pick[ids.flatten() < 0] = float("nan")
     shared = torch.randn(rows, d, generator=g).to(torch.bfloat16) if with_shared else None
