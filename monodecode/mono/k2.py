@@ -36,7 +36,14 @@ K3:
 y, post and comb of the FFN site are owed to the next layer's K1 (or the runner's final fold).
 Pad rows (slot < 0) route to no expert (ids -1), so their y holds the shared expert's output only;
 nothing reads a pad row's result.
-Waits: a grid barrier after every stage of a launch but its last (K2 6, K3 3), so a stage reads
+Tensor parallelism (runner.tp, N ranks; docs/ARCHITECTURE.md): a rank's heads, o groups and
+shared-expert slice (the runner's `RankSizes`), its own routed experts (ids local to them, -1
+for another rank's: `router.route_task`); K2 is then two launches, stages 0-2 (family "k2a") and
+3-6 ("k2f"), with `attn_out` (a partial sum: this rank's o groups) summed over the ranks between
+them, and K3's `y` (this rank's experts and shared slice) summed after K3 (`_launch_split`,
+`launch`: host collectives). At one rank K2 is one launch (family "k2").
+Waits: a grid barrier after every stage of a launch but its last (K2 6, split K2 2 and 3, K3 3),
+so a stage reads
 only what finished stages wrote; an expired wait names the stage it waited
 on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
@@ -431,15 +438,20 @@ def launch(runner, s, lw, cache, cur: int) -> int:
 
 
 def _launch_split(runner, s, attn: K2Attention, ffn: FfnArgs, meta: K2Meta) -> None:
-    """K2 under tensor parallelism: stages 0-2, the sum of the ranks' attention outputs (each
-    rank's wo_b reads only its o groups: a partial sum) into `attn_out`, where the fold reads it,
-    then stages 3-6. The reduction is a host collective between the launches."""
-    for family, name in zip(SPLIT_FAMILIES, ("K2 attention", "K2 FFN seam")):
-        first, last = _STAGE_RANGES[family]
-        runner.launch(_k2, name, family, attn, ffn._replace(sync=runner.sync_args(family)),
-                      meta=meta._replace(FIRST=first, LAST=last))
-        if family == "k2a":
-            s.attn_out.copy_(runner.tp.reduce(s.attn_out))
+    """K2 under tensor parallelism: stages 0-2, the sum over the ranks of the attention output
+    (each rank's wo_b reads only its o groups: a partial sum) into `attn_out`, where the fold
+    reads it, then stages 3-6. The reduction is a host collective between the launches."""
+    attention, front = SPLIT_FAMILIES
+    _launch_stages(runner, "K2 attention", attention, attn, ffn, meta)
+    s.attn_out.copy_(runner.tp.reduce(s.attn_out))
+    _launch_stages(runner, "K2 FFN seam", front, attn, ffn, meta)
+
+
+def _launch_stages(runner, name: str, family: str, attn: K2Attention, ffn: FfnArgs, meta: K2Meta) -> None:
+    """One launch of K2's stages of `family` (`_STAGE_RANGES`), on that family's sync state."""
+    first, last = _STAGE_RANGES[family]
+    runner.launch(_k2, name, family, attn, ffn._replace(sync=runner.sync_args(family)),
+                  meta=meta._replace(FIRST=first, LAST=last))
 
 
 def _entry_splits(lw, cache, rows: int, heads: int, topk: int, programs: int, fixed: int) -> int:

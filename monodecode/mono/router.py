@@ -251,8 +251,9 @@ def route(logits: torch.Tensor, slots: torch.Tensor, topk: int, route_scale: flo
     n = route_tasks(rows)
     _route[task_grid(n)](n, logits, logits.stride(0), slots, logits if hash_routed else bias,
                          tokens if hash_routed else slots, tid2eid if hash_routed else slots, ids, weights,
-                         num_experts, topk, float(route_scale), held.start, len(held), BE=triton.next_power_of_2(num_experts),
-                         BK=triton.next_power_of_2(topk), HASH=hash_routed, FAST=fast_dots(logits))
+                         num_experts, topk, float(route_scale), held.start, len(held),
+                         BE=triton.next_power_of_2(num_experts), BK=triton.next_power_of_2(topk), HASH=hash_routed,
+                         FAST=fast_dots(logits))
     return ids, weights
 
 

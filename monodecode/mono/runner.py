@@ -16,6 +16,11 @@ A step on the mono path:
   ops).
 Nothing in a step syncs with the host, so every step is graph-captured (one graph per width and
 cache).
+Tensor parallelism (`model.tp`; each rank a runner on its own Model): the kernels run the rank's
+slices (`sizes`, `TensorParallel.rank_sizes`), K2 as two launches with the attention output summed
+over the ranks between them, K3's output summed after it (k2.py); those sums are host
+collectives (gloo, NCCL), which a graph cannot capture, so under tensor parallelism the runner
+captures no graphs (first version; the in-kernel all-reduce is later work).
 Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
 at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """

@@ -18,6 +18,8 @@ What the kernels read, per layer:
   layer, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own,
   and on a CSA layer its indexer's compressor likewise, its bf16 `weights_proj` and (an FP8 copy,
   as above) its `wq_b`.
+Under tensor parallelism a rank's views are its slices (the FP8 matrices cut as the per-op ones,
+`TensorParallel.shard_fp8`; its own routed experts) and are checked against its `RankSizes`.
 """
 
 from __future__ import annotations
