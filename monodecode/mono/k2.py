@@ -43,8 +43,7 @@ for another rank's: `router.route_task`); K2 is then two launches, stages 0-2 (f
 them, and K3's `y` (this rank's experts and shared slice) summed after K3 (`_launch_split`,
 `launch`: host collectives). At one rank K2 is one launch (family "k2").
 Waits: a grid barrier after every stage of a launch but its last (K2 6, split K2 2 and 3, K3 3),
-so a stage reads
-only what finished stages wrote; an expired wait names the stage it waited
+so a stage reads only what finished stages wrote; an expired wait names the stage it waited
 on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
 nothing, it only finds out that it is last. Inside stage 0 a compressed layer's window tasks

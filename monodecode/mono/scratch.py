@@ -65,7 +65,8 @@ class Scratch:
         self.logits = f32(r, c.n_routed_experts)
         self.ids, self.route_weights = i32(r, k), f32(r, k)
         self.order, self.experts, self.counts = i32(picks), i32(picks), i32(picks)
-        self.shared_gate_up, self.shared_out = bf16(r, 2 * inter), bf16(r, d)  # gate: inter columns, then up
+        # gate: inter columns, then up (a tensor-parallel rank uses 2 I / N of them: K2 passes the stride)
+        self.shared_gate_up, self.shared_out = bf16(r, 2 * inter), bf16(r, d)
         self.route_ticket = torch.zeros(1, dtype=torch.int32, device=device)  # 0 between launches
         self.gate_up, self.h, self.per_pick = f32(picks, 2, inter), bf16(picks, inter), f32(picks, d)
         self.y = bf16(r, d)  # the FFN output, owed to the next layer's fold
