@@ -51,7 +51,8 @@ class Decoder:
 
     def draft(self):
         """The model's DSpark draft, built on first use; with the kernels in use, its stages run
-        on them (`KernelDraft`; "auto": per-op if they refuse the draft, the reasons logged)."""
+        on them (`KernelDraft`; "auto", and "on" under tensor parallelism, where the draft's
+        kernels are not built yet: per-op if they refuse the draft, the reasons logged)."""
         if self._draft is None:
             self._draft = self._build_draft()
         return self._draft
@@ -66,10 +67,10 @@ class Decoder:
         try:
             return KernelDraft(draft, DraftRunner(self.model, draft))
         except MonoRefused as refused:
-            if self.mono_mode == "on":
+            if self.mono_mode == "on" and self.model.tp.size == 1:
                 raise
             for reason in refused.reasons:
-                log.warning("mono auto: the draft runs per-op: %s", reason)
+                log.warning("mono %s: the draft runs per-op: %s", self.mono_mode, reason)
             return draft
 
     def close(self) -> None:

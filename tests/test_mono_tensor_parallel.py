@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
-from monodecode.decode import Decoder
+from monodecode.decode import Decoder, KernelDraft
 from monodecode.model import Model
 from monodecode.model.parallel import TensorParallel
 
@@ -62,8 +62,9 @@ def _rank(rank: int, size: int, store: str, results: str):
         decoder = Decoder(model, "on")
         logits = decode(decoder)
         launches = {family: state.epoch for family, state in decoder.mono.sync.items()}
-        torch.save({"logits": logits, "launches": launches, "heads": decoder.mono.config.num_attention_heads},
-                   f"{results}.{rank}")
+        draft_per_op = not isinstance(decoder.draft(), KernelDraft)  # "on" too: the draft's kernels refuse TP
+        torch.save({"logits": logits, "launches": launches, "heads": decoder.mono.config.num_attention_heads,
+                    "draft_per_op": draft_per_op}, f"{results}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -75,7 +76,7 @@ def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path):
     ranks = [torch.load(f"{results}.{rank}") for rank in range(2)]
     layers_run = len(STEPS) * tiny().num_hidden_layers
     for result in ranks:  # K2 ran as its two launches, each rank on its half of the heads
-        assert result["heads"] == tiny().num_attention_heads // 2
+        assert result["heads"] == tiny().num_attention_heads // 2 and result["draft_per_op"]
         assert result["launches"]["k2a"] == result["launches"]["k2f"] == result["launches"]["k3"] == layers_run
         assert result["launches"]["k2"] == 0
     one = decode(Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16), "on"))
