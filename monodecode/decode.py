@@ -29,7 +29,9 @@ class Decoder:
         Decoder, it decodes the same model with this `mono`."""
         self.model = model.model if isinstance(model, Decoder) else model
         self.mono_mode = mono
-        self.mono = build(self.model, mono)  # a MonoRunner, or None
+        # a MonoRunner, or None; a model over ranks (ranks.LeadingModel) builds one on every rank
+        build_mono = getattr(self.model, "build_mono", None)
+        self.mono = build_mono(mono) if build_mono else build(self.model, mono)
         self.fallbacks: Counter[str] = Counter()  # steps the kernels did not take, by reason
         self.last_path: str | None = None  # "mono" or "per-op": the path the last step took
         self._draft = None  # built on first use: a draft on the kernels compiles and graphs its own

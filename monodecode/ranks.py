@@ -9,7 +9,10 @@ The other ranks (`follow`) make the same calls in the same order, so every colle
 meets its partners. Caches are mirrored: each rank holds its own copy; the leader's
 `MirroredCache` forwards `clear`. The DSpark draft likewise (`LeadingDraft`: make_cache, commit,
 propose); the other ranks' proposals are thrown away (they sample with no generator: the
-sampling has no collective, so their steps still meet rank 0's).
+sampling has no collective, so their steps still meet rank 0's). The mono kernels likewise
+(`LeadingModel.build_mono`, which a `decode.Decoder` over it calls: every rank builds its own
+runner on its own part, and `LeadingRunner.step` sends each step the kernels take; whether they
+take it depends only on the step's rows and the cache, alike on every rank).
 Commands travel over a gloo group (Python objects) whatever carries the model's reductions
 (gloo on CPUs, NCCL on GPUs). `LeadingModel.close` (also at exit) stops the ranks; a rank whose
 leader vanished gets an error from its wait and exits, and every wait gives up after
@@ -109,6 +112,20 @@ class LeadingModel:
         self.send("score", token_ids)
         return self.model.score(token_ids)
 
+    def build_mono(self, mono: str):
+        """Every rank's mono runner for `mono` ("off", "auto", "on": `mono.build`), each on its own
+        part; rank 0's as a `LeadingRunner`, or None (off, or refused under "auto"). The command
+        goes first: building can launch the kernels, whose reductions need every rank. A rank
+        that refuses under "on" raises here on rank 0 (the others refuse alike and go on)."""
+        from .mono import build, check_mode
+
+        check_mode(mono)
+        if mono == "off":
+            return None
+        self.send("mono", mono)
+        runner = build(self.model, mono)
+        return None if runner is None else LeadingRunner(runner, self)
+
     def draft(self) -> "LeadingDraft":
         if self._draft is None:
             self.send("draft")
@@ -124,6 +141,27 @@ class LeadingModel:
         while not self._ranks.join():
             pass
         dist.destroy_process_group()
+
+
+class LeadingRunner:
+    """Rank 0's mono runner: each step the kernels take is sent to the other ranks, then run here;
+    everything else is the runner's own (its refusal is the same on every rank)."""
+
+    def __init__(self, runner, leader: LeadingModel):
+        self.runner, self._leader = runner, leader
+
+    def refusal(self, cache: MirroredCache, tokens, positions, slots) -> str | None:
+        return self.runner.refusal(cache.local, tokens, positions, slots)
+
+    def step(self, cache: MirroredCache, tokens, positions, slots, return_hidden: bool = False,
+             refusal_checked: bool = False):
+        tokens, positions, slots = _plain(tokens), _plain(positions), _plain(slots)
+        self._leader.send("mono_step", cache.id, tokens, positions, slots, return_hidden)
+        return self.runner.step(cache.local, tokens, positions, slots, return_hidden=return_hidden,
+                                refusal_checked=refusal_checked)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
 
 
 class LeadingDraft:
@@ -155,7 +193,7 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
     device = rank_device(device, rank)
     control = _join(rank, size, store, device)
     model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group())
-    caches, draft = {}, None
+    caches, draft, runner = {}, None, None
 
     def as_tensor(values):
         return torch.as_tensor(values, device=model.device)
@@ -178,6 +216,11 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
                 caches[cache_id].clear(slot)
             elif name == "score":
                 model.score(*args)
+            elif name == "mono":
+                runner = _follower_runner(model, *args)
+            elif name == "mono_step":
+                cache_id, tokens, positions, slots, return_hidden = args
+                runner.step(caches[cache_id], tokens, positions, slots, return_hidden=return_hidden)
             elif name == "draft":
                 draft = model.draft()
             elif name == "draft_make_cache":
@@ -194,6 +237,17 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
         except ValueError:
             pass  # bad input (a row out of range): rank 0 refused it too, by the same check, before any collective
     dist.destroy_process_group()
+
+
+def _follower_runner(model, mono: str):
+    """A follower's mono runner, built as rank 0 builds its own (`LeadingModel.build_mono`); None
+    where they refuse (rank 0 raises that under "on", then stops the ranks)."""
+    from .mono import MonoRefused, build
+
+    try:
+        return build(model, mono)
+    except MonoRefused:
+        return None
 
 
 def load_ranks(source, size: int, *, device="cpu", dtype=torch.float32, seed: int = 0) -> LeadingModel:

@@ -109,3 +109,24 @@ def test_the_draft_runs_per_op_under_tensor_parallelism():
     half = Model(model.config, model.w, "cpu", torch.bfloat16, model.checkpoint, tp=TensorParallel(rank=0, size=2))
     with pytest.raises(MonoRefused, match=r"draft's stages do not run on the kernels under tensor parallelism"):
         DraftRunner(half, half.draft())
+
+
+def test_generate_over_two_ranks_runs_the_kernels_on_each():
+    """What `generate` and `serve` start at `--tensor-parallel-size 2 --mono on`: rank 0's
+    Decoder builds a runner on every rank (`LeadingModel.build_mono`) and sends each decode step
+    the kernels take to the other rank; the greedy tokens are one process's on the kernels. Two
+    tokens: the second comes from a decode step on the kernels whose routing margins are >= 0.08
+    (at the third, a pick of layer 3 is 0.003 from a tie: bf16 noise flips it either way)."""
+    from monodecode.decode import load
+    from monodecode.generate import generate
+    from monodecode.ranks import LeadingRunner
+
+    prompt = [7, 70, 300, 12]
+    two = load("tiny", dtype=torch.bfloat16, mono="on", tensor_parallel_size=2)
+    try:
+        assert isinstance(two.mono, LeadingRunner) and two.mono.config.num_attention_heads == 2
+        tokens = generate(two, prompt, 2)
+        assert two.last_path == "mono" and two.mono.sync["k2f"].epoch > 0
+    finally:
+        two.close()
+    assert tokens == generate(load("tiny", dtype=torch.bfloat16, mono="on"), prompt, 2)
