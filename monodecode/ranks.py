@@ -1,4 +1,4 @@
-"""The per-op model over N processes, one a device (tensor parallelism: model/parallel.py).
+"""A model over N processes, one a device (tensor parallelism: model/parallel.py), per-op or on the kernels.
 
 `load_ranks(source, size, ...)`: this process becomes rank 0 and starts ranks 1 .. N-1
 (spawned; each loads its own part of the checkpoint on its own device: rank r on cuda:r, or all

@@ -48,9 +48,9 @@ on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a tic
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
 nothing, it only finds out that it is last. Inside stage 0 a compressed layer's window tasks
 wait (bounded, naming attend) at their pair's ticket (`Scratch.attend_tickets`, 0 between
-launches) for the SPLITS entry splits numbered before them, which wait on nothing. Rounding points: those of each stage module (bf16
-where the per-op path rounds; fp32 mixes, router scores and accumulations; each pick's expert
-output rounded to bf16).
+launches) for the SPLITS entry splits numbered before them, which wait on nothing.
+Rounding points: those of each stage module (bf16 where the per-op path rounds; fp32 mixes,
+router scores and accumulations; each pick's expert output rounded to bf16).
 Scratch: `Scratch` of the step's width (on a compressed layer also its attend park,
 `Scratch.park`, its entry splits' partials and tickets, and on a CSA layer K1's selection); the KV
 ring is the layer's
