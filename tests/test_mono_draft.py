@@ -176,18 +176,20 @@ def test_a_step_that_is_not_all_greedy_runs_stepwise(kernel_decoder):
     assert spec.greedy_step.refusal(9) == "more than 48 rows"
 
 
-@pytest.mark.parametrize("steps", [pytest.param(3, marks=pytest.mark.slow), 1])
-def test_synthetic_whole_steps_accept_as_stepwise_ones(kernel_decoder, steps):
+@pytest.mark.parametrize("requests,steps", [pytest.param(2, 3, marks=pytest.mark.slow), (1, 1)],
+                         ids=["2_requests_3_steps", "1_request_1_step"])
+def test_synthetic_whole_steps_accept_as_stepwise_ones(kernel_decoder, requests, steps):
     """Synthetic verification at temperature 0 runs whole (its uniforms drawn from each request's
     generator before the device work): with the same seeds and context, each step commits the
     tokens the stepwise path commits, and the generators end in the same state (B uniforms a
-    step, nothing else drawn on either path). 3 steps are `slow` (~30 s a step interpreted)."""
+    step, nothing else drawn on either path). Two requests for three steps are `slow` (~30 s a
+    step interpreted); by default one request (the widths the lossless test ran) for one."""
     from dataclasses import replace
 
     paths = []
     spec = speculative(kernel_decoder, "synthetic", paths=paths, synthetic_acceptance_length=3.0)
     whole = spec.greedy_step
-    prompts = [[7, 70, 300, 12], [5, 9, 41]]
+    prompts = [[7, 70, 300, 12], [5, 9, 41]][:requests]
     caches, requests = [], []
     for _ in range(2):  # [0]: whole steps, [1]: stepwise
         caches.append(spec.make_caches(num_slots=2, max_context=64))
