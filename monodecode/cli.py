@@ -332,6 +332,9 @@ def add_bench_commands(commands) -> None:
     decode.add_argument("--acceptance", type=float, default=3.51,
                         help="synthetic acceptance: mean tokens committed a step (default 3.51)")
     decode.add_argument("--context", type=positive_int_arg, default=256, help="tokens prefilled a request")
+    decode.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (default 0: greedy draft and appended tokens)")
+    decode.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (default 1: off)")
     decode.add_argument("--steps", type=positive_int_arg, default=20,
                         help="timed steps a request count (the median is kept)")
     decode.add_argument("--reps", type=positive_int_arg, default=20, help="timed repetitions of the head alone")

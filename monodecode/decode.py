@@ -109,9 +109,9 @@ class KernelDraft:
     def commit(self, cache, slot: int | list[int] | torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         self.draft.commit(cache, slot, positions, hidden)
 
-    def propose(self, cache, anchors, anchor_positions, slots, sampling):
+    def propose(self, cache, anchors, anchor_positions, slots, settings, uniforms):
         takes = self.runner.rows_refusal(len(slots) * self.block_size) is None
-        return self.draft.propose(cache, anchors, anchor_positions, slots, sampling,
+        return self.draft.propose(cache, anchors, anchor_positions, slots, settings, uniforms,
                                   stages=self.runner.stages(cache) if takes else None)
 
 

@@ -8,8 +8,8 @@ sends each call that reads or changes model state to the other ranks before maki
 The other ranks (`follow`) make the same calls in the same order, so every collective of a step
 meets its partners. Caches are mirrored: each rank holds its own copy; the leader's
 `MirroredCache` forwards `clear`. The DSpark draft likewise (`LeadingDraft`: make_cache, commit,
-propose); the other ranks' proposals are thrown away (they sample with no generator: the
-sampling has no collective, so their steps still meet rank 0's). The mono kernels likewise
+propose, with the settings and uniforms of rank 0's requests, so every rank drafts the same
+tokens; rank 0's proposal is the one used). The mono kernels likewise
 (`LeadingModel.build_mono`, which a `decode.Decoder` over it calls: every rank builds its own
 runner on its own part, and `LeadingRunner.step` sends each step the kernels take; whether they
 take it depends only on the step's rows and the cache, alike on every rank).
@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from .model import load_model
 from .presets import load_config
+from .sampling import RowSettings
 from .model.parallel import TensorParallel
 
 class RankError(RuntimeError):
@@ -181,10 +182,11 @@ class LeadingDraft:
         self._leader.send("draft_commit", cache.id, slot, _plain(positions), hidden.cpu())
         self.draft.commit(cache.local, slot, positions, hidden)
 
-    def propose(self, cache: MirroredCache, anchors, anchor_positions, slots, sampling):
-        unseeded = [(temperature, top_p, top_k, None) for temperature, top_p, top_k, _ in sampling]
-        self._leader.send("draft_propose", cache.id, _plain(anchors), _plain(anchor_positions), list(slots), unseeded)
-        return self.draft.propose(cache.local, anchors, anchor_positions, slots, sampling)
+    def propose(self, cache: MirroredCache, anchors, anchor_positions, slots, settings, uniforms):
+        plain_settings = (settings.values.cpu(), settings.greedy, settings.filters)
+        self._leader.send("draft_propose", cache.id, _plain(anchors), _plain(anchor_positions), list(slots),
+                          plain_settings, None if uniforms is None else uniforms.cpu())
+        return self.draft.propose(cache.local, anchors, anchor_positions, slots, settings, uniforms)
 
 
 def _follow(index: int, size: int, store: str, source: str, device: str, dtype: torch.dtype, seed: int):
@@ -230,8 +232,10 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
                 cache_id, slot, positions, hidden = args
                 draft.commit(caches[cache_id], slot, as_tensor(positions), hidden.to(model.device))
             elif name == "draft_propose":
-                cache_id, anchors, anchor_positions, slots, sampling = args
-                draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, sampling)
+                cache_id, anchors, anchor_positions, slots, (values, greedy, filters), uniforms = args
+                settings = RowSettings(values.to(model.device), greedy, filters)
+                draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, settings,
+                              None if uniforms is None else uniforms.to(model.device))
             else:
                 raise RankError(f"tensor-parallel rank {rank}: unknown command {name!r} from rank 0")
         except ValueError:

@@ -27,7 +27,8 @@
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
-#   bench-decode  monodecode bench decode on 4 layers
+#   bench-decode  monodecode bench decode on 4 layers at the request counts in $REQUESTS (default 1,2,4,8),
+#                 $TEMPERATURE (default 0) and $TOP_P (default 1)
 #   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
 #   profile       Nsight Compute's PC sampling of one step of the window layer's K1, K2 and K3 at $WIDTH rows
@@ -40,6 +41,7 @@
 set -u
 part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|ab|compiled|bench-decode|experts|profile}
 out=${OUT:?set OUT to the output folder}
+mkdir -p "$out"
 export PYTHONPATH=$PWD
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -111,7 +113,8 @@ case $part in
       --kinds "${KINDS:-window,CSA,HCA}" --shapes "${SHAPES:-default}" --compile "${MODE:-max-autotune-no-cudagraphs}" \
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
-    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --out "$out" >> "$out/$part.txt" 2>&1 ;;
+    timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --requests "${REQUESTS:-1,2,4,8}" \
+      --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.experts --shapes "${SHAPES:-default}" --out "$out" \
       >> "$out/$part.txt" 2>&1 ;;

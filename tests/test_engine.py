@@ -51,7 +51,7 @@ def test_batched_engine_equals_one_request_at_a_time(model, method):
 
 
 def test_a_whole_speculative_step_is_counted_as_such(model):
-    """The engine gives the speculative decoder its step counter: a whole greedy step on the
+    """The engine gives the speculative decoder its step counter: a whole step on the
     kernels (spec/step_graph.py; run in tests/test_mono_draft.py) counts as `whole`, a stepwise
     one only by the path of its verify step (here per-op: the kernels are off)."""
     spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5})

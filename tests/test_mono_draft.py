@@ -10,6 +10,7 @@ from monodecode.config import preset
 from monodecode.model import Model
 from monodecode.model.attention import RequestRows
 from monodecode.mono.draft_runner import DraftRunner
+from monodecode.sampling import RowSettings
 
 SLOTS = 6
 # A row whose routed experts sit at a near-tie in some stage (the k-th and (k+1)-th biased scores
@@ -101,9 +102,9 @@ def test_a_proposal_on_the_kernels(model, runner, device):
     lengths = [20, 4]
     caches, slots = context(model, draft, g, lengths, device)
     anchors = torch.randint(0, c.vocab_size, (len(lengths),), generator=g)
-    greedy = [(0.0, 1.0, 0, None)] * len(lengths)
-    ref = draft.propose(caches[0], anchors, torch.tensor(lengths), slots, greedy)
-    out = draft.propose(caches[1], anchors, torch.tensor(lengths), slots, greedy, stages=runner.stages(caches[1]))
+    greedy = RowSettings.of([(0.0, 1.0, 0)] * len(lengths), device)
+    ref = draft.propose(caches[0], anchors, torch.tensor(lengths), slots, greedy, None)
+    out = draft.propose(caches[1], anchors, torch.tensor(lengths), slots, greedy, None, stages=runner.stages(caches[1]))
     assert out.tokens.shape == ref.tokens.shape == (len(lengths), draft.block_size)
     assert (out.tokens[:, 0] == ref.tokens[:, 0]).all()  # the first token, from the anchor's row
     assert torch.isfinite(out.confidence).all() and ((0 < out.confidence) & (out.confidence < 1)).all()
@@ -158,49 +159,54 @@ def test_greedy_speculation_with_the_draft_on_the_kernels_is_lossless(kernel_dec
     assert out[:tokens] == generate(kernel_decoder, prompt, tokens)
 
 
-def test_a_step_that_is_not_all_greedy_runs_stepwise(kernel_decoder):
-    """A request above temperature 0 among greedy ones, or more rows than the kernels take: the
-    stepwise path (one step of the mix run, to see it counted). Synthetic verification of greedy
-    requests runs whole, as the other methods do."""
-    paths = []
-    spec = speculative(kernel_decoder, paths=paths)
+def test_which_steps_run_whole(kernel_decoder):
+    """Any verification method and any sampling settings run whole; more rows than the kernels
+    take run stepwise."""
+    spec = speculative(kernel_decoder)
     caches = spec.make_caches(num_slots=2, max_context=64)
     greedy = spec.prefill(caches, 0, [7, 70, 300])
-    sampled = spec.prefill(caches, 1, [5, 9], 1.0, 1.0, torch.Generator(kernel_decoder.device).manual_seed(0))
-    assert spec.takes_whole([greedy]) and not spec.takes_whole([greedy, sampled])
-    committed = spec.step(caches, [greedy, sampled])
-    assert paths == ["stepwise"]
-    assert [len(tokens) for tokens in committed] == [greedy.position - 3, sampled.position - 2]
-    assert speculative(kernel_decoder, "synthetic", synthetic_acceptance_length=3.0).takes_whole([greedy])
+    sampled = spec.prefill(caches, 1, [5, 9], 1.0, 0.9, torch.Generator(kernel_decoder.device).manual_seed(0), top_k=7)
+    assert spec.takes_whole([greedy]) and spec.takes_whole([greedy, sampled])
+    for method, extra in (("greedy", {}), ("block", {}), ("synthetic", {"synthetic_acceptance_length": 3.0})):
+        assert speculative(kernel_decoder, method, **extra).takes_whole([sampled, greedy])
     assert not spec.takes_whole([greedy] * 9)  # 54 verify rows
-    assert spec.greedy_step.refusal(9) == "more than 48 rows"
+    assert spec.whole_step.refusal(9) == "more than 48 rows"
 
 
-@pytest.mark.parametrize("requests,steps", [pytest.param(2, 3, marks=pytest.mark.slow), (1, 1)],
-                         ids=["2_requests_3_steps", "1_request_1_step"])
-def test_synthetic_whole_steps_accept_as_stepwise_ones(kernel_decoder, requests, steps):
-    """Synthetic verification at temperature 0 runs whole (its uniforms drawn from each request's
-    generator before the device work): with the same seeds and context, each step commits the
-    tokens the stepwise path commits, and the generators end in the same state (B uniforms a
-    step, nothing else drawn on either path). Two requests for three steps are `slow` (~30 s a
-    step interpreted); by default one request (the widths the lossless test ran) for one."""
+# (method, each request's (temperature, top_p, top_k), steps). By default one sampled request
+# (the lossless test's widths) for one step; the rest `slow` (~30 s a step interpreted).
+WHOLE_AS_STEPWISE = [
+    pytest.param("block", [(0.8, 0.9, 20)], 1, id="block_1_sampled_request_1_step"),
+    pytest.param("standard", [(0.7, 1.0, 0), (0.0, 1.0, 0)], 3, id="standard_sampled_and_greedy_3_steps",
+                 marks=pytest.mark.slow),
+    pytest.param("synthetic", [(0.0, 1.0, 0), (0.0, 1.0, 0)], 3, id="synthetic_2_greedy_3_steps", marks=pytest.mark.slow),
+    pytest.param("synthetic", [(1.0, 0.5, 0)], 2, id="synthetic_1_sampled_2_steps", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("method,settings,steps", WHOLE_AS_STEPWISE)
+def test_whole_steps_commit_what_stepwise_ones_do(kernel_decoder, method, settings, steps):
+    """A whole step draws each request's uniforms before its device work, as the stepwise path
+    draws them (spec/draws.py): with the same seeds and context, each step commits the tokens the
+    stepwise path commits, and the generators end in the same state."""
     from dataclasses import replace
 
     paths = []
-    spec = speculative(kernel_decoder, "synthetic", paths=paths, synthetic_acceptance_length=3.0)
-    whole = spec.greedy_step
-    prompts = [[7, 70, 300, 12], [5, 9, 41]][:requests]
+    extra = {"synthetic_acceptance_length": 3.0} if method == "synthetic" else {}
+    spec = speculative(kernel_decoder, method, paths=paths, **extra)
+    whole = spec.whole_step
+    prompts = [[7, 70, 300, 12], [5, 9, 41]][:len(settings)]
     caches, requests = [], []
     for _ in range(2):  # [0]: whole steps, [1]: stepwise
         caches.append(spec.make_caches(num_slots=2, max_context=64))
-        requests.append([replace(spec.prefill(caches[-1], slot, prompt),
+        requests.append([replace(spec.prefill(caches[-1], slot, prompt), temperature=t, top_p=p, top_k=k,
                                  generator=torch.Generator(kernel_decoder.device).manual_seed(40 + slot))
-                         for slot, prompt in enumerate(prompts)])
+                         for slot, (prompt, (t, p, k)) in enumerate(zip(prompts, settings))])
     for _ in range(steps):
         committed = spec.step(caches[0], requests[0])
-        spec.greedy_step = None
+        spec.whole_step = None
         assert spec.step(caches[1], requests[1]) == committed
-        spec.greedy_step = whole
+        spec.whole_step = whole
     assert paths == ["whole", "stepwise"] * steps
     for a, b in zip(*requests):
         assert (a.position, a.anchor) == (b.position, b.anchor)
@@ -220,7 +226,7 @@ def test_a_kernel_error_in_a_whole_step_is_raised_after_it(kernel_decoder):
     before = (request.position, request.anchor)
     words = spec.draft.runner.sync["k1"].words
     words[ERROR] = 1  # as a wait of the first stage that gave up
-    with pytest.raises(MonoSyncError, match="whole greedy speculative step.*the draft's kernels: a persistent "
+    with pytest.raises(MonoSyncError, match="whole speculative step.*the draft's kernels: a persistent "
                                             "kernel gave up waiting in stage 'k1 fold'"):
         spec.step(caches, [request])
     assert (request.position, request.anchor) == before and spec.stats.steps == 0 and paths == []
@@ -228,21 +234,26 @@ def test_a_kernel_error_in_a_whole_step_is_raised_after_it(kernel_decoder):
 
 
 @pytest.mark.gpu
-def test_whole_greedy_steps_replay_bit_exact(kernel_decoder):
-    """300 whole greedy steps, 1 / 8 / 2 requests in turn, on caches where each request count's
-    step is a CUDA graph (run eagerly at its first step, captured and replayed at its second,
-    replayed after): each step's committed tokens, logits and the requests' new anchors and
-    positions are bit-equal to the same step run eagerly (graphs off) on a second set of caches
-    that holds the same context."""
+def test_whole_steps_replay_bit_exact(kernel_decoder):
+    """300 whole steps (standard verification), 1 / 8 / 2 requests in turn, every other request
+    sampled (temperature 0.7, top-p 0.9, its own seeded generator), on caches where each key's
+    step is a CUDA graph (1 request: all greedy; 8 and 2: sampled and filtering): each step's
+    committed tokens, logits and the requests' new anchors and positions are bit-equal to the same
+    step run eagerly (graphs off) on a second set of caches and requests with the same context
+    and seeds."""
+    from dataclasses import replace
+
     paths = []
-    spec = speculative(kernel_decoder, "greedy", paths=paths)
-    whole = spec.greedy_step
+    spec = speculative(kernel_decoder, "standard", paths=paths)
+    whole = spec.whole_step
     assert whole.graphs_enabled
     prompts = [[3 + s, 14, 15, 92, 65][:2 + s % 4] for s in range(8)]
     caches, requests = [], []
     for _ in range(2):  # [0]: graphs, [1]: eager
         caches.append(spec.make_caches(num_slots=8, max_context=2048))  # request 0: <= 6 positions a step
-        requests.append([spec.prefill(caches[-1], slot, prompt) for slot, prompt in enumerate(prompts)])
+        requests.append([replace(spec.prefill(caches[-1], slot, prompt), temperature=0.7 * (slot % 2), top_p=0.9,
+                                 generator=torch.Generator(kernel_decoder.device).manual_seed(slot))
+                         for slot, prompt in enumerate(prompts)])
     for i in range(300):
         n = (1, 8, 2)[i % 3]
         committed, logits = spec.step(caches[0], requests[0][:n], return_logits=True)
@@ -253,4 +264,4 @@ def test_whole_greedy_steps_replay_bit_exact(kernel_decoder):
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), i
         assert [(r.position, r.anchor) for r in requests[0]] == [(r.position, r.anchor) for r in requests[1]], i
     assert paths == ["whole"] * 600
-    assert sorted(key[0] for key in whole.graphs) == [1, 2, 8]
+    assert sorted(key[:3] for key in whole.graphs) == [(1, True, False), (2, False, True), (8, False, True)]

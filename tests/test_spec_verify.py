@@ -17,11 +17,12 @@ import json
 import pytest
 import torch
 
-from monodecode.sampling import probabilities, sample, sample_from
+from monodecode.sampling import pick, probabilities, sample, sample_from
 from monodecode.spec import verify as verify_module
-from monodecode.spec.config import SpeculativeConfig
+from monodecode.spec.config import REJECTION_SAMPLE_METHODS, SpeculativeConfig
+from monodecode.spec.draws import draw_uniforms, uniforms_per_step
 from monodecode.spec.verify import (Verdict, synthetic_acceptance_rate, verify, verify_batch, verify_block,
-                                    verify_greedy, verify_greedy_batch, verify_standard, verify_synthetic)
+                                    verify_greedy, verify_standard, verify_synthetic)
 
 V, K = 6, 3
 TRIALS = 15_000
@@ -153,7 +154,8 @@ def test_greedy_verifies_requests_together_as_one_by_one():
     """The four hand-built cases above as one batch of four requests: each its own verdict."""
     cases = [([2, 0, 3], 3, [2, 0, 3, 1]), ([4, 0, 3], 0, [2]), ([2, 1, 3], 1, [2, 0]), ([2, 0, 4], 2, [2, 0, 3])]
     logits = torch.stack([greedy_logits([2, 0, 3, 1], vocab=5, seed=10 + i) for i in range(len(cases))])
-    verdicts = verify_greedy_batch(logits, torch.tensor([drafts for drafts, _, _ in cases]))
+    greedy = [(0.0, 1.0, 0, None)] * len(cases)
+    verdicts = verify_batch("greedy", logits, torch.tensor([drafts for drafts, _, _ in cases]), None, greedy)
     assert verdicts == [Verdict(accepted, tokens) for _, accepted, tokens in cases]
 
 
@@ -172,6 +174,8 @@ def test_temperature_zero_is_exactly_greedy(method):
                        else torch.randn(k, vocab, generator=g).softmax(dim=-1))
         top_p = [1.0, 0.9, 0.3][case % 3]
         expected = verify_greedy(logits, drafts)
+        rule = verify_standard if method == "standard" else verify_block  # the rule itself, on one-hot rows
+        assert rule(probabilities(logits, 0.0, top_p), drafts, draft_probs, g) == expected
         assert verify(method, logits, drafts, draft_probs, temperature=0.0, top_p=top_p, generator=g) == expected
         seen.add(expected.accepted)
     assert seen == set(range(k + 1))  # every accepted count, 0 (first rejected) to k (bonus), was checked
@@ -352,6 +356,43 @@ def test_probabilities_is_what_sample_draws_from():
     greedy = probabilities(logits, 0.0, 0.5)
     assert torch.equal(greedy, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
     assert torch.equal(sample(logits, 0.0), logits.argmax(-1))
+
+
+def test_pick_draws_each_token_with_its_weight():
+    """The inverse CDF: tokens drawn in proportion to their weights (which need not sum to 1), a
+    token of weight 0 never, not even by the uniforms at the ends of [0, 1), and a one-hot row's
+    token by every uniform."""
+    g = torch.Generator().manual_seed(52)
+    weights = torch.tensor([0.0, 3.0, 0.5, 0.0, 1.5, 0.0])
+    n = 60_000
+    tokens = pick(weights.expand(n, -1), torch.rand(n, generator=g))
+    assert chi_square_pvalue(torch.bincount(tokens, minlength=6), weights / weights.sum()) > LOSSLESS_P
+    ends = torch.tensor([0.0, 1 - 2**-24])
+    for row in (weights, torch.tensor([0.0, 0.0, 1.0, 0.0]), torch.tensor([2.0, 1e-30, 0.0, 0.0]),
+                torch.tensor([1e-30, 0.0, 3.0, 0.0])):
+        assert (row[pick(row.expand(2, -1), ends)] > 0).all(), row
+    one_hot = torch.nn.functional.one_hot(torch.tensor([3, 0, 5]), 6).float()
+    assert torch.equal(pick(one_hot[:, None].expand(-1, 50, -1), torch.rand(3, 50, generator=g)),
+                       torch.tensor([3, 0, 5])[:, None].expand(-1, 50))
+
+
+@pytest.mark.parametrize("method", REJECTION_SAMPLE_METHODS)
+def test_a_request_draws_its_uniforms_only_where_they_can_change_its_tokens(method):
+    """spec/draws.py: above temperature 0, or under synthetic verification, a request's 2B + 1
+    uniforms of a step come from its generator in one draw; otherwise it draws none (its row is
+    zeros, its generator untouched)."""
+    b = 5
+    generators = [torch.Generator().manual_seed(80 + i) for i in range(3)]
+    sampling = [(0.0, 1.0, 0, generators[0]), (0.8, 0.9, 0, generators[1]), (0.0, 0.5, 3, generators[2])]
+    out = torch.full((3, uniforms_per_step(b)), 7.0)
+    draw_uniforms(sampling, method, out)
+    for i, (temperature, *_) in enumerate(sampling):
+        again = torch.Generator().manual_seed(80 + i)
+        if temperature > 0 or method == "synthetic":
+            assert torch.equal(out[i], torch.rand(2 * b + 1, generator=again))
+        else:
+            assert torch.equal(out[i], torch.zeros(2 * b + 1))
+        assert torch.equal(generators[i].get_state(), again.get_state())
 
 
 # ---------------------------------------------------------------------------------------------

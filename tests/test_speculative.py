@@ -11,7 +11,8 @@ from monodecode.cli import main
 from monodecode.config import preset
 from monodecode.generate import generate, generate_speculative
 from monodecode.model import load_model
-from monodecode.model.draft import _sampled as sampled
+from monodecode.model.draft import _drawn as drawn
+from monodecode.sampling import RowSettings
 from monodecode.spec.config import SpeculativeConfig
 from monodecode.spec.decoder import SpeculativeDecoder
 
@@ -91,9 +92,10 @@ def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):
     caches = decoder.make_caches(num_slots=2, max_context=64)
     request = decoder.prefill(caches, 1, [3, 1, 4, 1, 5, 9, 2, 6])
     before = [ring.pos.clone() for ring in caches.draft.rings]
+    uniforms = torch.rand(1, 5, generator=torch.Generator().manual_seed(0)).to(model.device)
     proposal = decoder.draft.propose(caches.draft, torch.tensor([request.anchor]),
-                                     torch.tensor([request.position]), [1],
-                                     [(0.7, 0.9, 0, torch.Generator(model.device).manual_seed(0))])
+                                     torch.tensor([request.position]), [1], RowSettings.of([(0.7, 0.9, 0)], model.device),
+                                     uniforms)
     assert proposal.tokens.shape == (1, 5) and proposal.probs.shape == (1, 5, 512)
     assert torch.allclose(proposal.probs.sum(-1).cpu(), torch.ones(1, 5))
     drawn = proposal.probs.gather(-1, proposal.tokens.unsqueeze(-1))
@@ -106,49 +108,48 @@ def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):
 def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
     """With every request at temperature 0 the draft's head takes its batched greedy path (a CUDA
     graph a request count on a GPU, replayed here a second time): the tokens, one-hot
-    distributions and confidences of the sampling path at temperature 0, and no generator drawn."""
+    distributions and confidences of the sampling path at temperature 0, whatever its uniforms."""
     decoder = SpeculativeDecoder(model, spec("greedy"))
     caches = decoder.make_caches(num_slots=3, max_context=64)
     requests = [decoder.prefill(caches, s, [s + 3, 1, 4, 1, 5][:s + 3]) for s in range(3)]
     draft, r = decoder.draft, len(requests)
     anchors = torch.tensor([q.anchor for q in requests])
     args = (caches.draft, anchors, torch.tensor([q.position for q in requests]), [q.slot for q in requests])
-    generators = [torch.Generator(model.device).manual_seed(s) for s in range(r)]
-    states = [g.get_state() for g in generators]
+    uniforms = torch.rand(r, 5, generator=torch.Generator().manual_seed(4)).to(model.device)
+    greedy_settings = RowSettings.of([(0.0, 0.9, 5)] * r, model.device)
     for _ in range(2):
-        greedy = draft.propose(*args, [(0.0, 0.9, 5, g) for g in generators])
-    assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
+        greedy = draft.propose(*args, greedy_settings, None)
     streams = draft.model.embed(torch.full((r * draft.block_size,), 7, device=model.device))
     hb, base = draft._head(streams, None, r)
-    assert torch.equal(draft._greedy_markov(streams, None, anchors.to(model.device)).tokens,
-                       draft._markov_sample(base, hb, anchors.to(model.device),
-                                           partial(sampled, sampling=[(0.0, 1.0, 0, None)] * r)).tokens)
+    sampled_at_zero = partial(drawn, settings=RowSettings.of([(0.0, 1.0, 0), (1e-6, 1.0, 0), (0.0, 1.0, 0)], model.device),
+                              uniforms=uniforms)
+    assert torch.equal(draft._greedy_markov(streams, None, anchors.to(model.device)).tokens[[0, 2]],
+                       draft._markov_sample(base, hb, anchors.to(model.device), sampled_at_zero).tokens[[0, 2]])
     # the whole proposal against the sampling path, which a request above temperature 0 forces
-    mixed = draft.propose(*args, [(0.0, 1.0, 0, None)] * (r - 1) + [(1e-6, 1.0, 0, torch.Generator(model.device))])
+    mixed = draft.propose(*args, RowSettings.of([(0.0, 1.0, 0)] * (r - 1) + [(1e-6, 1.0, 0)], model.device), uniforms)
     assert torch.equal(mixed.tokens[:r - 1], greedy.tokens[:r - 1])
     assert torch.equal(mixed.probs[:r - 1], greedy.probs[:r - 1])
     assert torch.equal(mixed.confidence, greedy.confidence)
     assert torch.equal(greedy.probs.argmax(-1), greedy.tokens) and torch.equal(greedy.probs.sum(-1), torch.ones(r, 5).to(greedy.probs))
 
 
-def test_like_requests_sample_together_as_they_would_alone():
-    """The draft's sampling: distributions of requests with equal settings computed as one batch,
-    tokens drawn each with its own generator, equal (distributions and tokens) to one request at
-    a time, a greedy request among them included."""
-    from monodecode.sampling import probabilities, sample_from
+def test_requests_of_any_settings_sample_together_as_they_would_alone():
+    """The draft's draws: the distributions of requests with different settings computed in one
+    batch, each request's token picked by its own uniform, equal (distributions and tokens) to
+    one request at a time through `probabilities` and `pick`, a greedy request among them."""
+    from monodecode.sampling import pick, probabilities
 
     g = torch.Generator().manual_seed(3)
     logits = 3 * torch.randn(7, 50, generator=g)
+    uniforms = torch.rand(7, 5, generator=g)
     settings = [(0.8, 0.9, 0), (0.8, 0.9, 0), (1.0, 1.0, 5), (0.0, 1.0, 0), (0.8, 0.9, 0), (1.3, 0.5, 0),
-                (1.0, 1.0, 5)]
-    for case in (settings, [settings[0]] * 7):  # mixed, and all alike (the batch as a whole)
-        generators = [torch.Generator().manual_seed(10 + i) for i in range(7)]
-        alone = [torch.Generator().manual_seed(10 + i) for i in range(7)]
-        tokens, probs = sampled(logits, [(*s, gen) for s, gen in zip(case, generators)])
-        for i, (s, gen) in enumerate(zip(case, alone)):
+                (1.0, 0.7, 5)]
+    for case in (settings, [settings[0]] * 7):  # mixed, and all alike
+        tokens, probs = drawn(logits, 2, settings=RowSettings.of(case), uniforms=uniforms)
+        for i, s in enumerate(case):
             expected = probabilities(logits[i], *s)
             assert torch.equal(probs[i], expected)
-            assert tokens[i] == sample_from(expected, gen)
+            assert tokens[i] == pick(expected, uniforms[i, 2])
 
 
 def test_synthetic_mode_hits_its_acceptance_length(model):

@@ -15,6 +15,7 @@ from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
 from monodecode.model import Model
 from monodecode.model.parallel import SINGLE, TensorParallel
+from monodecode.sampling import RowSettings
 
 
 def tiny(size: int, name: str = "tiny"):
@@ -51,8 +52,8 @@ def draft_probs(model: Model) -> torch.Tensor:
         _, hidden = model.step(cache, torch.randint(0, model.config.vocab_size, (n,), generator=g), torch.arange(n),
                                [slot] * n, return_hidden=True)
         draft.commit(dcache, slot, torch.arange(n), hidden)
-    greedy = [(0.0, 1.0, 0, None)] * 2
-    return draft.propose(dcache, torch.tensor([3, 9]), torch.tensor([7, 4]), [0, 1], greedy).probs
+    greedy = RowSettings.of([(0.0, 1.0, 0)] * 2, model.device)
+    return draft.propose(dcache, torch.tensor([3, 9]), torch.tensor([7, 4]), [0, 1], greedy, None).probs
 
 
 def _rank(rank: int, size: int, name: str, store: str, results: str):

@@ -4,14 +4,15 @@ A model of the first N layers of `--preset` (synthetic weights, bf16; N = `--lay
 many as the GPU holds with the mono kernels' copies, stated in the report) and its DSpark draft.
 For each request count B of `--requests`: B requests, each with `--context` prefilled tokens, decode
 `--steps` speculative steps with synthetic verification (`--acceptance`: the mean tokens committed
-a step), the target verifying B x (1 + block) rows a step, through
+a step; `--temperature` and `--top-p`: how the draft and the appended tokens are drawn), the target
+verifying B x (1 + block) rows a step, through
 - `per-op graph`: the per-op layers in fixed shapes (`bench/batched.py` BatchedLayer: the routed
   experts dequantized to bf16 once, about 12.9 GB a v4-flash layer, so only when they fit) and
   the head, captured in a CUDA graph per width;
 - `mono stepwise`: the mono runner (K1, K2, K3 a layer, its CUDA graph per width) for the verify
   step, the draft's stages on the kernels (`Decoder.draft`), the rest as the per-op path runs it;
 - `mono`: the whole step (spec/step_graph.py: draft, verify step, commits and verification as one
-  CUDA graph a request count), what the engine runs for greedy requests on the kernels.
+  CUDA graph a request count), what the engine runs on the kernels.
 Per path and B: the median step time; stepwise, split into the draft's proposal (of which, on
 mono stepwise, its stages on the kernels: the draft runner's steps), the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
@@ -39,6 +40,7 @@ from ..config import preset
 from ..decode import Decoder
 from ..model import Model
 from ..model.weights import free_memory, resident_bytes
+from ..sampling import check_sampling
 from ..spec.config import SpeculativeConfig
 from ..spec.decoder import SpecRequest, SpeculativeDecoder
 from .batched import BatchedLayer
@@ -140,7 +142,7 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     verify = Timer(target_step, model.device)
     decoder = SpeculativeDecoder(model, config, target_step=verify)
     if not whole:
-        decoder.greedy_step = None
+        decoder.whole_step = None
     elif not decoder.takes_whole(requests):
         raise SystemExit(f"mono: a step of {len(requests)} requests does not run whole here")
     draft = decoder.draft
@@ -150,9 +152,9 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     stages = Timer(runner.step, model.device) if runner else None
     if runner:
         runner.step = stages
-    device_work = Timer(decoder.greedy_step.device_work, model.device) if whole else None
+    device_work = Timer(decoder.whole_step.device_work, model.device) if whole else None
     if whole:
-        decoder.greedy_step.device_work = device_work
+        decoder.whole_step.device_work = device_work
     step = Timer(decoder.step, model.device)
     try:
         for _ in range(2):
@@ -173,10 +175,12 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds)}
 
 
-def seeded(requests: list[SpecRequest], device) -> list[SpecRequest]:
-    """Copies of the requests, each with a generator seeded by its slot: every path draws the same
-    synthetic acceptances, so their tokens a step are equal and tokens/s compare step times."""
-    return [replace(r, generator=torch.Generator(device).manual_seed(r.slot)) for r in requests]
+def seeded(requests: list[SpecRequest], device, temperature: float, top_p: float) -> list[SpecRequest]:
+    """Copies of the requests at `temperature` and `top_p`, each with a generator seeded by its
+    slot: every path draws the same uniforms, so the same synthetic acceptances, and tokens/s
+    compare step times."""
+    return [replace(r, temperature=temperature, top_p=top_p, generator=torch.Generator(device).manual_seed(r.slot))
+            for r in requests]
 
 
 def head_seconds(model: Model, rows: int, reps: int) -> float:
@@ -185,6 +189,7 @@ def head_seconds(model: Model, rows: int, reps: int) -> float:
 
 
 def run(args) -> int:
+    check_sampling(args.temperature, args.top_p)
     device = torch.device(args.device)
     layers = layers_that_fit(args.preset, device) if args.layers == "fit" else args.layers
     started = time.strftime("%Y-%m-%d %H:%M")
@@ -212,8 +217,8 @@ def run(args) -> int:
         for path, decoder, step, whole in paths:
             if step is None:
                 continue
-            m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device), args.steps,
-                        args.acceptance, whole)
+            m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device, args.temperature, args.top_p),
+                        args.steps, args.acceptance, whole)
             timed_parts = (m["device_s"],) if whole else (m["draft_s"], m["verify_s"])
             rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
                          "other_s": m["step_s"] - sum(timed_parts)})
@@ -222,13 +227,14 @@ def run(args) -> int:
               "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
               "preset": args.preset, "layers": layers, "layer_kinds": list(model.config.compress_ratios),
               "context": args.context, "block": block, "acceptance": args.acceptance, "steps": args.steps,
+              "temperature": args.temperature, "top_p": args.top_p,
               "mono_shape": model.mono.shape.spec(), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_decode.json").write_text(json.dumps(report, indent=1))
     print(f"{report['device']}, torch {report['torch']}, Triton {report['triton']}; {args.preset}, {layers} layers "
           f"(compress ratios {report['layer_kinds']}), context {args.context}, block {block}, synthetic "
-          f"acceptance {args.acceptance}\nwrote {out / 'bench_decode.json'}")
+          f"acceptance {args.acceptance}, temperature {args.temperature}, top-p {args.top_p}\nwrote {out / 'bench_decode.json'}")
     return 0
 
 

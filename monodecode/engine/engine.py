@@ -5,8 +5,8 @@ Each `step()`:
    prefill (per-op) within the step's token budget;
 2. every request whose prompt is done decodes in one step: a row each (`Decoder.step`, which
    picks the path: the mono kernels or per-op), or under speculation 1 + k rows each
-   (`SpeculativeDecoder.step`, its verify rows through the same `Decoder`, or, greedy with the
-   kernels running target and draft, the whole step at once); the metrics count the path each
+   (`SpeculativeDecoder.step`, its verify rows through the same `Decoder`, or, with the kernels
+   running target and draft, the whole step at once); the metrics count the path each
    decode step took (mono, per-op, or whole);
 3. the prompt chunks run, together in one per-op step (one step each under speculation); the
    last chunk of a prompt samples the request's first token;

@@ -2,7 +2,7 @@
 
 Counters: requests (by how they ended), prompt and generation tokens, decode steps by path
 (mono or per-op: the path of the step, or of a speculative step's verify rows; whole: a whole
-greedy speculative step on the kernels, spec/step_graph.py), prefill chunks; gauges: running and
+speculative step on the kernels, spec/step_graph.py), prefill chunks; gauges: running and
 waiting requests, mean acceptance length of speculative decoding; histograms: time to first
 token and inter-token latency (seconds).
 """

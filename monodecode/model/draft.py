@@ -19,12 +19,13 @@ its Markov tables are named `markov_head.embed` / `markov_head.head` (`markov_w1
 below).
 
 The Markov head then samples left to right: with prev = anchor, for k = 0..B-1,
-`logits_k = U_k + markov_w2 @ markov_w1[prev]`, d_k ~ probabilities(logits_k), and the confidence
+`logits_k = U_k + markov_w2 @ markov_w1[prev]`, d_k ~ probabilities(logits_k) (picked by the
+request's k-th uniform of the step, spec/draws.py), and the confidence
 `c_k = sigmoid(w_conf . [hb_k ; markov_w1[prev]])` (hb: the pre-norm hc_head output) estimates
 the chance that d_k survives verification.
 
 When every request of a proposal is greedy (temperature 0), d_k is the argmax of logits_k and
-its distribution the one-hot there: no generator is drawn from, and on a GPU the whole head
+its distribution the one-hot there: no uniform is read, and on a GPU the whole head
 (hc_head, norm, lm_head, the Markov and confidence heads) replays as one CUDA graph per request
 count (`_greedy_head`; the same operations as eagerly, so the same tokens).
 """
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..sampling import grouped_probabilities, sample_from
+from ..sampling import RowSettings, pick, row_probabilities
 from .attention import Attention, RequestRows
 from .cache import PositionRing
 from .delayed_block import DelayedBlock, entry_pre
@@ -134,12 +135,12 @@ class Draft:
 
     @torch.no_grad()
     def propose(self, cache: DraftCache, anchors: torch.Tensor, anchor_positions: torch.Tensor,
-                slots: list[int], sampling: list[tuple[float, float, int, torch.Generator | None]], *,
-                stages=None) -> Proposal:
-        """One block for each of R requests: anchors, anchor_positions [R], their slots, and
-        per request (temperature, top_p, top_k, generator). `stages`: a callable (tokens,
-        positions, slots of the R * B rows) -> the streams after the last stage, run instead of
-        the per-op stages (the kernels: `mono.DraftRunner.stages`)."""
+                slots: list[int], settings: RowSettings, uniforms: torch.Tensor | None, *, stages=None) -> Proposal:
+        """One block for each of R requests: anchors, anchor_positions [R], their slots, their
+        sampling `settings`, and the Markov head's uniforms [R, B] (spec/draws.py; unread when
+        every request is greedy). `stages`: a callable (tokens, positions, slots of the R * B
+        rows) -> the streams after the last stage, run instead of the per-op stages (the
+        kernels: `mono.DraftRunner.stages`)."""
         r, b = anchors.shape[0], self.block_size
         device = self.model.device
         tokens = torch.full((r, b), self.c.dspark_noise_token_id, dtype=torch.long, device=device)
@@ -161,10 +162,18 @@ class Draft:
         else:
             streams = stages(tokens.flatten(), positions.flatten(), torch.tensor(slots).repeat_interleave(b))
         anchors = anchors.to(device)
-        if all(temperature == 0 for temperature, *_ in sampling):
+        if settings.greedy:
             return self._greedy_head(streams, pre, anchors)
-        hb, base = self._head(streams, pre, r)
-        return self._markov_sample(base, hb, anchors, functools.partial(_sampled, sampling=sampling))
+        return self.sampled_head(streams, pre, anchors, settings, uniforms)
+
+    def sampled_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor,
+                     settings: RowSettings, uniforms: torch.Tensor) -> Proposal:
+        """The head of a proposal (`propose`'s, from the stages' output `streams`) whose draws
+        pick by the uniforms [R, B], with no host sync: a whole speculative step
+        (spec/step_graph.py) holds it in its graph. Greedy requests among others take the argmax
+        (their distributions are one-hot)."""
+        hb, base = self._head(streams, pre, anchors.shape[0])
+        return self._markov_sample(base, hb, anchors, functools.partial(_drawn, settings=settings, uniforms=uniforms))
 
     def _head(self, streams: torch.Tensor, pre: torch.Tensor | None, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's merged output hb [R, B, d] (V4: its hc_head; V4.1: the collapse with
@@ -186,14 +195,14 @@ class Draft:
         confidence = torch.sigmoid(F.linear(features, w[f"{self.last}confidence_head.proj"].float())).squeeze(-1)
         return logits, confidence
 
-    def _markov_sample(self, base, hb, anchors, pick) -> Proposal:
-        """Left to right from the anchors: position k's logits, then `pick(logits)` -> (the
+    def _markov_sample(self, base, hb, anchors, draw) -> Proposal:
+        """Left to right from the anchors: position k's logits, then `draw(logits, k)` -> (the
         tokens [R], the distributions [R, vocab] they came from)."""
         prev = anchors
         drafted, dists, confidence = [], [], []
         for k in range(self.block_size):
             logits, sure = self._markov_step(base[:, k], hb[:, k], prev)
-            prev, probs = pick(logits)
+            prev, probs = draw(logits, k)
             drafted.append(prev)
             dists.append(probs)
             confidence.append(sure)
@@ -208,7 +217,7 @@ class Draft:
 
     def greedy_tokens(self, streams: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The draft tokens [R, B] of an all-greedy proposal from the kernels' stages' output
-        `streams` (`propose`'s head, with no host sync and no graph of its own: a whole greedy
+        `streams` (`propose`'s head, with no host sync and no graph of its own: a whole speculative
         step, spec/step_graph.py, captures it in its graph)."""
         return self._greedy_markov(streams, None, anchors).tokens
 
@@ -240,14 +249,14 @@ class Draft:
         return inputs, (proposal.tokens, proposal.probs, proposal.confidence), graph
 
 
-def _sampled(logits: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's token drawn from its distribution (its temperature, top_p, top_k, generator):
-    the distributions of like requests computed together, each request drawing with its own
-    generator."""
-    probs = grouped_probabilities(logits, [settings for *settings, _ in sampling])
-    return torch.stack([sample_from(probs[i], g) for i, (*_, g) in enumerate(sampling)]), probs
+def _drawn(logits: torch.Tensor, position: int, settings: RowSettings,
+           uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's token at draft `position`, picked from its distribution (its row of
+    `settings`) by its uniform there; and the distributions."""
+    probs = row_probabilities(logits, settings)
+    return pick(probs, uniforms[:, position]), probs
 
 
-def _argmax_and_one_hot(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _argmax_and_one_hot(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
     best = logits.argmax(dim=-1)
     return best, torch.zeros_like(logits).scatter_(-1, best[:, None], 1.0)

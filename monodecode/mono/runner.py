@@ -4,7 +4,7 @@ Owns, for one model: the kernel views of the weights (checked at build), the dev
 each kernel family (epochs advanced on the device), one `Scratch` per step width, and one CUDA
 graph per (width, cache). `step` has Model.step's signature and result for the steps it takes
 (`prepare` checks and loads the rows on the host, `run_rows` launches the kernels: device work
-only, which a whole greedy speculative step captures inside its own graph, spec/step_graph.py);
+only, which a whole speculative step captures inside its own graph, spec/step_graph.py);
 `refusal` says why it would not take one (more than 48 rows, a request with more rows than the
 cache can rewind, i.e. a prefill chunk), and the caller (`decode.Decoder`) runs that one per-op.
 
@@ -245,7 +245,7 @@ class MonoRunner:
         """Make a step's rows ready for `run_rows`, on the host: the refusal (a ValueError naming it;
         skipped with `refusal_checked`), the cache's check (once a cache), the width's scratch (made
         now, never first inside a capture) with the rows loaded into it. Returns that scratch. A
-        whole greedy step (spec/step_graph.py) passes its verify rows with 0 in the drafts' places
+        whole speculative step (spec/step_graph.py) passes its verify rows with 0 in the drafts' places
         and writes the drafts there on the device."""
         reason = None if refusal_checked else self.refusal(cache, tokens, positions, slots)
         if reason:

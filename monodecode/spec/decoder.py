@@ -14,9 +14,11 @@ Rejected rows need no undo: the target's caches keep enough history to overwrite
 positions are decoded again (model/cache.py). The draft's rings likewise: a block reads only the
 positions before its anchor, all committed, and the step that commits a position writes it last
 (a rejected row's position is written again by every later step until one commits it).
-With the mono kernels running both the target and the draft's stages and every request greedy,
-a step runs whole instead: steps 1-4 as device work only, one CUDA graph on a GPU, then one read
-of the kernels' error words and one of the verdicts (spec/step_graph.py, `GreedyStep`).
+Every draw of a step (the Markov head's, verification's) picks by a uniform that the request's
+generator gives at the start of the step (spec/draws.py). With the mono kernels running both the
+target and the draft's stages, a step runs whole instead: steps 1-4 as device work only, one
+CUDA graph on a GPU, then one read of the kernels' error words and one of the verdicts
+(spec/step_graph.py, `WholeStep`); it commits what the stepwise path commits.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import torch
 from ..model import Model
 from ..model.cache import DecodeCache
 from ..model.draft import DraftCache
-from ..sampling import check_sampling, sample
+from ..sampling import RowSettings, check_sampling, sample
 from .config import SpeculativeConfig
-from .step_graph import GreedyStep
-from .verify import Verdict, verify_batch
+from .draws import draw_uniforms, markov, uniforms_per_step, verification
+from .step_graph import WholeStep
+from .verify import Verdict, read_verdicts, verify_rows
 
 
 @dataclass
@@ -43,6 +46,10 @@ class SpecRequest:
     top_p: float = 1.0
     generator: torch.Generator | None = None
     top_k: int = 0  # <= 0: no limit
+
+    @property
+    def settings(self) -> tuple[float, float, int]:
+        return self.temperature, self.top_p, self.top_k
 
     @property
     def sampling(self) -> tuple[float, float, int, torch.Generator | None]:
@@ -78,7 +85,7 @@ class SpeculativeDecoder:
         them; prompt-sized steps go per-op). `target_step` runs the target's verify rows of a
         stepwise step (Model.step's signature; default model.step); the engine passes its own,
         which counts the path each verify step took. `count_path`, if given, is called once a
-        step with the path the step took: "whole" (`GreedyStep`) or "stepwise"."""
+        step with the path the step took: "whole" (`WholeStep`) or "stepwise"."""
         self.model, self.config = model, config
         self.target_step = target_step or model.step
         self.count_path = count_path or (lambda path: None)
@@ -86,7 +93,7 @@ class SpeculativeDecoder:
         config.check_block_size(self.draft.block_size)
         self.block_size = self.draft.block_size
         self.stats = AcceptanceStats(accepted_at=[0] * self.block_size)
-        self.greedy_step = GreedyStep.of(model, self.draft, config)  # None unless the kernels run target and draft
+        self.whole_step = WholeStep.of(model, self.draft, config)  # None unless the kernels run target and draft
 
     def make_caches(self, num_slots: int, max_context: int) -> SpecCaches:
         """Caches for `num_slots` requests; a request's positions must stay below
@@ -116,10 +123,10 @@ class SpeculativeDecoder:
         """One verify step for all `requests` (updated in place); the tokens each committed. With
         `return_logits`, also per request the target's fp32 logits [len(committed), vocab] that
         each committed token was verified or sampled against (row j: the token at anchor + 1 + j).
-        Whole (`GreedyStep`: one CUDA graph on a GPU) when `takes_whole` says so, else stepwise."""
+        Whole (`WholeStep`: one CUDA graph on a GPU) when `takes_whole` says so, else stepwise."""
         path = "whole" if self.takes_whole(requests) else "stepwise"
         if path == "whole":
-            verdicts, logits = self.greedy_step.run(caches, requests)
+            verdicts, logits = self.whole_step.run(caches, requests)
             if return_logits:
                 logits = logits.clone()  # on a GPU the graph's output, which the next step overwrites
         else:
@@ -131,27 +138,29 @@ class SpeculativeDecoder:
         return committed
 
     def takes_whole(self, requests: list[SpecRequest]) -> bool:
-        """Whether a step of `requests` runs whole: the kernels run target and draft, every request
-        is greedy (any verification method), the runners take the rows."""
-        return (self.greedy_step is not None and all(r.temperature == 0 for r in requests)
-                and self.greedy_step.refusal(len(requests)) is None)
+        """Whether a step of `requests` runs whole: the kernels run target and draft and the
+        runners take the rows (any verification method, any sampling settings)."""
+        return self.whole_step is not None and self.whole_step.refusal(len(requests)) is None
 
     def _stepwise(self, caches: SpecCaches, requests: list[SpecRequest]):
         """Draft, verify step, commit and verification in turn: the verdicts, the logits [R, B + 1, vocab]."""
-        b, device = self.block_size, self.model.device
+        b, device, method = self.block_size, self.model.device, self.config.rejection_sample_method
         anchors = torch.tensor([r.anchor for r in requests], device=device)
         starts = torch.tensor([r.position for r in requests], device=device)
-        proposal = self.draft.propose(caches.draft, anchors, starts, [r.slot for r in requests],
-                                      [r.sampling for r in requests])
+        settings = RowSettings.of([r.settings for r in requests], device)
+        uniforms = draw_uniforms([r.sampling for r in requests], method,
+                                 torch.empty(len(requests), uniforms_per_step(b), device=device))
+        proposal = self.draft.propose(caches.draft, anchors, starts, [r.slot for r in requests], settings,
+                                      markov(uniforms, b))
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1).flatten()
         positions = (starts[:, None] + torch.arange(b + 1, device=device)).flatten()
         slots = torch.tensor([r.slot for r in requests], device=device).repeat_interleave(b + 1)
         logits, hidden = self.target_step(caches.target, tokens, positions, slots, return_hidden=True)
         self.draft.commit(caches.draft, slots, positions, hidden)
         logits = logits.view(len(requests), b + 1, -1)
-        verdicts = verify_batch(self.config.rejection_sample_method, logits, proposal.tokens, proposal.probs,
-                                [r.sampling for r in requests], self.config.synthetic_acceptance_length)
-        return verdicts, logits
+        rows = verify_rows(method, logits, proposal.tokens, proposal.probs, settings, verification(uniforms, b),
+                           self.config.synthetic_acceptance_length)
+        return read_verdicts(rows), logits
 
     def _advance(self, r: SpecRequest, verdict: Verdict) -> list[int]:
         """Move the request past its verdict's tokens (its new anchor the last) and count them."""

@@ -1,35 +1,34 @@
-"""`GreedyStep`: a whole greedy speculative step on the mono kernels, as device work only.
+"""`WholeStep`: a whole speculative step on the mono kernels, as device work only.
 
 When `SpeculativeDecoder.step` takes it: the kernels run both the target (a `decode.Decoder`
 with its `MonoRunner`) and the draft's stages (a `decode.KernelDraft` with its `DraftRunner`),
-every request is greedy (temperature 0), and both runners take the step's rows
-(`rows_refusal`). Otherwise the step runs stepwise, as before. Any verification method: at
-temperature 0 greedy, standard and block commit the same tokens (spec/verify.py), and synthetic
-keeps each request's drafts while its uniforms stay below the rate, then appends the target's
-argmax, as its stepwise form does at temperature 0.
+and both runners take the step's rows (`rows_refusal`). Otherwise the step runs stepwise, as
+before. Any verification method and any sampling settings: the step runs the stepwise path's
+operations on the same uniforms (spec/draws.py), so it commits the same tokens.
 
 Host, before: each runner's `prepare` checks the rows (a ValueError if a runner refuses them)
 and loads them into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
 verify rows [anchor, 0 x B] (0 in the drafts' places, which the device fills), their positions
-and slots. Synthetic verification: each request's B uniforms drawn from its generator (as the
-stepwise path draws them) into the step's uniforms buffer (one a request count). Those buffers
-are the step's only inputs.
+and slots. Then the request count's input buffers: each request's sampling settings
+(`RowSettings`, one copy) and its uniforms, drawn from its generator (`draws.draw_uniforms`, as
+the stepwise path draws them). Those buffers are the step's only inputs.
 
 Device (`_device_step`; nothing read back to the host, no tensor made from host data): the
-draft's stages (`DraftRunner.run_rows`), its greedy head (`Draft.greedy_tokens`: the argmax
-proposals), the drafts written into the verify rows, the target's verify step
+draft's stages (`DraftRunner.run_rows`), its head (every request greedy: `Draft.greedy_tokens`,
+the argmax proposals; else `Draft.sampled_head`, the tokens picked by the Markov head's uniforms
+and their distributions), the drafts written into the verify rows, the target's verify step
 (`MonoRunner.run_rows`: logits and the draft's features), the commit of every verify row to the
-draft's rings (`Draft.commit`), greedy verification's device part (`verify.greedy_verdict_rows`;
-synthetic: with the accepted counts of the uniforms, `verify.synthetic_accepted`).
-These are the operations of the stepwise path, in its order, so the tokens are the same.
+draft's rings (`Draft.commit`), and verification's device part (`verify.verify_rows`). These are
+the operations of the stepwise path, in its order.
 
 On a GPU (both runners' graphs enabled) that device work is one CUDA graph a key: (request
-count, the target cache's identity, the draft cache's identity); the graph holds the two widths'
-scratch and both caches' pointers. A key's first step runs eagerly (it compiles the kernels at
-its widths and makes the scratch's lazily made buffers, outside any capture); its second step
-captures the graph and replays it; later steps replay it. A graph goes with either of its
-caches, and is captured again after either runner's `configure` (new grids and sync words). On a
-CPU (Triton's interpreter) the same device work runs eagerly every step.
+count, whether every request is greedy, whether any request filters by top-k or top-p, the
+target cache's identity, the draft cache's identity); the graph holds the two widths' scratch,
+the input buffers and both caches' pointers. A key's first step runs eagerly (it compiles the
+kernels at its widths and makes the scratch's lazily made buffers, outside any capture); its
+second step captures the graph and replays it; later steps replay it. A graph goes with either
+of its caches, and is captured again after either runner's `configure` (new grids and sync
+words). On a CPU (Triton's interpreter) the same device work runs eagerly every step.
 
 Host, after: one read of each runner's error words (`MonoRunner.check`; a wait that gave up in
 either raises MonoSyncError naming the runner and stage: the step's results are invalid and the
@@ -45,39 +44,46 @@ from typing import NamedTuple
 import torch
 
 from ..decode import Decoder, KernelDraft
-from .verify import Verdict, greedy_verdict_rows, read_verdicts, synthetic_acceptance_rate, synthetic_accepted
+from ..sampling import RowSettings
+from .draws import draw_uniforms, markov, uniforms_per_step, verification
+from .verify import Verdict, read_verdicts, verify_rows
 
 
 class Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    verdict_rows: torch.Tensor  # the graph's outputs: greedy_verdict_rows' [R, B + 2]
+    verdict_rows: torch.Tensor  # the graph's outputs: verify_rows' [R, B + 2]
     logits: torch.Tensor  # [R, B + 1, vocab]
     syncs: tuple[dict, dict]  # the runners' sync states it was captured with
 
 
-class GreedyStep:
-    def __init__(self, target, draft, draft_runner, synthetic_acceptance_length: float | None = None):
+class StepInputs(NamedTuple):
+    """A request count's input buffers, written by the host before each step."""
+
+    settings: torch.Tensor  # RowSettings.values [3, R]
+    uniforms: torch.Tensor  # [R, 2B + 1] (spec/draws.py)
+
+
+class WholeStep:
+    def __init__(self, target, draft, draft_runner, method: str, acceptance_length: float | None = None):
         """`target`: the target's `MonoRunner`; `draft`: the `Draft` (its head and commit);
-        `draft_runner`: the `DraftRunner` of its stages; `synthetic_acceptance_length`: verify
-        synthetically at that length (None: greedy)."""
+        `draft_runner`: the `DraftRunner` of its stages; `method`: the verification method
+        (`acceptance_length`: synthetic's)."""
         self.target, self.draft, self.draft_runner = target, draft, draft_runner
+        self.method, self.acceptance_length = method, acceptance_length
         self.block_size = draft.block_size
-        self.synthetic_rate = (None if synthetic_acceptance_length is None else
-                               synthetic_acceptance_rate(synthetic_acceptance_length, self.block_size))
-        self.uniforms: dict[int, torch.Tensor] = {}  # synthetic: the step's uniforms [R, B], a request count's
+        self.inputs: dict[int, StepInputs] = {}
         self.graphs_enabled = target.graphs_enabled and draft_runner.graphs_enabled
-        self.graphs: dict[tuple[int, int, int], Captured] = {}
-        self.warmed: set[tuple[int, int, int]] = set()  # keys whose eager first step has run
+        self.graphs: dict[tuple, Captured] = {}
+        self.warmed: set[tuple] = set()  # keys whose eager first step has run
 
     @classmethod
-    def of(cls, model, draft, config) -> GreedyStep | None:
-        """The whole greedy step of a speculative decoder's `model`, `draft` and `config` (its
+    def of(cls, model, draft, config) -> WholeStep | None:
+        """The whole step of a speculative decoder's `model`, `draft` and `config` (its
         SpeculativeConfig) when the kernels run both (a Decoder with its runner, a KernelDraft),
         else None."""
         if isinstance(model, Decoder) and model.mono is not None and isinstance(draft, KernelDraft):
-            synthetic = config.rejection_sample_method == "synthetic"
-            return cls(model.mono, draft.draft, draft.runner,
-                       config.synthetic_acceptance_length if synthetic else None)
+            return cls(model.mono, draft.draft, draft.runner, config.rejection_sample_method,
+                       config.synthetic_acceptance_length)
         return None
 
     def refusal(self, requests: int) -> str | None:
@@ -87,12 +93,12 @@ class GreedyStep:
 
     @torch.no_grad()
     def run(self, caches, requests) -> tuple[list[Verdict], torch.Tensor]:
-        """One whole greedy step of `requests` (SpecRequests, not updated here) on `caches`
-        (SpecCaches): each request's verdict, and the target's logits [R, B + 1, vocab] of the
-        verify rows (on a GPU the graph's output: valid until the next step)."""
+        """One whole step of `requests` (SpecRequests, not updated here) on `caches` (SpecCaches):
+        each request's verdict, and the target's logits [R, B + 1, vocab] of the verify rows (on a
+        GPU the graph's output: valid until the next step)."""
         drafted, verified = self._prepare(caches, requests)
-        self._draw_uniforms(requests)
-        rows, logits = self.device_work(caches, len(requests), drafted, verified)
+        settings, uniforms = self.load_inputs(requests)
+        rows, logits = self.device_work(caches, drafted, verified, settings, uniforms)
         self._check_runners()
         return read_verdicts(rows), logits
 
@@ -108,7 +114,7 @@ class GreedyStep:
             except MonoSyncError as e:
                 errors.append(f"the {name}'s kernels: {e}")
         if errors:
-            raise MonoSyncError("a whole greedy speculative step failed, its results discarded: " + "; ".join(errors))
+            raise MonoSyncError("a whole speculative step failed, its results discarded: " + "; ".join(errors))
 
     def _prepare(self, caches, requests):
         """Both runners' scratch, loaded with the step's rows (host side)."""
@@ -128,26 +134,28 @@ class GreedyStep:
         verified = self.target.prepare(caches.target, *rows(torch.zeros(r, b, dtype=torch.long)))
         return drafted, verified
 
-    def _draw_uniforms(self, requests) -> None:
-        """Synthetic verification: each request's B uniforms from its generator, into the buffer
-        of this request count (what the step's graph reads), as the stepwise path draws them."""
-        if self.synthetic_rate is None:
-            return
-        r, b = len(requests), self.block_size
-        if r not in self.uniforms:
-            self.uniforms[r] = torch.empty(r, b, device=self.target.device)
-        for row, request in zip(self.uniforms[r], requests):
-            torch.rand(b, generator=request.generator, out=row)
+    def load_inputs(self, requests) -> tuple[RowSettings, torch.Tensor]:
+        """The requests' settings and uniforms, written into the input buffers of their count
+        (what the step's graph reads)."""
+        r = len(requests)
+        if r not in self.inputs:
+            device = self.target.device
+            self.inputs[r] = StepInputs(torch.empty(3, r, device=device),
+                                        torch.empty(r, uniforms_per_step(self.block_size), device=device))
+        inputs = self.inputs[r]
+        settings = RowSettings.of([q.settings for q in requests], out=inputs.settings)
+        return settings, draw_uniforms([q.sampling for q in requests], self.method, inputs.uniforms)
 
-    def device_work(self, caches, requests: int, drafted, verified) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_work(self, caches, drafted, verified, settings: RowSettings,
+                    uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The device step eagerly, or through its key's graph (module docstring); its verdict rows
         and logits. `run` calls it between the host's parts (bench decode times it alone)."""
         def work():
-            return self._device_step(caches, drafted, verified)
+            return self._device_step(caches, drafted, verified, settings, uniforms)
 
         if not self.graphs_enabled:
             return work()
-        key = (requests, id(caches.target), id(caches.draft))
+        key = (len(uniforms), settings.greedy, settings.filters, id(caches.target), id(caches.draft))
         captured = self.graphs.get(key)
         if captured is not None and not self._current(captured):  # a runner was configured since
             del self.graphs[key]
@@ -181,17 +189,22 @@ class GreedyStep:
             rows, logits = work()
         return Captured(graph, rows, logits, (self.target.sync, self.draft_runner.sync))
 
-    def _device_step(self, caches, drafted, verified) -> tuple[torch.Tensor, torch.Tensor]:
+    def _device_step(self, caches, drafted, verified, settings: RowSettings,
+                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole step on the prepared scratch `drafted` (the draft runner's) and `verified`
         (the target runner's): the verdict rows [R, B + 2] and the logits [R, B + 1, vocab]."""
         b = self.block_size
         streams = self.draft_runner.run_rows(drafted, caches.draft, return_hidden=False)
-        drafts = self.draft.greedy_tokens(streams, drafted.tokens.view(-1, b)[:, 0])
+        anchors = drafted.tokens.view(-1, b)[:, 0]
+        if settings.greedy:
+            drafts, draft_probs = self.draft.greedy_tokens(streams, anchors), None
+        else:
+            proposal = self.draft.sampled_head(streams, None, anchors, settings, markov(uniforms, b))
+            drafts, draft_probs = proposal.tokens, proposal.probs
         verified.tokens.view(-1, b + 1)[:, 1:].copy_(drafts)
         logits, hidden = self.target.run_rows(verified, caches.target, return_hidden=True)
         self.draft.commit(caches.draft, verified.slots, verified.positions, hidden)
         logits = logits.view(drafts.shape[0], b + 1, -1)
-        accepted = None
-        if self.synthetic_rate is not None:
-            accepted = synthetic_accepted(self.uniforms[drafts.shape[0]], self.synthetic_rate)
-        return greedy_verdict_rows(logits, drafts, accepted), logits
+        rows = verify_rows(self.method, logits, drafts, draft_probs, settings, verification(uniforms, b),
+                           self.acceptance_length)
+        return rows, logits

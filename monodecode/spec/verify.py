@@ -21,7 +21,7 @@ block      (Sun et al. 2024, "Block Verification Accelerates Speculative Decodin
            With eta_1..eta_k uniform, a = the LAST i with eta_i < h_i (0 if there is none), so a
            prefix can be kept past a token that token-wise verification would have rejected.
            y ~ P_k if a = k, else y ~ norm(max(w_a P_a - Q_a, 0)).
-synthetic  NOT lossless, for benchmarks only: see `verify_synthetic`.
+synthetic  NOT lossless, for benchmarks only: see `synthetic_rows`.
 
 Standard and block are lossless: the committed tokens, continued by sampling from the target, are
 distributed exactly as sampling from the target alone; block keeps at least as many draft tokens
@@ -41,6 +41,11 @@ Edge cases, none of which changes the distributions above:
   greedy.
 - A uniform u in [0, 1) passes a probability h when u < h, so h = 0 never passes and h = 1
   always does.
+
+The rules take their randomness as k + 1 uniforms a request (the acceptances u_1..u_k, then the
+appended token's, which `sampling.pick` turns into y by the inverse CDF), drawn before the device
+work (spec/draws.py), so that `verify_rows` runs with no host read and no generator: a whole
+speculative step holds it in its CUDA graph.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ from functools import lru_cache
 
 import torch
 
-from ..sampling import grouped_probabilities, sample_from
+from ..sampling import RowSettings, pick, row_probabilities
 from .config import REJECTION_SAMPLE_METHODS
+from .draws import draw_uniforms
 
 
 @dataclass(frozen=True)
@@ -75,37 +81,46 @@ def verify_batch(method: str, target_logits: torch.Tensor, draft_tokens: torch.T
                  acceptance_length: float | None = None) -> list[Verdict]:
     """`verify` for R requests at once: target_logits [R, k + 1, V], draft_tokens [R, k],
     draft_probs [R, k, V], request i's (temperature, top_p, top_k, generator) in sampling[i].
-    The rules run on the device for all requests together, each drawing from its own generator
-    (k uniforms, then the one token; as one request alone would), and the device is read once."""
-    if method not in REJECTION_SAMPLE_METHODS:
-        raise ValueError(f"unknown verification method {method!r}; expected one of {list(REJECTION_SAMPLE_METHODS)}")
-    if method == "greedy":
-        return verify_greedy_batch(target_logits, draft_tokens)
-    target_probs = grouped_probabilities(target_logits, [settings for *settings, _ in sampling])
-    generators = [g for *_, g in sampling]
+    Each request draws its k + 1 uniforms from its own generator (spec/draws.py: none where no
+    draw can change its tokens), then `verify_rows` decides all of them on the device, which is
+    read once."""
+    _check_method(method)
+    uniforms = torch.empty(len(sampling), draft_tokens.shape[1] + 1, device=target_logits.device)
+    settings = RowSettings.of([setting for *setting, _ in sampling], target_logits.device)
+    rows = verify_rows(method, target_logits, draft_tokens, draft_probs, settings, draw_uniforms(sampling, method, uniforms),
+                       acceptance_length)
+    return read_verdicts(rows)
+
+
+def verify_rows(method: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                settings: RowSettings, uniforms: torch.Tensor, acceptance_length: float | None = None) -> torch.Tensor:
+    """Verification's device part, with no host read (`verdict_rows`): target_logits [R, k + 1, V],
+    draft_tokens [R, k], draft_probs [R, k, V] (read by standard and block), each request's
+    settings, and its uniforms [R, k + 1] (the acceptances, then the appended token's). Where
+    every request is greedy, standard and block commit what greedy commits (the module's
+    docstring), and greedy's argmax stands for them."""
+    _check_method(method)
+    k = _check_rows(target_logits, draft_tokens, draft_probs if method in ("standard", "block") else None)
+    if method == "greedy" or (settings.greedy and method != "synthetic"):
+        return greedy_verdict_rows(target_logits, draft_tokens)
     if method == "synthetic":
-        greedy = [temperature == 0 for temperature, *_ in sampling]
-        return verify_synthetic_batch(target_probs, draft_tokens, acceptance_length, generators, greedy)
-    rule = verify_block_batch if method == "block" else verify_standard_batch
-    return rule(target_probs, draft_tokens, draft_probs, generators)
+        accepted = synthetic_accepted(uniforms[:, :k], synthetic_acceptance_rate(acceptance_length, k))
+        if settings.greedy:
+            return greedy_verdict_rows(target_logits, draft_tokens, accepted)
+        return synthetic_rows(row_probabilities(target_logits, settings), draft_tokens, accepted, uniforms[:, k])
+    rule = block_rows if method == "block" else standard_rows
+    return rule(row_probabilities(target_logits, settings), draft_tokens, draft_probs, uniforms)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
     _check_rows(target_logits[None], draft_tokens[None])
-    return verify_greedy_batch(target_logits[None], draft_tokens[None])[0]
-
-
-def verify_greedy_batch(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> list[Verdict]:
-    """`verify_greedy` for R requests at once: target_logits [R, k + 1, V], draft_tokens [R, k];
-    one read of the device's results for all of them."""
-    return read_verdicts(greedy_verdict_rows(target_logits, draft_tokens))
+    return read_verdicts(greedy_verdict_rows(target_logits[None], draft_tokens[None]))[0]
 
 
 def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                         accepted: torch.Tensor | None = None) -> torch.Tensor:
-    """Greedy verification's device part (`verdict_rows`), with no host read: a whole greedy step
-    captures it in its CUDA graph (spec/step_graph.py). `accepted` [R]: these counts instead of the
-    matching prefixes' (synthetic verification's at temperature 0, `synthetic_accepted`), the
+    """Greedy verification's device part (`verdict_rows`). `accepted` [R]: these counts instead of
+    the matching prefixes' (synthetic verification's of greedy requests, `synthetic_accepted`), the
     appended token still the target's argmax after them."""
     k = draft_tokens.shape[-1]
     best = target_logits.argmax(dim=-1)
@@ -114,64 +129,67 @@ def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     return verdict_rows(draft_tokens, accepted, best.gather(1, accepted[:, None]).squeeze(1))
 
 
-# One request's rules (the batched ones on a batch of one): the tests' entry points.
+# One request's rules on its distributions, drawing its k + 1 uniforms from `generator`: the tests'
+# entry points (a batch of one through the rows' rules).
 def verify_standard(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                     generator: torch.Generator | None) -> Verdict:
-    return verify_standard_batch(target_probs[None], draft_tokens[None], draft_probs[None], [generator])[0]
+    _check_rows(target_probs[None], draft_tokens[None], draft_probs[None])
+    uniforms = _one_request_uniforms(draft_tokens, target_probs, generator)
+    return read_verdicts(standard_rows(target_probs[None], draft_tokens[None], draft_probs[None], uniforms))[0]
 
 
 def verify_block(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                  generator: torch.Generator | None) -> Verdict:
-    return verify_block_batch(target_probs[None], draft_tokens[None], draft_probs[None], [generator])[0]
+    _check_rows(target_probs[None], draft_tokens[None], draft_probs[None])
+    uniforms = _one_request_uniforms(draft_tokens, target_probs, generator)
+    return read_verdicts(block_rows(target_probs[None], draft_tokens[None], draft_probs[None], uniforms))[0]
 
 
 def verify_synthetic(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
                      generator: torch.Generator | None) -> Verdict:
-    return verify_synthetic_batch(target_probs[None], draft_tokens[None], acceptance_length, [generator])[0]
+    k = _check_rows(target_probs[None], draft_tokens[None])
+    rate = synthetic_acceptance_rate(acceptance_length, k)
+    uniforms = _one_request_uniforms(draft_tokens, target_probs, generator)
+    accepted = synthetic_accepted(uniforms[:, :k], rate)
+    return read_verdicts(synthetic_rows(target_probs[None], draft_tokens[None], accepted, uniforms[:, k]))[0]
 
 
-def verify_standard_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                          generators: list) -> list[Verdict]:
+def _one_request_uniforms(draft_tokens: torch.Tensor, like: torch.Tensor, generator) -> torch.Tensor:
+    return torch.rand(1, draft_tokens.shape[0] + 1, generator=generator, device=like.device)
+
+
+def standard_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                  uniforms: torch.Tensor) -> torch.Tensor:
     """Token by token: x_{i+1} kept while u_i < min(1, P_i(x) / Q_i(x)); the first rejection
-    draws from the residual, a full acceptance from P_k."""
-    k = _check_rows(target_probs, draft_tokens, draft_probs)
-    uniforms = _uniforms(k, target_probs, generators)
+    draws from the residual, a full acceptance from P_k (with u_k)."""
+    k = draft_tokens.shape[1]
     ratios = _capped_ratio(_at_drafts(target_probs, draft_tokens), _at_drafts(draft_probs, draft_tokens))
-    accepted = (uniforms < ratios).cumprod(dim=1).sum(dim=1)
-    return _verdicts(draft_tokens, accepted, _draw_last(target_probs, draft_probs, accepted, None, generators))
+    accepted = (uniforms[:, :k] < ratios).cumprod(dim=1).sum(dim=1)
+    return verdict_rows(draft_tokens, accepted, _draw_last(target_probs, draft_probs, accepted, None, uniforms[:, k]))
 
 
-def verify_block_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                       generators: list) -> list[Verdict]:
+def block_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+               uniforms: torch.Tensor) -> torch.Tensor:
     """Whole prefixes (the module's docstring): a = the last i with u_i < h_i; the appended
-    token from P_k if a = k, else from the residual scaled by w_a."""
-    k = _check_rows(target_probs, draft_tokens, draft_probs)
-    uniforms = _uniforms(k, target_probs, generators)
+    token from P_k if a = k, else from the residual scaled by w_a (with u_k)."""
+    k = draft_tokens.shape[1]
     weights = _prefix_weights(target_probs, draft_tokens, draft_probs)
     thresholds = _block_thresholds(weights, target_probs, draft_probs)
-    passed = (uniforms < thresholds) * torch.arange(1, k + 1, device=uniforms.device)
+    passed = (uniforms[:, :k] < thresholds) * torch.arange(1, k + 1, device=uniforms.device)
     accepted = passed.amax(dim=1)
-    return _verdicts(draft_tokens, accepted, _draw_last(target_probs, draft_probs, accepted, weights, generators))
+    return verdict_rows(draft_tokens, accepted, _draw_last(target_probs, draft_probs, accepted, weights, uniforms[:, k]))
 
 
-def verify_synthetic_batch(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
-                           generators: list, greedy: list[bool] | None = None) -> list[Verdict]:
+def synthetic_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, accepted: torch.Tensor,
+                   last_uniforms: torch.Tensor) -> torch.Tensor:
     """NOT lossless, for benchmarks only: keeps draft tokens whatever they are, to run the engine
     at a chosen expected acceptance length L (tokens committed per step, accepted drafts + 1).
     Each position is kept with the rate r that solves 1 + r + ... + r^k = L, in turn until the
-    first one that is not (`synthetic_accepted`); the appended token is drawn from the target's row
-    at that position. A request at temperature 0 (greedy[i]; its row a one-hot) takes the row's
-    argmax without a draw: its generator gives the k uniforms a step and nothing else, as in the
-    whole step (spec/step_graph.py), so both paths accept alike."""
-    k = _check_rows(target_probs, draft_tokens)
-    rate = synthetic_acceptance_rate(acceptance_length, k)
-    accepted = synthetic_accepted(_uniforms(k, target_probs, generators), rate)
+    first one that is not (`synthetic_accepted`, which gives `accepted`); the appended token is
+    picked from the target's row at that position by its uniform (a greedy request's row is a
+    one-hot: its argmax)."""
     rows = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
-    last = rows.argmax(dim=-1)
-    sampled = [i for i in range(len(generators)) if not (greedy and greedy[i])]
-    if sampled:
-        last[sampled] = _draw(rows[sampled], [generators[i] for i in sampled])
-    return _verdicts(draft_tokens, accepted, last)
+    return verdict_rows(draft_tokens, accepted, pick(rows, last_uniforms))
 
 
 def synthetic_accepted(uniforms: torch.Tensor, rate: float) -> torch.Tensor:
@@ -218,7 +236,7 @@ def _keep_probability(residual_mass: torch.Tensor, weight: torch.Tensor) -> torc
 
 
 def _draw_last(target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: torch.Tensor,
-               weights: torch.Tensor | None, generators: list) -> torch.Tensor:
+               weights: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
     """The appended token of each request: from P_k where all k were kept, else from the
     residual at the first position not kept (scaled by w_a for block, `weights` given)."""
     k, vocab = draft_probs.shape[1], target_probs.shape[-1]
@@ -226,11 +244,11 @@ def _draw_last(target_probs: torch.Tensor, draft_probs: torch.Tensor, accepted: 
     weight = 1.0 if weights is None else weights.gather(1, accepted.clamp(max=k - 1)[:, None])
     residual = _residual(target_probs.gather(1, at).squeeze(1), draft_probs.gather(1, at).squeeze(1), weight)
     rows = torch.where((accepted == k)[:, None], target_probs[:, k], residual)
-    return _draw(rows, generators)
+    return pick(rows, uniforms)
 
 
 def _residual(target_rows: torch.Tensor, draft_rows: torch.Tensor, weight=1.0) -> torch.Tensor:
-    """max(weight * target - draft, 0) per row [R, V], unnormalised (sample_from normalises); a
+    """max(weight * target - draft, 0) per row [R, V], unnormalised (`pick` normalises); a
     row's target row itself when that is all zero."""
     residual = (weight * target_rows - draft_rows).clamp(min=0)
     return torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target_rows)
@@ -242,21 +260,15 @@ def _capped_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.T
     return torch.where(numerator <= 0, 0.0, torch.where(numerator >= denominator, 1.0, ratio))
 
 
-def _uniforms(k: int, like: torch.Tensor, generators: list) -> torch.Tensor:
-    # Drawn first and k of them in every sampled method, so that one generator state gives standard
-    # and block the same uniforms: the tests compare the two on equal draws.
-    return torch.stack([torch.rand(k, generator=g, device=like.device) for g in generators])
-
-
-def _draw(rows: torch.Tensor, generators: list) -> torch.Tensor:
-    """One token from each row [R, V], request i with generators[i]."""
-    return torch.stack([sample_from(row, g) for row, g in zip(rows, generators)])
-
-
 def _at_drafts(probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
     """probs[:, i, x_{i+1}] for i = 0..k-1, [R, k]."""
     k = draft_tokens.shape[1]
     return probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(-1)
+
+
+def _check_method(method: str) -> None:
+    if method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"unknown verification method {method!r}; expected one of {list(REJECTION_SAMPLE_METHODS)}")
 
 
 def _check_rows(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> int:
@@ -266,10 +278,6 @@ def _check_rows(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: t
         raise ValueError(f"{k} draft tokens need {k + 1} target rows and {k} draft rows, "
                          f"got {target.shape[1]} target rows{draft_rows}")
     return k
-
-
-def _verdicts(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> list[Verdict]:
-    return read_verdicts(verdict_rows(draft_tokens, accepted, last))
 
 
 def verdict_rows(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
