@@ -12,7 +12,7 @@ from monodecode.model.attention import RequestRows
 from monodecode.mono.draft_runner import DraftRunner
 from monodecode.sampling import RowSettings
 
-SLOTS = 6
+SLOTS = 8
 # A row whose routed experts sit at a near-tie in some stage (the k-th and (k+1)-th biased scores
 # closer than this) may pick another expert from bf16 noise and then legitimately differ; as in
 # tests/test_mono_runner.py, such rows are set aside, at most a quarter of them.
@@ -64,8 +64,10 @@ def per_op_stages(draft, cache, tokens, positions, slots, margins):
 
 
 # Requests whose context is shorter than the window, fills it, and runs past it (the ring of
-# window + block keys wraps)
-@pytest.mark.parametrize("lengths", [[3], [3, 16, 25, 9]], ids=["1_request", "4_requests"])
+# window + block keys wraps); 2 and 8 requests are `slow` (the GPU runs them)
+@pytest.mark.parametrize("lengths", [[3], [3, 16, 25, 9], pytest.param([30, 5], marks=pytest.mark.slow),
+                                     pytest.param([3, 16, 25, 9, 1, 40, 7, 12], marks=pytest.mark.slow)],
+                         ids=["1_request", "4_requests", "2_requests", "8_requests"])
 def test_the_draft_stages_on_the_kernels_match_the_per_op_stages(model, runner, device, lengths):
     """The streams after the last stage, row by row, and the context each block reads left as it
     was (the kernels write only the blocks' own keys, past it)."""
