@@ -53,8 +53,8 @@ class Decoder:
 
     def draft(self):
         """The model's DSpark draft, built on first use; with the kernels in use, its stages run
-        on them (`KernelDraft`; "auto", and "on" under tensor parallelism, where the draft's
-        kernels are not built yet: per-op if they refuse the draft, the reasons logged)."""
+        on them (`KernelDraft`, or a draft over ranks on every rank's kernels: `LeadingDraft.build_mono`;
+        "auto": per-op if they refuse the draft, the reasons logged; "on": the refusal raised)."""
         if self._draft is None:
             self._draft = self._build_draft()
         return self._draft
@@ -67,9 +67,10 @@ class Decoder:
         from .mono.draft_runner import DraftRunner  # the kernels are imported (build) by now
 
         try:
-            return KernelDraft(draft, DraftRunner(self.model, draft))
+            build_mono = getattr(draft, "build_mono", None)  # a draft over ranks (ranks.LeadingDraft)
+            return build_mono() if build_mono else KernelDraft(draft, DraftRunner(self.model, draft))
         except MonoRefused as refused:
-            if self.mono_mode == "on" and self.model.tp.size == 1:
+            if self.mono_mode == "on":
                 raise
             for reason in refused.reasons:
                 log.warning("mono %s: the draft runs per-op: %s", self.mono_mode, reason)

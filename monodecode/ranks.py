@@ -9,7 +9,8 @@ The other ranks (`follow`) make the same calls in the same order, so every colle
 meets its partners. Caches are mirrored: each rank holds its own copy; the leader's
 `MirroredCache` forwards `clear`. The DSpark draft likewise (`LeadingDraft`: make_cache, commit,
 propose, with the settings and uniforms of rank 0's requests, so every rank drafts the same
-tokens; rank 0's proposal is the one used). The mono kernels likewise
+tokens; rank 0's proposal is the one used; with the kernels in use, each rank runs the draft's
+stages on its own `DraftRunner`, `LeadingDraft.build_mono`). The mono kernels likewise
 (`LeadingModel.build_mono`, which a `decode.Decoder` over it calls: every rank builds its own
 runner on its own part, and `LeadingRunner.step` sends each step the kernels take; whether they
 take it depends only on the step's rows and the cache, alike on every rank).
@@ -166,10 +167,22 @@ class LeadingRunner:
 
 
 class LeadingDraft:
-    """Rank 0's DSpark draft: each call is sent to the other ranks, then made here."""
+    """Rank 0's DSpark draft: each call is sent to the other ranks, then made here. After
+    `build_mono`, every rank runs the draft's stages on its own kernels for the blocks they take."""
 
     def __init__(self, draft, leader: LeadingModel):
         self.draft, self._leader = draft, leader
+        self.runner = None  # rank 0's DraftRunner, once built
+
+    def build_mono(self) -> "LeadingDraft":
+        """Every rank's `DraftRunner` on its own part (the command first: building can launch the
+        kernels, whose reductions need every rank). MonoRefused here where rank 0's refuses; the
+        other ranks refuse alike and stay per-op."""
+        from .mono.draft_runner import DraftRunner
+
+        self._leader.send("draft_mono")
+        self.runner = DraftRunner(self.draft.model, self.draft)
+        return self
 
     block_size = property(lambda self: self.draft.block_size)
 
@@ -183,10 +196,12 @@ class LeadingDraft:
         self.draft.commit(cache.local, slot, positions, hidden)
 
     def propose(self, cache: MirroredCache, anchors, anchor_positions, slots, settings, uniforms):
+        kernels = self.runner is not None and self.runner.rows_refusal(len(slots) * self.block_size) is None
         plain_settings = (settings.values.cpu(), settings.greedy, settings.filters)
         self._leader.send("draft_propose", cache.id, _plain(anchors), _plain(anchor_positions), list(slots),
-                          plain_settings, None if uniforms is None else uniforms.cpu())
-        return self.draft.propose(cache.local, anchors, anchor_positions, slots, settings, uniforms)
+                          plain_settings, None if uniforms is None else uniforms.cpu(), kernels)
+        return self.draft.propose(cache.local, anchors, anchor_positions, slots, settings, uniforms,
+                                  stages=self.runner.stages(cache.local) if kernels else None)
 
 
 def _follow(index: int, size: int, store: str, source: str, device: str, dtype: torch.dtype, seed: int):
@@ -195,7 +210,7 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
     device = rank_device(device, rank)
     control = _join(rank, size, store, device)
     model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group())
-    caches, draft, runner = {}, None, None
+    caches, draft, runner, draft_runner = {}, None, None, None
 
     def as_tensor(values):
         return torch.as_tensor(values, device=model.device)
@@ -231,16 +246,31 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
             elif name == "draft_commit":
                 cache_id, slot, positions, hidden = args
                 draft.commit(caches[cache_id], slot, as_tensor(positions), hidden.to(model.device))
+            elif name == "draft_mono":
+                draft_runner = _follower_draft_runner(model, draft)
             elif name == "draft_propose":
-                cache_id, anchors, anchor_positions, slots, (values, greedy, filters), uniforms = args
+                cache_id, anchors, anchor_positions, slots, (values, greedy, filters), uniforms, kernels = args
                 settings = RowSettings(values.to(model.device), greedy, filters)
                 draft.propose(caches[cache_id], as_tensor(anchors), as_tensor(anchor_positions), slots, settings,
-                              None if uniforms is None else uniforms.to(model.device))
+                              None if uniforms is None else uniforms.to(model.device),
+                              stages=draft_runner.stages(caches[cache_id]) if kernels else None)
             else:
                 raise RankError(f"tensor-parallel rank {rank}: unknown command {name!r} from rank 0")
         except ValueError:
             pass  # bad input (a row out of range): rank 0 refused it too, by the same check, before any collective
     dist.destroy_process_group()
+
+
+def _follower_draft_runner(model, draft):
+    """A follower's DraftRunner, built as rank 0 builds its own (`LeadingDraft.build_mono`); None
+    where it refuses (rank 0 refuses alike and runs the draft per-op, or raises under "on")."""
+    from .mono import MonoRefused
+    from .mono.draft_runner import DraftRunner
+
+    try:
+        return DraftRunner(model, draft)
+    except MonoRefused:
+        return None
 
 
 def _follower_runner(model, mono: str):

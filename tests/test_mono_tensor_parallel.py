@@ -8,7 +8,9 @@ those must be the one process's up to bf16 noise (the ranks' partial sums are ro
 before they are summed): cosine >= 0.9999 a live row and the same greedy token. The model: the
 tiny preset (window, CSA, HCA and CSA layers). Every live row is compared: a routing or index
 near-tie that flipped (tests/test_mono_runner.py sets those rows aside) would fail the test;
-at these seeds none needs setting aside.
+at these seeds none needs setting aside. The DSpark draft's stages likewise, each rank a
+`DraftRunner` on its part of the draft, and (`slow`) greedy speculation over two ranks with the
+draft on their kernels.
 """
 
 import pytest
@@ -20,6 +22,7 @@ from monodecode.config import preset
 from monodecode.decode import Decoder, KernelDraft
 from monodecode.model import Model
 from monodecode.model.parallel import TensorParallel
+from monodecode.sampling import RowSettings
 
 PROMPTS = (5, 3, 4)  # prefill lengths of slots 0, 1, 2
 STEPS = (  # decode steps: (slot, rows) groups, then pad rows
@@ -53,6 +56,25 @@ def decode(decoder: Decoder) -> list[torch.Tensor]:
     return out
 
 
+def draft_stages(decoder: Decoder) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's stages on the kernels over two requests' blocks after their context (random
+    target features committed to the rings), and the greedy proposal's tokens."""
+    g = torch.Generator().manual_seed(11)
+    c, draft = decoder.config, decoder.draft()
+    assert isinstance(draft, KernelDraft)
+    cache = draft.make_cache(2)
+    for slot, n in ((0, 7), (1, 4)):
+        draft.commit(cache, slot, torch.arange(n), torch.randn(n, len(c.dspark_target_layer_ids) * c.hidden_size,
+                                                               generator=g).to(torch.bfloat16))
+    anchors, starts, b = torch.tensor([3, 9]), torch.tensor([7, 4]), draft.block_size
+    tokens = torch.full((2, b), c.dspark_noise_token_id)
+    tokens[:, 0] = anchors
+    streams = draft.runner.stages(cache)(tokens.flatten(), (starts[:, None] + torch.arange(b)).flatten(),
+                                         torch.tensor([0, 1]).repeat_interleave(b))
+    proposal = draft.propose(cache, anchors, starts, [0, 1], RowSettings.of([(0.0, 1.0, 0)] * 2), None)
+    return streams, proposal.tokens
+
+
 def _rank(rank: int, size: int, store: str, results: str):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
@@ -62,24 +84,40 @@ def _rank(rank: int, size: int, store: str, results: str):
         decoder = Decoder(model, "on")
         logits = decode(decoder)
         launches = {family: state.epoch for family, state in decoder.mono.sync.items()}
-        draft_per_op = not isinstance(decoder.draft(), KernelDraft)  # "on" too: the draft's kernels refuse TP
+        streams, tokens = draft_stages(decoder)
+        draft_launches = {family: state.epoch for family, state in decoder.draft().runner.sync.items()}
         torch.save({"logits": logits, "launches": launches, "heads": decoder.mono.config.num_attention_heads,
-                    "draft_per_op": draft_per_op}, f"{results}.{rank}")
+                    "draft_streams": streams, "draft_tokens": tokens, "draft_launches": draft_launches},
+                   f"{results}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path):
+    """The target's decode steps, then the draft's stages (each rank a DraftRunner on its part)
+    and a greedy proposal: bit-identical across ranks, and one process's up to bf16 noise (the
+    draft's streams after three stages: cosine >= 0.9998 a row, the proposal's tokens equal)."""
     results = str(tmp_path / "logits")
     # the ranks inherit TRITON_INTERPRET (conftest) with the environment
     mp.start_processes(_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{results}.{rank}") for rank in range(2)]
     layers_run = len(STEPS) * tiny().num_hidden_layers
+    stages_run = 2 * tiny().num_nextn_predict_layers  # draft_stages' two passes
     for result in ranks:  # K2 ran as its two launches, each rank on its half of the heads
-        assert result["heads"] == tiny().num_attention_heads // 2 and result["draft_per_op"]
+        assert result["heads"] == tiny().num_attention_heads // 2
         assert result["launches"]["k2a"] == result["launches"]["k2f"] == result["launches"]["k3"] == layers_run
         assert result["launches"]["k2"] == 0
-    one = decode(Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16), "on"))
+        assert result["draft_launches"]["k2a"] == result["draft_launches"]["k3"] == stages_run
+        assert result["draft_launches"]["k2"] == 0
+    assert torch.equal(ranks[0]["draft_streams"], ranks[1]["draft_streams"])
+    assert torch.equal(ranks[0]["draft_tokens"], ranks[1]["draft_tokens"])
+    one_decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16), "on")
+    streams, tokens = draft_stages(one_decoder)
+    cosine = torch.nn.functional.cosine_similarity(ranks[0]["draft_streams"].double().flatten(1),
+                                                   streams.double().flatten(1), dim=1)
+    assert (cosine >= 0.9998).all(), cosine
+    assert torch.equal(ranks[0]["draft_tokens"], tokens)
+    one = decode(one_decoder)
     for step, ((groups, pads), want) in enumerate(zip(STEPS, one)):
         got = ranks[0]["logits"][step]
         assert torch.equal(got, ranks[1]["logits"][step]), step  # bit-identical across ranks
@@ -101,16 +139,6 @@ def test_a_size_whose_slices_split_fp8_blocks_is_refused():
         MonoRunner(eighth)
 
 
-def test_the_draft_runs_per_op_under_tensor_parallelism():
-    from monodecode.mono.draft_runner import DraftRunner
-    from monodecode.mono.plan import MonoRefused
-
-    model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=3), "cpu", torch.bfloat16)
-    half = Model(model.config, model.w, "cpu", torch.bfloat16, model.checkpoint, tp=TensorParallel(rank=0, size=2))
-    with pytest.raises(MonoRefused, match=r"draft's stages do not run on the kernels under tensor parallelism"):
-        DraftRunner(half, half.draft())
-
-
 def test_generate_over_two_ranks_runs_the_kernels_on_each():
     """What `generate` and `serve` start at `--tensor-parallel-size 2 --mono on`: rank 0's
     Decoder builds a runner on every rank (`LeadingModel.build_mono`) and sends each decode step
@@ -130,3 +158,26 @@ def test_generate_over_two_ranks_runs_the_kernels_on_each():
     finally:
         two.close()
     assert tokens == generate(load("tiny", dtype=torch.bfloat16, mono="on"), prompt, 2)
+
+
+@pytest.mark.slow
+def test_greedy_speculation_over_two_ranks_runs_the_draft_on_their_kernels():
+    """`generate --speculative-config ... --tensor-parallel-size 2 --mono on`: rank 0's Decoder
+    builds the draft's runner on every rank (`LeadingDraft.build_mono`), each proposal's stages
+    run on them, and greedy speculation gives the ranks' own greedy decoding's tokens (lossless).
+    `slow`: every verify step and draft pass runs interpreted on both ranks."""
+    from monodecode.decode import load
+    from monodecode.generate import generate, generate_speculative
+    from monodecode.ranks import LeadingDraft
+    from monodecode.spec.config import SpeculativeConfig
+
+    prompt = [7, 70, 300, 12]
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5})
+    two = load("tiny", dtype=torch.bfloat16, mono="on", tensor_parallel_size=2)
+    try:
+        fast, stats = generate_speculative(two, prompt, 4, spec)
+        draft = two.draft()
+        assert isinstance(draft, LeadingDraft) and draft.runner.sync["k2a"].epoch >= stats.steps
+        assert fast == generate(two, prompt, 4)
+    finally:
+        two.close()

@@ -13,8 +13,9 @@ window layer does, K1 + K2 + K3 a stage, with:
   layer 0), and the settled streams after the last one as the step's output.
 The head (the last stage's hc_head and norm, the shared lm_head) and the Markov and confidence
 heads stay with `Draft.propose`, which takes this runner's `stages` in place of its own.
-Under tensor parallelism it refuses (MonoRefused at build; `Decoder`'s "auto" then runs the
-draft per-op): not built yet.
+Under tensor parallelism each rank runs one on its own part of the draft (its heads, o groups,
+shared-expert slice and routed experts), as `MonoRunner` does for the target: K2 in two launches
+around the ranks' sum of the attention output, the FFN output summed after K3, no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import functools
 import torch
 
 from . import k1, k2
-from .plan import MonoRefused
 from .runner import LayerStack, MonoRunner
 
 
@@ -42,9 +42,6 @@ class DraftRunner(MonoRunner):
     def __init__(self, model, draft, **options):
         """`draft`: the model's `Draft`; `options` as `MonoRunner`'s (graphs, max_polls, poison,
         shape)."""
-        if model.tp.size > 1:
-            raise MonoRefused([f"the DSpark draft's stages do not run on the kernels under tensor parallelism yet "
-                               f"(tensor parallel size {model.tp.size}): the draft runs per-op"])
         self.draft, self.draft_block = draft, draft.block_size
         super().__init__(model, stack=draft_stack(model, draft), **options)
 
