@@ -178,18 +178,19 @@ def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path, kinds):
         assert compiled is None if device == "cpu" else 0 < compiled < launches["per_op_graph"]
 
 
-@pytest.mark.parametrize("requests,steps,temperature", [pytest.param((1, 2), 2, 0.0, marks=pytest.mark.slow),
-                                                     ((1,), 1, 0.8)], ids=["1_and_2_requests_greedy", "1_request_sampled"])
-def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, requests, steps, temperature):
-    """Two request counts of two timed greedy steps are `slow`; by default one request at
-    temperature 0.8 (top-p 0.9), one timed step (after the two warm-up steps). The per-op and mono
-    stepwise steps split into draft, verify and the rest, the whole mono step into its device work
-    and the rest; all three accept alike."""
-    assert main(["bench", "decode", "--preset", "tiny", "--layers", "2", "--requests", ",".join(map(str, requests)),
-                 "--steps", str(steps), "--context", "12", "--reps", "1", "--temperature", str(temperature),
-                 "--top-p", "0.9", "--device", device, "--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("layers,requests,steps,temperature", [pytest.param(2, (1, 2), 2, 0.0, marks=pytest.mark.slow),
+                                                            (1, (1,), 1, 0.8)],
+                         ids=["2_layers_1_and_2_requests_greedy", "1_layer_1_request_sampled"])
+def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, layers, requests, steps, temperature):
+    """Two layers (window and CSA), two request counts of two timed greedy steps are `slow`; by
+    default one window layer, one request at temperature 0.8 (top-p 0.9), one timed step (after
+    the two warm-up steps). The per-op and mono stepwise steps split into draft, verify and the
+    rest, the whole mono step into its device work and the rest; all three accept alike."""
+    assert main(["bench", "decode", "--preset", "tiny", "--layers", str(layers), "--requests",
+                 ",".join(map(str, requests)), "--steps", str(steps), "--context", "12", "--reps", "1",
+                 "--temperature", str(temperature), "--top-p", "0.9", "--device", device, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert report["layers"] == 2 and report["block"] >= 1 and report["steps"] == steps
+    assert report["layers"] == layers and report["block"] >= 1 and report["steps"] == steps
     assert (report["temperature"], report["top_p"]) == (temperature, 0.9)
     assert [(r["path"], r["requests"]) for r in report["rows"]] == [
         (path, count) for count in requests for path in ("per-op graph", "mono stepwise", "mono")]
