@@ -267,3 +267,35 @@ def test_whole_steps_replay_bit_exact(kernel_decoder):
         assert [(r.position, r.anchor) for r in requests[0]] == [(r.position, r.anchor) for r in requests[1]], i
     assert paths == ["whole"] * 600
     assert sorted(key[:3] for key in whole.graphs) == [(1, True, False), (2, False, True), (8, False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_whole_sampled_steps_are_lossless(kernel_decoder, method):
+    """Lossless with the draft on the kernels: 3,000 whole steps (a CUDA graph) from one request
+    state at temperature 1, top-k 20: the first committed token (a kept draft or the rule's
+    correction) is distributed as the target's own distribution there (chi-square p > 1e-3, as
+    tests/test_spec_verify.py asks of the rules). Every step starts from the same state: a step
+    writes only positions from its anchor on, which the next step writes again (the target's
+    row at the anchor is the same in every step, up to the rounding that the other rows' drafts
+    can change where they share its experts)."""
+    from dataclasses import replace
+
+    from monodecode.sampling import probabilities
+    from test_spec_verify import LOSSLESS_P, chi_square_pvalue
+
+    spec = speculative(kernel_decoder, method)
+    caches = spec.make_caches(num_slots=1, max_context=64)
+    start = spec.prefill(caches, 0, [7, 70, 300, 12], 1.0, 1.0, None, top_k=20)
+    generator = torch.Generator(kernel_decoder.device).manual_seed(90)
+    counts, first_row = torch.zeros(kernel_decoder.config.vocab_size, dtype=torch.long), None
+    for _ in range(3000):
+        committed, logits = spec.step(caches, [replace(start, generator=generator)], return_logits=True)
+        counts[committed[0][0]] += 1
+        if first_row is None:
+            first_row = logits[0][0].clone()
+        assert F.cosine_similarity(logits[0][0].double(), first_row.double(), dim=0) > 0.9999
+    assert spec.stats.steps == 3000 and spec.whole_step.graphs
+    pvalue = chi_square_pvalue(counts, probabilities(first_row, 1.0, 1.0, 20).cpu())
+    print(f"{method}: p-value of the first committed token over 3,000 whole steps: {pvalue:.3g}")
+    assert pvalue > LOSSLESS_P
