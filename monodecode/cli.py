@@ -338,6 +338,8 @@ def add_bench_commands(commands) -> None:
     decode.add_argument("--steps", type=positive_int_arg, default=20,
                         help="timed steps a request count (the median is kept)")
     decode.add_argument("--reps", type=positive_int_arg, default=20, help="timed repetitions of the head alone")
+    decode.add_argument("--tensor-parallel-size", type=tensor_parallel_arg, default=1, metavar="N",
+                        help=TP_HELP + "; over ranks only the mono stepwise path runs")
     decode.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under Triton's "
                                                          "interpreter (times meaningless)")
     decode.add_argument("--out", default=".", help="where bench_decode.json goes")

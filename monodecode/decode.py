@@ -125,10 +125,12 @@ def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str 
                    mono)
 
 
-def load_any(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tensor_parallel_size: int = 1):
-    """The per-op model in this process (size 1), or rank 0 of `tensor_parallel_size` ranks."""
+def load_any(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tensor_parallel_size: int = 1,
+             overrides: dict | None = None):
+    """The per-op model in this process (size 1), or rank 0 of `tensor_parallel_size` ranks
+    (`overrides`: a preset's config fields changed, `load_model`)."""
     if tensor_parallel_size == 1:
-        return load_model(source, device=device, dtype=dtype, seed=seed)
+        return load_model(source, device=device, dtype=dtype, seed=seed, overrides=overrides)
     from .ranks import load_ranks
 
-    return load_ranks(source, tensor_parallel_size, device=device, dtype=dtype, seed=seed)
+    return load_ranks(source, tensor_parallel_size, device=device, dtype=dtype, seed=seed, overrides=overrides)

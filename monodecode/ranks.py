@@ -7,10 +7,11 @@ checkpoint, make_cache, step, score, draft) for the engine, `generate` and the s
 sends each call that reads or changes model state to the other ranks before making it itself.
 The other ranks (`follow`) make the same calls in the same order, so every collective of a step
 meets its partners. Caches are mirrored: each rank holds its own copy; the leader's
-`MirroredCache` forwards `clear`. The DSpark draft likewise (`LeadingDraft`: make_cache, commit,
-propose, with the settings and uniforms of rank 0's requests, so every rank drafts the same
-tokens; rank 0's proposal is the one used; with the kernels in use, each rank runs the draft's
-stages on its own `DraftRunner`, `LeadingDraft.build_mono`). The mono kernels likewise
+`MirroredCache` forwards `clear` and copies (`copy.deepcopy`: each rank copies its own). The
+DSpark draft likewise (`LeadingDraft`: make_cache, commit, propose, with the settings and
+uniforms of rank 0's requests, so every rank drafts the same tokens; rank 0's proposal is the
+one used; with the kernels in use, each rank runs the draft's stages on its own `DraftRunner`,
+`LeadingDraft.build_mono`). The mono kernels likewise
 (`LeadingModel.build_mono`, which a `decode.Decoder` over it calls: every rank builds its own
 runner on its own part, and `LeadingRunner.step` sends each step the kernels take; whether they
 take it depends only on the step's rows and the cache, alike on every rank).
@@ -23,6 +24,7 @@ leader vanished gets an error from its wait and exits, and every wait gives up a
 from __future__ import annotations
 
 import atexit
+import copy
 import itertools
 import tempfile
 import threading
@@ -73,6 +75,12 @@ class MirroredCache:
     def clear(self, slot: int) -> None:
         self._leader.send("clear", self.id, slot)
         self.local.clear(slot)
+
+    def __deepcopy__(self, memo) -> "MirroredCache":
+        """A copy on every rank (each rank copies its own), under a new id."""
+        copy_id = next(self._leader.ids)
+        self._leader.send("copy_cache", self.id, copy_id)
+        return MirroredCache(copy.deepcopy(self.local, memo), copy_id, self._leader)
 
     def __getattr__(self, name):
         return getattr(self.local, name)
@@ -204,12 +212,14 @@ class LeadingDraft:
                                   stages=self.runner.stages(cache.local) if kernels else None)
 
 
-def _follow(index: int, size: int, store: str, source: str, device: str, dtype: torch.dtype, seed: int):
+def _follow(index: int, size: int, store: str, source: str, device: str, dtype: torch.dtype, seed: int,
+            overrides: dict | None):
     """Rank index + 1: load its part, then make the leader's calls until told to stop."""
     rank = index + 1
     device = rank_device(device, rank)
     control = _join(rank, size, store, device)
-    model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group())
+    model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group(),
+                       overrides=overrides)
     caches, draft, runner, draft_runner = {}, None, None, None
 
     def as_tensor(values):
@@ -231,6 +241,9 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
             elif name == "clear":
                 cache_id, slot = args
                 caches[cache_id].clear(slot)
+            elif name == "copy_cache":
+                cache_id, copy_id = args
+                caches[copy_id] = copy.deepcopy(caches[cache_id])
             elif name == "score":
                 model.score(*args)
             elif name == "mono":
@@ -284,23 +297,25 @@ def _follower_runner(model, mono: str):
         return None
 
 
-def load_ranks(source, size: int, *, device="cpu", dtype=torch.float32, seed: int = 0) -> LeadingModel:
-    """Rank 0 of `size` ranks of the per-op model of `source` (a checkpoint directory or preset)."""
+def load_ranks(source, size: int, *, device="cpu", dtype=torch.float32, seed: int = 0,
+               overrides: dict | None = None) -> LeadingModel:
+    """Rank 0 of `size` ranks of the per-op model of `source` (a checkpoint directory or preset;
+    `overrides`: a preset's config fields changed, `load_model`)."""
     if size < 2:
         raise ValueError(f"load_ranks runs 2 or more ranks, got a tensor parallel size of {size}")
-    TensorParallel(rank=0, size=size).check(load_config(source))  # before any process starts
+    TensorParallel(rank=0, size=size).check(load_config(source, **(overrides or {})))  # before any process starts
     device = torch.device(device)
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
         raise ValueError(f"tensor parallel size {size} from {device} needs {(device.index or 0) + size} GPUs, "
                          f"this machine has {torch.cuda.device_count()}")
     store = str(Path(tempfile.mkdtemp(prefix="monodecode-tp-")) / "store")
-    ranks = mp.start_processes(_follow, args=(size, store, str(source), str(device), dtype, seed), nprocs=size - 1,
-                               join=False, daemon=True, start_method="spawn")
+    ranks = mp.start_processes(_follow, args=(size, store, str(source), str(device), dtype, seed, overrides),
+                               nprocs=size - 1, join=False, daemon=True, start_method="spawn")
 
     def start():
         control = _join(0, size, store, rank_device(device, 0))
         model = load_model(source, device=rank_device(device, 0), dtype=dtype, seed=seed,
-                           tp=TensorParallel.from_process_group())
+                           tp=TensorParallel.from_process_group(), overrides=overrides)
         return LeadingModel(model, control, ranks)
 
     return _watching(ranks, start)

@@ -211,6 +211,26 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
     assert accepted[0] == accepted[1] == accepted[2]  # the same synthetic acceptances on every path
 
 
+@pytest.mark.slow
+def test_bench_decode_over_two_ranks(tmp_path):
+    """`bench decode --tensor-parallel-size 2` (gloo; both ranks interpreted): the mono stepwise
+    path alone (the draft's stages on both ranks' kernels), the report saying the size. `slow`."""
+    assert main(["bench", "decode", "--preset", "tiny", "--layers", "1", "--requests", "1", "--steps", "1",
+                 "--context", "12", "--reps", "1", "--tensor-parallel-size", "2", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert report["tensor_parallel_size"] == 2 and [r["path"] for r in report["rows"]] == ["mono stepwise"]
+    row = report["rows"][0]
+    assert row["head_s"] is None and 0 < row["draft_stages_s"] < row["draft_s"]
+    assert row["step_s"] >= row["draft_s"] + row["verify_s"] and 1 <= row["tokens_per_step"] <= report["block"] + 1
+
+
+def test_a_fitted_model_over_ranks_is_refused(tmp_path, capsys):
+    assert main(["bench", "decode", "--preset", "tiny", "--tensor-parallel-size", "2", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 2
+    assert "--layers fit sizes a model for one GPU: give --layers N" in capsys.readouterr().err
+
+
 def test_the_per_op_graph_step_is_the_per_op_step(device):
     """bench decode's per-op baseline (every layer in fixed shapes, then the head) against
     Model.step on copies of the same caches: logits and the draft's features."""

@@ -232,3 +232,12 @@ def test_weights_that_cannot_fit_are_refused_before_reading(monkeypatch, capsys)
         load_model("tiny")
     assert main(["generate", "--max-tokens", "2"]) == 2
     assert "Use fewer layers" in capsys.readouterr().err
+
+
+def test_config_overrides_apply_to_presets_only(tmp_path):
+    """`load_model(..., overrides=...)` changes a preset's config (`bench decode --layers N` builds
+    its model so, over ranks too); a checkpoint's config is its own."""
+    assert load_model("tiny", overrides={"num_hidden_layers": 1}).config.num_hidden_layers == 1
+    src = write_synthetic_checkpoint(preset("tiny"), tmp_path / "ckpt", seed=3, progress=False)
+    with pytest.raises(ValueError, match=r"config overrides \(num_hidden_layers\) apply to presets only"):
+        load_model(src, overrides={"num_hidden_layers": 1})

@@ -20,6 +20,8 @@ commits to the draft's rings: host work); whole, split into its device work (the
 the device synchronised around it) and the rest (host work: loading the rows, drawing the
 uniforms, reading the verdicts); tokens committed a step a request; tokens/s per user. The
 draft follows its path: per-op and eager with the per-op graph, on the kernels with mono.
+`--tensor-parallel-size N`: the model over N ranks (`ranks.load_ranks`), only `mono stepwise`
+(the per-op graph's fixed-shape layers hold whole layers; the whole step is one process's).
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
 interpreter: the code paths, not the numbers.
 """
@@ -37,7 +39,7 @@ import torch
 
 from ..checkpoint import SyntheticCheckpoint
 from ..config import preset
-from ..decode import Decoder
+from ..decode import Decoder, load_any
 from ..model import Model
 from ..model.weights import free_memory, resident_bytes
 from ..sampling import check_sampling
@@ -49,12 +51,11 @@ from .timing import graphed, timed
 RESERVE = 24 * 2**30  # bytes left free by `--layers fit`: caches, scratch, graphs, the draft's weights
 
 
-def build(name: str, layers: int, device: str) -> Decoder:
+def build(name: str, layers: int, device: str, tensor_parallel_size: int = 1) -> Decoder:
     """The first `layers` layers of `name` (the draft's target layers moved onto the last ones),
-    on the mono kernels."""
-    model = Model.from_checkpoint(SyntheticCheckpoint(preset(name, num_hidden_layers=layers), seed=0), device,
-                                  torch.bfloat16)
-    return Decoder(model, "on")
+    on the mono kernels; over `tensor_parallel_size` ranks, this process their rank 0."""
+    return Decoder(load_any(name, device=device, dtype=torch.bfloat16, seed=0, tensor_parallel_size=tensor_parallel_size,
+                            overrides={"num_hidden_layers": layers}), "on")
 
 
 def layers_that_fit(name: str, device) -> int:
@@ -190,14 +191,43 @@ def head_seconds(model: Model, rows: int, reps: int) -> float:
 
 def run(args) -> int:
     check_sampling(args.temperature, args.top_p)
+    size = args.tensor_parallel_size
+    if args.layers == "fit" and size > 1:
+        raise ValueError("--layers fit sizes a model for one GPU: give --layers N with --tensor-parallel-size")
     device = torch.device(args.device)
     layers = layers_that_fit(args.preset, device) if args.layers == "fit" else args.layers
     started = time.strftime("%Y-%m-%d %H:%M")
-    model = build(args.preset, layers, args.device)  # a Decoder: prefills run per-op, verify steps on the kernels
-    block = model.draft().block_size
+    model = build(args.preset, layers, args.device, size)  # a Decoder: prefills run per-op, verify steps on the kernels
+    try:
+        rows = measure_paths(args, model, layers, device)
+    finally:
+        model.close()
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
+              "preset": args.preset, "layers": layers, "layer_kinds": list(model.config.compress_ratios),
+              "tensor_parallel_size": size, "context": args.context, "block": model.draft().block_size,
+              "acceptance": args.acceptance, "steps": args.steps, "temperature": args.temperature,
+              "top_p": args.top_p, "mono_shape": model.mono.shape.spec(), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_decode.json").write_text(json.dumps(report, indent=1))
+    print(f"{report['device']}, torch {report['torch']}, Triton {report['triton']}; {args.preset}, {layers} layers "
+          f"(compress ratios {report['layer_kinds']}), tensor parallel size {size}, context {args.context}, block "
+          f"{report['block']}, synthetic acceptance {args.acceptance}, temperature {args.temperature}, top-p "
+          f"{args.top_p}\nwrote {out / 'bench_decode.json'}")
+    return 0
+
+
+def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> list[dict]:
+    """The report's rows: each path at each request count (`run`). Over ranks only `mono
+    stepwise`: the per-op graph holds whole layers and the whole step is one process's."""
+    block, over_ranks = model.draft().block_size, args.tensor_parallel_size > 1
     bank_bytes = 3 * 2 * model.config.n_routed_experts * model.config.moe_intermediate_size * model.config.hidden_size
     per_op, reserve = None, RESERVE if device.type == "cuda" else 0
-    if bank_bytes * layers + reserve <= free_memory(device):
+    if over_ranks:
+        print("per-op graph and mono (whole): not run over ranks (the per-op graph's layers are whole layers; "
+              "the whole step is built for one process)")
+    elif bank_bytes * layers + reserve <= free_memory(device):
         per_op = PerOpGraphStep(model.model)
     else:
         print(f"per-op graph: not run: its bf16 expert banks need {bank_bytes * layers / 2**30:.0f} GiB for "
@@ -211,9 +241,9 @@ def run(args) -> int:
         caches = base.make_caches(count, args.context + (args.steps + 3) * (block + 1) + block + 2)
         requests = [base.prefill(caches, slot, torch.randint(0, model.config.vocab_size, (args.context,),
                                                                generator=g).tolist()) for slot in range(count)]
-        head = head_seconds(model.model, count * (block + 1), args.reps)
+        head = None if over_ranks else head_seconds(model.model, count * (block + 1), args.reps)
         paths = (("per-op graph", model.model, per_op, False), ("mono stepwise", model, model.step, False),
-                 ("mono", model, model.step, True))
+                 ("mono", model, None if over_ranks else model.step, True))
         for path, decoder, step, whole in paths:
             if step is None:
                 continue
@@ -223,19 +253,7 @@ def run(args) -> int:
             rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
                          "other_s": m["step_s"] - sum(timed_parts)})
             print(line(rows[-1]), flush=True)
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
-              "preset": args.preset, "layers": layers, "layer_kinds": list(model.config.compress_ratios),
-              "context": args.context, "block": block, "acceptance": args.acceptance, "steps": args.steps,
-              "temperature": args.temperature, "top_p": args.top_p,
-              "mono_shape": model.mono.shape.spec(), "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_decode.json").write_text(json.dumps(report, indent=1))
-    print(f"{report['device']}, torch {report['torch']}, Triton {report['triton']}; {args.preset}, {layers} layers "
-          f"(compress ratios {report['layer_kinds']}), context {args.context}, block {block}, synthetic "
-          f"acceptance {args.acceptance}, temperature {args.temperature}, top-p {args.top_p}\nwrote {out / 'bench_decode.json'}")
-    return 0
+    return rows
 
 
 def line(r: dict) -> str:
@@ -244,7 +262,8 @@ def line(r: dict) -> str:
         split = f"device {ms(r['device_s'])} (draft, verify, head and verification: one graph)"
     else:
         stages = f" (stages {ms(r['draft_stages_s']).strip()})" if r["draft_stages_s"] is not None else ""
-        split = f"draft {ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])} (head {ms(r['head_s'])})"
+        head = f" (head {ms(r['head_s'])})" if r["head_s"] is not None else ""
+        split = f"draft {ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])}{head}"
     return (f"{r['path']:<14}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = {split} "
             f"+ other {ms(r['other_s'])}; {r['tokens_per_step']:.2f} tokens a step, "
             f"{r['tokens_per_s_per_user']:.1f} tokens/s/user")

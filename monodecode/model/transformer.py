@@ -271,8 +271,15 @@ def _check_range(what: str, values: torch.Tensor, low: int, high: int) -> None:
         raise ValueError(f"row {row}: {what} {int(values[row])} is outside [{low}, {high})")
 
 
-def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tp: TensorParallel = SINGLE) -> Model:
+def load_model(source, *, device="cpu", dtype=torch.float32, seed: int = 0, tp: TensorParallel = SINGLE,
+               overrides: dict | None = None) -> Model:
     """The per-op model of a checkpoint directory, or of a preset name (deterministic random
-    weights built in memory); under tensor parallelism, rank `tp`'s part of it."""
-    ckpt = SyntheticCheckpoint(preset(str(source)), seed) if str(source) in PRESETS else Checkpoint(source)
-    return Model.from_checkpoint(ckpt, device, dtype, tp=tp)
+    weights built in memory; `overrides`: config fields changed, e.g. fewer layers); under tensor
+    parallelism, rank `tp`'s part of it."""
+    if str(source) in PRESETS:
+        return Model.from_checkpoint(SyntheticCheckpoint(preset(str(source), **(overrides or {})), seed), device, dtype,
+                                     tp=tp)
+    if overrides:
+        raise ValueError(f"config overrides ({', '.join(overrides)}) apply to presets only, not to the checkpoint "
+                         f"{source}")
+    return Model.from_checkpoint(Checkpoint(source), device, dtype, tp=tp)
