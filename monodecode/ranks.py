@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .model import load_model
+from .model.parallel import TensorParallel
 from .presets import load_config
 from .sampling import RowSettings
-from .model.parallel import TensorParallel
 
 class RankError(RuntimeError):
     """Another tensor-parallel rank failed or exited while this one started."""
