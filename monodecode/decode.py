@@ -111,9 +111,8 @@ class KernelDraft:
         self.draft.commit(cache, slot, positions, hidden)
 
     def propose(self, cache, anchors, anchor_positions, slots, settings, uniforms):
-        takes = self.runner.rows_refusal(len(slots) * self.block_size) is None
         return self.draft.propose(cache, anchors, anchor_positions, slots, settings, uniforms,
-                                  stages=self.runner.stages(cache) if takes else None)
+                                  stages=self.runner.stages(cache) if self.runner.takes(len(slots)) else None)
 
 
 def load(source, *, device="cpu", dtype=torch.float32, seed: int = 0, mono: str = "off",

@@ -204,7 +204,7 @@ class LeadingDraft:
         self.draft.commit(cache.local, slot, positions, hidden)
 
     def propose(self, cache: MirroredCache, anchors, anchor_positions, slots, settings, uniforms):
-        kernels = self.runner is not None and self.runner.rows_refusal(len(slots) * self.block_size) is None
+        kernels = self.runner is not None and self.runner.takes(len(slots))
         plain_settings = (settings.values.cpu(), settings.greedy, settings.filters)
         self._leader.send("draft_propose", cache.id, _plain(anchors), _plain(anchor_positions), list(slots),
                           plain_settings, None if uniforms is None else uniforms.cpu(), kernels)

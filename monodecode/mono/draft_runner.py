@@ -59,6 +59,10 @@ class DraftRunner(MonoRunner):
             return f"{rows} rows are not whole draft blocks of {self.draft_block}"
         return reason
 
+    def takes(self, requests: int) -> bool:
+        """Whether the kernels take a draft pass of `requests` blocks."""
+        return self.rows_refusal(requests * self.draft_block) is None
+
     def _residency_cache(self, requests: int, rows: int):
         return self.draft.make_cache(requests)
 

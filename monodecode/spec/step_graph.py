@@ -97,7 +97,7 @@ class WholeStep:
         each request's verdict, and the target's logits [R, B + 1, vocab] of the verify rows (on a
         GPU the graph's output: valid until the next step)."""
         drafted, verified = self._prepare(caches, requests)
-        settings, uniforms = self.load_inputs(requests)
+        settings, uniforms = self._load_inputs(requests)
         rows, logits = self.device_work(caches, drafted, verified, settings, uniforms)
         self._check_runners()
         return read_verdicts(rows), logits
@@ -134,7 +134,7 @@ class WholeStep:
         verified = self.target.prepare(caches.target, *rows(torch.zeros(r, b, dtype=torch.long)))
         return drafted, verified
 
-    def load_inputs(self, requests) -> tuple[RowSettings, torch.Tensor]:
+    def _load_inputs(self, requests) -> tuple[RowSettings, torch.Tensor]:
         """The requests' settings and uniforms, written into the input buffers of their count
         (what the step's graph reads)."""
         r = len(requests)

@@ -133,29 +133,32 @@ def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
 # entry points (a batch of one through the rows' rules).
 def verify_standard(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                     generator: torch.Generator | None) -> Verdict:
-    _check_rows(target_probs[None], draft_tokens[None], draft_probs[None])
-    uniforms = _one_request_uniforms(draft_tokens, target_probs, generator)
-    return read_verdicts(standard_rows(target_probs[None], draft_tokens[None], draft_probs[None], uniforms))[0]
+    return _one_request(standard_rows, target_probs, draft_tokens, draft_probs, generator)
 
 
 def verify_block(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                  generator: torch.Generator | None) -> Verdict:
-    _check_rows(target_probs[None], draft_tokens[None], draft_probs[None])
-    uniforms = _one_request_uniforms(draft_tokens, target_probs, generator)
-    return read_verdicts(block_rows(target_probs[None], draft_tokens[None], draft_probs[None], uniforms))[0]
+    return _one_request(block_rows, target_probs, draft_tokens, draft_probs, generator)
 
 
 def verify_synthetic(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
                      generator: torch.Generator | None) -> Verdict:
     k = _check_rows(target_probs[None], draft_tokens[None])
     rate = synthetic_acceptance_rate(acceptance_length, k)
-    uniforms = _one_request_uniforms(draft_tokens, target_probs, generator)
-    accepted = synthetic_accepted(uniforms[:, :k], rate)
-    return read_verdicts(synthetic_rows(target_probs[None], draft_tokens[None], accepted, uniforms[:, k]))[0]
+
+    def rule(target, drafts, _, uniforms):
+        return synthetic_rows(target, drafts, synthetic_accepted(uniforms[:, :k], rate), uniforms[:, k])
+
+    return _one_request(rule, target_probs, draft_tokens, None, generator)
 
 
-def _one_request_uniforms(draft_tokens: torch.Tensor, like: torch.Tensor, generator) -> torch.Tensor:
-    return torch.rand(1, draft_tokens.shape[0] + 1, generator=generator, device=like.device)
+def _one_request(rule, target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                 generator) -> Verdict:
+    """`rule` (a rows rule: target, drafts, draft rows, uniforms) on one request as a batch of one."""
+    _check_rows(target_probs[None], draft_tokens[None], None if draft_probs is None else draft_probs[None])
+    uniforms = torch.rand(1, draft_tokens.shape[0] + 1, generator=generator, device=target_probs.device)
+    return read_verdicts(rule(target_probs[None], draft_tokens[None],
+                              None if draft_probs is None else draft_probs[None], uniforms))[0]
 
 
 def standard_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
