@@ -22,6 +22,8 @@ from monodecode.config import preset
 from monodecode.decode import Decoder, KernelDraft
 from monodecode.model import Model
 from monodecode.model.parallel import TensorParallel
+from monodecode.mono.runner import MonoRunner
+from monodecode.mono.sync import MonoSyncError
 from monodecode.sampling import RowSettings
 
 PROMPTS = (5, 3, 4)  # prefill lengths of slots 0, 1, 2
@@ -103,12 +105,10 @@ def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path):
     ranks = [torch.load(f"{results}.{rank}") for rank in range(2)]
     layers_run = len(STEPS) * tiny().num_hidden_layers
     stages_run = 2 * tiny().num_nextn_predict_layers  # draft_stages' two passes
-    for result in ranks:  # K2 ran as its two launches, each rank on its half of the heads
+    for result in ranks:  # K2 and K3 once a layer (their sums over the ranks inside), on half of the heads
         assert result["heads"] == tiny().num_attention_heads // 2
-        assert result["launches"]["k2a"] == result["launches"]["k2f"] == result["launches"]["k3"] == layers_run
-        assert result["launches"]["k2"] == 0
-        assert result["draft_launches"]["k2a"] == result["draft_launches"]["k3"] == stages_run
-        assert result["draft_launches"]["k2"] == 0
+        assert result["launches"]["k2"] == result["launches"]["k3"] == layers_run
+        assert result["draft_launches"]["k2"] == result["draft_launches"]["k3"] == stages_run
     assert torch.equal(ranks[0]["draft_streams"], ranks[1]["draft_streams"])
     assert torch.equal(ranks[0]["draft_tokens"], ranks[1]["draft_tokens"])
     one_decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16), "on")
@@ -125,6 +125,36 @@ def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path):
         cosine = torch.nn.functional.cosine_similarity(got, live, dim=-1)
         assert (cosine >= 0.9999).all(), (step, cosine)
         assert torch.equal(got.argmax(-1), live.argmax(-1)), step
+
+
+def _silent_rank(rank: int, size: int, store: str, results: str):
+    """Both ranks build a runner and make one step, but rank 1 never launches K2."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        torch.set_num_threads(1)
+        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16,
+                                      tp=TensorParallel.from_process_group())
+        runner = MonoRunner(model, max_polls=20000)
+        if rank == 1:
+            launch = runner.launch
+            runner.launch = lambda kernel, name, *args, **kw: None if name == "K2" else launch(kernel, name, *args,
+                                                                                                **kw)
+        error = None
+        try:
+            runner.step(model.make_cache(1, 16, 1), [3], [0], [0])
+        except MonoSyncError as e:
+            error = str(e)
+        torch.save(error, f"{results}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_rank_that_never_launches_makes_the_other_raise(tmp_path):
+    """A sum over the ranks whose other rank never comes gives up (bounded) and names its stage."""
+    results = str(tmp_path / "errors")
+    mp.start_processes(_silent_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, start_method="spawn")
+    error = torch.load(f"{results}.0")
+    assert error is not None and "'k2 attention sum over ranks'" in error, error
 
 
 def test_a_size_whose_slices_split_fp8_blocks_is_refused():
@@ -154,7 +184,7 @@ def test_generate_over_two_ranks_runs_the_kernels_on_each():
     try:
         assert isinstance(two.mono, LeadingRunner) and two.mono.config.num_attention_heads == 2
         tokens = generate(two, prompt, 2)
-        assert two.last_path == "mono" and two.mono.sync["k2f"].epoch > 0
+        assert two.last_path == "mono" and two.mono.sync["k2"].epoch > 0
     finally:
         two.close()
     assert tokens == generate(load("tiny", dtype=torch.bfloat16, mono="on"), prompt, 2)
@@ -177,7 +207,7 @@ def test_greedy_speculation_over_two_ranks_runs_the_draft_on_their_kernels():
     try:
         fast, stats = generate_speculative(two, prompt, 4, spec)
         draft = two.draft()
-        assert isinstance(draft, LeadingDraft) and draft.runner.sync["k2a"].epoch >= stats.steps
+        assert isinstance(draft, LeadingDraft) and draft.runner.sync["k2"].epoch >= stats.steps
         assert fast == generate(two, prompt, 4)
     finally:
         two.close()

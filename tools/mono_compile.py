@@ -19,6 +19,8 @@ ptxas -v.
 - `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
 - `--sms`: the target's multiprocessor count (default 132, an H100 SXM / H200): the grid the
   tile choices that depend on it assume (a CPU runner's own grid is 1).
+- `--tensor-parallel N`: rank 0's kernels of N ranks (its slices, the sums over the ranks inside
+  K2 and K3), with stand-ins for the ranks' collectives and peer memory: nothing runs.
 - `--draft`: the DSpark draft's runner (`mono.DraftRunner`: its stages, draft blocks in K2's
   attend) instead of the target's; widths are then whole blocks, one a request.
 - `--widths`: rows a step, comma-separated: one request of up to 5 rows (a draft block), the rest
@@ -46,9 +48,11 @@ from triton.compiler import ASTSource
 from monodecode.checkpoint import SyntheticCheckpoint
 from monodecode.config import preset
 from monodecode.model import Model
+from monodecode.model.parallel import TensorParallel
 from monodecode.mono import k1, k2, plan
 from monodecode.mono import runner as runner_module
 from monodecode.mono.draft_runner import DraftRunner
+from monodecode.mono.peers import site_bytes
 from monodecode.mono.shape import LaunchShape
 from monodecode.mono.sync import TIMELINE_SLOTS, SyncArgs
 
@@ -111,6 +115,20 @@ def with_timeline(args):
     return [swap(a) for a in tensors] + [meta._replace(TIMELINE=tl.constexpr(True))]
 
 
+class LoneRank(TensorParallel):
+    """Rank 0 of a tensor-parallel group without the others: its collectives return their input
+    (the recorded step's outputs are garbage anyway)."""
+
+    def check_same(self, what: str, value: str) -> None:
+        pass
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=dim)
+
+
 def model_config(dims: str, draft: bool):
     if dims == "tiny":
         return preset("tiny", num_hidden_layers=3, compress_ratios=(0, 4, 16), dspark_target_layer_ids=(0, 1, 2))
@@ -166,14 +184,20 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", default="1,48", help="rows a step, comma-separated")
     parser.add_argument("--sms", type=int, default=132, help="the target GPU's SMs (an H200's 132): the grid "
                                                             "that the launch shape's tile choices assume")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="compile rank 0's kernels of this many ranks")
     parser.add_argument("--draft", action="store_true", help="the DSpark draft's runner instead of the "
                         "target's (widths: whole blocks of the draft's block size)")
     cli = parser.parse_args(argv)
     launches = []
     k1._k1, k2._k2, k2._k3 = (Recorder(kernel, launches) for kernel in (k1._k1, k2._k2, k2._k3))
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
+    tp = TensorParallel()
+    if cli.tensor_parallel > 1:
+        tp = LoneRank(rank=0, size=cli.tensor_parallel)
+        k2.PeerMemory.allocate = classmethod(lambda cls, tp, device, columns: cls(
+            [torch.zeros(sum(site_bytes(tp.size, n) for n in columns), dtype=torch.uint8)] * tp.size, 0, columns))
     model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims, cli.draft), seed=1), "cpu",
-                                  torch.bfloat16)
+                                  torch.bfloat16, tp=tp)
     shape = LaunchShape.parse(cli.shape)
     runner = DraftRunner(model, model.draft(), shape=shape) if cli.draft else runner_module.MonoRunner(model,
                                                                                                       shape=shape)

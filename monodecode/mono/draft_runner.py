@@ -14,8 +14,8 @@ window layer does, K1 + K2 + K3 a stage, with:
 The head (the last stage's hc_head and norm, the shared lm_head) and the Markov and confidence
 heads stay with `Draft.propose`, which takes this runner's `stages` in place of its own.
 Under tensor parallelism each rank runs one on its own part of the draft (its heads, o groups,
-shared-expert slice and routed experts), as `MonoRunner` does for the target: K2 in two launches
-around the ranks' sum of the attention output, the FFN output summed after K3, no CUDA graphs.
+shared-expert slice and routed experts), as `MonoRunner` does for the target: the sums over the
+ranks inside K2 and K3 (in the runner's own peer memory), no CUDA graphs.
 """
 
 from __future__ import annotations

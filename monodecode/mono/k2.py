@@ -36,22 +36,23 @@ K3:
 y, post and comb of the FFN site are owed to the next layer's K1 (or the runner's final fold).
 Pad rows (slot < 0) route to no expert (ids -1), so their y holds the shared expert's output only;
 nothing reads a pad row's result.
-Tensor parallelism (runner.tp, N ranks; docs/ARCHITECTURE.md): a rank's heads, o groups and
+Tensor parallelism (runner.tp, WORLD ranks; docs/ARCHITECTURE.md): a rank's heads, o groups and
 shared-expert slice (the runner's `RankSizes`), its own routed experts (ids local to them, -1
-for another rank's: `router.route_task`); K2 is then two launches, stages 0-2 (family "k2a") and
-3-6 ("k2f"), with `attn_out` (a partial sum: this rank's o groups) summed over the ranks between
-them, and K3's `y` (this rank's experts and shared slice) summed after K3 (`_launch_split`,
-`launch`: host collectives). At one rank K2 is one launch (family "k2").
-Waits: a grid barrier after every stage of a launch but its last (K2 6, split K2 2 and 3, K3 3),
-so a stage reads only what finished stages wrote; an expired wait names the stage it waited
-on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
+for another rank's: `router.route_task`). `attn_out` (this rank's o groups) and K3's `y` (this
+rank's experts and shared slice) are partial sums, summed over the ranks inside the launches by
+a stage more in each (peers.py: "attention sum over ranks" after wo_b, "output sum over ranks"
+after the combine, each after a grid barrier; the ranks' waits on each other bounded as any).
+Waits: a grid barrier after every stage of a launch but its last (K2 6, K3 3; one more each
+under tensor parallelism), so a stage reads only what finished stages wrote; an expired wait
+names the stage it waited on (`stage_names`). Inside stage 6 the route tasks count their arrivals at a ticket (the step's
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
 nothing, it only finds out that it is last. Inside stage 0 a compressed layer's window tasks
 wait (bounded, naming attend) at their pair's ticket (`Scratch.attend_tickets`, 0 between
 launches) for the SPLITS entry splits numbered before them, which wait on nothing.
 Rounding points: those of each stage module (bf16 where the per-op path rounds; fp32 mixes,
 router scores and accumulations; each pick's expert output rounded to bf16).
-Scratch: `Scratch` of the step's width (on a compressed layer also its attend park,
+Scratch: the runner's peer memory under tensor parallelism (`FfnArgs.attn_sums`, `out_sums`);
+`Scratch` of the step's width (on a compressed layer also its attend park,
 `Scratch.park`, its entry splits' partials and tickets, and on a CSA layer K1's selection); the KV
 ring is the layer's
 `LayerCache.window` (a compressed layer's entries `LayerCache.entries`, read);
@@ -75,28 +76,36 @@ from . import experts as X
 from . import hc as HC
 from . import router as RT
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
+from .peers import PeerMemory, PeerSite, peer_sum_stage
 from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix
 
 _FRONT_PARTS = ["fold", "settle", "gate|shared w1|w3", "route, group|shared w2"]
 _EXPERT_PARTS = ["expert up", "expert swiglu", "expert down", "combine"]
 _ATTENTION_PARTS = ["attend", "wo_a", "wo_b"]
-STAGES = [f"k2 {name}" for name in _ATTENTION_PARTS + _FRONT_PARTS]
-K3_STAGES = [f"k3 {name}" for name in _EXPERT_PARTS]
-# Under tensor parallelism K2 is two launches, each a sync family of its own (a barrier's target
-# counts its family's barriers a launch): stages 0-2 ("k2a"), then, after the reduction of
-# attn_out over the ranks, stages 3-6 ("k2f"). Each family's stages: (first, last) of STAGES.
-SPLIT_FAMILIES = ("k2a", "k2f")
-_STAGE_RANGES = {"k2": (0, len(STAGES) - 1), "k2a": (0, len(_ATTENTION_PARTS) - 1),
-                 "k2f": (len(_ATTENTION_PARTS), len(STAGES) - 1)}
 
 
-def stage_names(family: str) -> list[str]:
-    """The stages of a launch of `family` ("k2", "k2a", "k2f", "k3")."""
+def stage_names(family: str, ranks: int = 1) -> list[str]:
+    """The stages of a launch of `family` ("k2", "k3") over `ranks` tensor-parallel ranks."""
     if family == "k3":
-        return K3_STAGES
-    first, last = _STAGE_RANGES[family]
-    return STAGES[first:last + 1]
+        return [f"k3 {name}" for name in _EXPERT_PARTS + ["output sum over ranks"] * (ranks > 1)]
+    return [f"k2 {name}" for name in _ATTENTION_PARTS + ["attention sum over ranks"] * (ranks > 1) + _FRONT_PARTS]
+
+
+class PeerSites(NamedTuple):
+    """Where K2 sums the attention output and K3 the FFN output over tensor-parallel ranks (None
+    at one rank)."""
+
+    attention: PeerSite | None
+    output: PeerSite | None
+
+
+def peer_sites(tp, device, d: int) -> PeerSites:
+    """The runner's sites, in peer memory every rank allocates now (a collective) if tp.size > 1."""
+    if tp.size == 1:
+        return PeerSites(None, None)
+    memory = PeerMemory.allocate(tp, device, [d, d])
+    return PeerSites(memory.site(0), memory.site(1))
 
 
 SWB = 1024  # intermediate columns of a SwiGLU task
@@ -177,6 +186,8 @@ class FfnArgs(NamedTuple):
     y: torch.Tensor
     sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
     tickets: torch.Tensor
+    attn_sums: PeerSite | None  # under tensor parallelism, the sites where attn_out and y are summed
+    out_sums: PeerSite | None
     d: int
     n_experts: int  # the router's (all ranks' experts)
     inter: int  # a routed expert's intermediate
@@ -189,8 +200,8 @@ class FfnArgs(NamedTuple):
 
 
 class K2Meta(NamedTuple):
-    FIRST: int  # the launch's stages FIRST..LAST (`_STAGE_RANGES`): 0..6 at one rank, else 0..2 or 3..6
-    LAST: int
+    WORLD: int  # tensor-parallel ranks (1: none)
+    B: int  # the launch's grid barriers (len(stage_names) - 1)
     D: int  # head_dim
     RD: int  # rope dims of a head
     HB: int  # heads of an attend task
@@ -238,6 +249,8 @@ class K3Meta(NamedTuple):
     """K3's compile-time constants: nothing that depends on the step's width, so that one build
     serves every width and every kind of layer."""
 
+    WORLD: int  # tensor-parallel ranks (1: none)
+    B: int  # the launch's grid barriers (len(stage_names) - 1)
     SHARED: bool
     BNE: int  # expert tiles: outputs, K steps over d and over I
     BKE_D: int
@@ -291,7 +304,8 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 
 @triton.jit
 def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
-    """Stages 7..10 (the routed experts and the combine); barriers b0, b0 + 1, b0 + 2 of NB."""
+    """Stages 7..10 (the routed experts and the combine; then, under tensor parallelism, y's sum
+    over the ranks); barriers b0, b0 + 1, b0 + 2 (and b0 + 3) of NB."""
     R = f.rows
     P = R * f.topk
     X.up_stage(pid, grid, P, f.x, f.gate_up, f.counts, f.order, f.experts, f.w1[0], f.w1[1], f.w3[0], f.w3[1],
@@ -307,22 +321,25 @@ def _expert_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
 
     for t in range(pid, R * tl.cdiv(f.d, m.CBL), grid):
         RT.combine_task(t, f.per_pick, f.ids, f.shared_out, f.y, f.d, f.topk, m.CBL, m.SHARED, m.FAST)
+    if m.WORLD > 1:  # y holds this rank's experts and shared slice: sum it over the ranks
+        barrier(f.sync, epoch, b0 + 3, NB, m.TIMELINE, m.FAST)
+        peer_sum_stage(pid, grid, f.out_sums, f.y, f.y, f.d, R, f.d, f.sync, epoch, b0 + 4, m.WORLD, m.FAST)
 
 
 @triton.jit
 def _k2(a, f, m):
-    """Stages m.FIRST..m.LAST: 0-6 (one rank), or 0-2 then 3-6 (two launches under tensor
-    parallelism); barrier k follows stage FIRST + k, the launch's last stage has none."""
+    """Stages 0-6, under tensor parallelism with the attention output's sum over the ranks after
+    stage 2; barrier k follows stage k, the launch's last stage has none."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
-    NB: tl.constexpr = m.LAST - m.FIRST
-    if m.FIRST == 0:
-        _attention_stages(a, f, m, epoch, NB, pid, grid)
-    if m.LAST > 2:
-        if m.FIRST == 0:
-            barrier(f.sync, epoch, 2, NB, m.TIMELINE, m.FAST)
-        _front_stages(f, m, epoch, 3 - m.FIRST, NB, pid, grid)
-    end_launch(f.sync, epoch, NB, m.TIMELINE)
+    _attention_stages(a, f, m, epoch, m.B, pid, grid)
+    barrier(f.sync, epoch, 2, m.B, m.TIMELINE, m.FAST)
+    if m.WORLD > 1:  # attn_out holds this rank's o groups: sum it over the ranks
+        peer_sum_stage(pid, grid, f.attn_sums, f.attn_out, f.attn_out, f.d, f.rows, f.d, f.sync, epoch, 3, m.WORLD,
+                       m.FAST)
+        barrier(f.sync, epoch, 3, m.B, m.TIMELINE, m.FAST)
+    _front_stages(f, m, epoch, m.B - 3, m.B, pid, grid)
+    end_launch(f.sync, epoch, m.B, m.TIMELINE)
 
 
 @triton.jit
@@ -348,8 +365,8 @@ def _k3(f, m):
     """Stages 7-10 (the routed experts and the combine), after K2."""
     pid, grid = tl.program_id(0), tl.num_programs(0)
     epoch = begin_launch(f.sync, m.TIMELINE)
-    _expert_stages(f, m, epoch, 0, 3, pid, grid)
-    end_launch(f.sync, epoch, 3, m.TIMELINE)
+    _expert_stages(f, m, epoch, 0, m.B, pid, grid)
+    end_launch(f.sync, epoch, m.B, m.TIMELINE)
 
 
 def dense_stages(runner, rows: int):
@@ -401,14 +418,14 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         held_experts=len(runner.sizes.experts), route_ticket=s.route_ticket, w1=(ex.w1[0].view(torch.int16), ex.w1[1]),
         w2=(ex.w2[0].view(torch.int16), ex.w2[1]), w3=(ex.w3[0].view(torch.int16), ex.w3[1]), gate_up=s.gate_up,
         h=s.h, per_pick=s.per_pick, y=s.y,
-        sums=runner.split_sums, tickets=runner.split_tickets,
-        d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
+        sums=runner.split_sums, tickets=runner.split_tickets, attn_sums=runner.peer_sites.attention,
+        out_sums=runner.peer_sites.output, d=d, n_experts=c.n_routed_experts, inter=inter, topk=c.num_experts_per_tok, hc_eps=c.hc_eps,
         norm_eps=c.rms_norm_eps, sinkhorn_iters=c.hc_sinkhorn_iters, route_scale=c.routed_scaling_factor,
         limit=c.swiglu_limit)
     rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows,
                                        shape.settle_columns)
     meta = K2Meta(
-        FIRST=0, LAST=len(STAGES) - 1, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
+        WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
         TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
@@ -420,37 +437,15 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         BP=max(16, triton.next_power_of_2(row_block(rows) * c.num_experts_per_tok)),  # a build serves a row block
         ROWS_E=X.ROWS, FAST=runner.fast,
         TIMELINE=runner.timeline)
-    if runner.tp.size == 1:
-        runner.launch(_k2, "K2", "k2", attn, ffn, meta=meta)
-    else:
-        _launch_split(runner, s, attn, ffn, meta)
+    runner.launch(_k2, "K2", "k2", attn, ffn, meta=meta)
     # K3 reads neither routing table: without them one build serves hash- and bias-routed layers
     k3_args = ffn._replace(sync=runner.sync_args("k3"), route_bias=None, tid2eid=None)
     runner.launch(_k3, "K3", "k3", k3_args, meta=K3Meta(
-        SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
+        WORLD=runner.tp.size, B=len(stage_names("k3", runner.tp.size)) - 1, SHARED=meta.SHARED, BNE=min(shape.expert_block_n, inter, d), BKE_D=min(shape.expert_block_k, d),
         BKE_I=min(shape.expert_block_k, inter), EDIAG=X.takes_diagonal(shape.expert_block_k, d, inter),
         SWB=min(SWB, inter), CBL=min(CBL, d), FAST=runner.fast, FAST_EXPERTS=runner.fast and ex.supports_fast_decode(),
         TIMELINE=runner.timeline))
-    if runner.tp.size > 1:
-        s.y.copy_(runner.tp.reduce(s.y))  # this rank's experts and shared slice: a partial sum
     return 1 - cur
-
-
-def _launch_split(runner, s, attn: K2Attention, ffn: FfnArgs, meta: K2Meta) -> None:
-    """K2 under tensor parallelism: stages 0-2, the sum over the ranks of the attention output
-    (each rank's wo_b reads only its o groups: a partial sum) into `attn_out`, where the fold
-    reads it, then stages 3-6. The reduction is a host collective between the launches."""
-    attention, front = SPLIT_FAMILIES
-    _launch_stages(runner, "K2 attention", attention, attn, ffn, meta)
-    s.attn_out.copy_(runner.tp.reduce(s.attn_out))
-    _launch_stages(runner, "K2 FFN seam", front, attn, ffn, meta)
-
-
-def _launch_stages(runner, name: str, family: str, attn: K2Attention, ffn: FfnArgs, meta: K2Meta) -> None:
-    """One launch of K2's stages of `family` (`_STAGE_RANGES`), on that family's sync state."""
-    first, last = _STAGE_RANGES[family]
-    runner.launch(_k2, name, family, attn, ffn._replace(sync=runner.sync_args(family)),
-                  meta=meta._replace(FIRST=first, LAST=last))
 
 
 def _entry_splits(lw, cache, rows: int, heads: int, topk: int, programs: int, fixed: int) -> int:

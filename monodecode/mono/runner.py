@@ -17,10 +17,11 @@ A step on the mono path:
 Nothing in a step syncs with the host, so every step is graph-captured (one graph per width and
 cache).
 Tensor parallelism (`model.tp`; each rank a runner on its own Model): the kernels run the rank's
-slices (`sizes`, `TensorParallel.rank_sizes`), K2 as two launches with the attention output summed
-over the ranks between them, K3's output summed after it (k2.py); those sums are host
-collectives (gloo, NCCL), which a graph cannot capture, so under tensor parallelism the runner
-captures no graphs (first version; the in-kernel all-reduce is later work).
+slices (`sizes`, `TensorParallel.rank_sizes`), and K2 and K3 sum the attention and FFN outputs
+over the ranks inside the launches (k2.py, peers.py: the runner's peer memory, allocated by every
+rank at construction). The embedding's sum and the logits' gather around the layers are still
+host collectives (gloo, NCCL), which the runner does not capture: under tensor parallelism it
+captures no graphs.
 Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
 at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
@@ -51,13 +52,11 @@ from .weights import check_cache, fp8_names, layer_weights, read_fp8
 log = logging.getLogger("monodecode.mono")
 
 
-def kernel_grids(shape: LaunchShape, sms: int, split_k2: bool = False) -> dict[str, int]:
+def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
     """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1 (`k1c`: a CSA
-    layer's, two stages more), K2 and K3 (the routed experts); with `split_k2` (tensor
-    parallelism) also K2's two launches (`k2.SPLIT_FAMILIES`; "k2" then only sizes their GEMV tiles)."""
-    k2_families = ("k2", *k2.SPLIT_FAMILIES) if split_k2 else ("k2",)
+    layer's, two stages more), K2 and K3 (the routed experts)."""
     return {"k1": sms * shape.k1_programs_per_sm, "k1c": sms * shape.k1_programs_per_sm,
-            **dict.fromkeys(k2_families, sms * shape.k2_programs_per_sm), "k3": sms * shape.expert_programs_per_sm}
+            "k2": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
 
 
 class LayerStack(NamedTuple):
@@ -88,8 +87,9 @@ class MonoRunner:
                  shape: LaunchShape = LaunchShape(), stack: LayerStack | None = None):
         """`stack`: the layers to run (default: the model's, `target_stack`). Under tensor
         parallelism (`model.tp`, each rank a runner on its own Model) the runner runs this rank's
-        slices (`self.sizes`; `self.config` is their config: this rank's heads and o groups) and
-        captures no CUDA graphs (the reductions between launches are host collectives)."""
+        slices (`self.sizes`; `self.config` is their config: this rank's heads and o groups), sums
+        over the ranks in its peer memory (a collective: every rank builds its runner at once)
+        and captures no CUDA graphs (the embedding and the logits are host collectives)."""
         whole = stack.config if stack else model.config
         self.model, self.tp = model, model.tp
         reasons = refusals(whole, model.device, model.dtype) + self.tp.fp8_refusals(whole)
@@ -101,6 +101,7 @@ class MonoRunner:
         stack = stack or target_stack(model)  # after the refusals: a model over ranks has no blocks here
         self.sizes = self.tp.rank_sizes(whole)
         self.config = self.sizes.config
+        self.peer_sites = k2.peer_sites(self.tp, model.device, whole.hidden_size)
         shared = bool(self.config.n_shared_experts)
         names = [n for p, ratio in zip(stack.prefixes, stack.ratios)
                  for n in fp8_names(p, shared, indexed=ratio == CSA_RATIO)]
@@ -157,12 +158,12 @@ class MonoRunner:
         self._check_shape(shape)
         previous = getattr(self, "shape", None)
         sms = 1 if interpreted() else torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.grids = kernel_grids(shape, sms, split_k2=self.tp.size > 1)
+        self.grids = kernel_grids(shape, sms)
         if interpreted():
             self.grids = dict.fromkeys(self.grids, 1)
         self.shape = shape
         self.sync = {family: SyncState(self.device, k1.stage_names(family) if family.startswith("k1") else
-                                       k2.stage_names(family)) for family in self.grids}
+                                       k2.stage_names(family, self.tp.size)) for family in self.grids}
         # The split GEMVs' slice sums and tickets: one set for every launch and width (launches
         # run in stream order, and a stage's tickets are 0 again when it ends), sized for the
         # widest step's largest stage.

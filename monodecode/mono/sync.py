@@ -79,7 +79,8 @@ class SyncState:
             name = self.stage_names[error - 1] if error - 1 < len(self.stage_names) else f"#{error - 1}"
             raise MonoSyncError(
                 f"a persistent kernel gave up waiting in stage {name!r}: a program it waited on never "
-                "arrived (grid not co-resident, or a wrong target); its outputs are invalid")
+                "arrived (grid not co-resident, a wrong target, or, in a sum over tensor-parallel ranks, "
+                "another rank that failed or never launched); its outputs are invalid")
 
 
 @triton.jit
@@ -105,11 +106,23 @@ def wait_at_least(counter_ptr, target, error_ptr, stage, max_polls):
     """Wait until *counter_ptr >= target; acquire on success. After `max_polls` polls record
     `stage + 1` in the error word (if none is there) and return False. Skips the wait, returning
     False, when an error is already recorded: the launch is lost and must finish."""
+    return wait_until(counter_ptr, target, error_ptr, stage, max_polls, False, "gpu")
+
+
+@triton.jit
+def wait_until(word_ptr, target, error_ptr, stage, max_polls, EXACT: tl.constexpr, SCOPE: tl.constexpr):
+    """`wait_at_least`, for *word_ptr == target with EXACT, its acquire at SCOPE ("gpu", or "sys"
+    for a word other devices write: peers.py)."""
     state = tl.where(tl.load(error_ptr, volatile=True) == 0, 0, 2)  # 0 waiting, 1 done, 2 failed
     polls = 0
     while state == 0:
-        if tl.load(counter_ptr, volatile=True) >= target:
-            tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")  # on the exit path
+        value = tl.load(word_ptr, volatile=True)
+        if EXACT:
+            arrived = value == target
+        else:
+            arrived = value >= target
+        if arrived:
+            tl.atomic_add(word_ptr, 0, sem="acquire", scope=SCOPE)  # on the exit path
             state = 1
         else:
             polls += 1
