@@ -10,6 +10,8 @@
 #                 (tools/sharded_pytest.py: the tests' time is mostly compiling, and this machine has
 #                 16 cores); $OUT/shard_i.txt each; IDS names a file of test ids (one a line) to
 #                 run instead
+#   tests-tp      the tensor-parallel tests on two GPUs (a multi-GPU kind): the sums over the ranks alone and
+#                 the kernels over two ranks against one GPU (NCCL, symmetric memory)
 #   check         python -m monodecode.bench.mono_check --layers 4 (window, window, CSA, HCA), $SHAPE or the default
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest. Give it a call of its own: on a
 #                 fresh machine 330 s were not enough (torch.compile of the CSA / HCA attention at every width)
@@ -39,7 +41,7 @@
 # and ab).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|check|check-shape|bench-layer|ab|compiled|bench-decode|experts|profile}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|tests-tp|check|check-shape|bench-layer|ab|compiled|bench-decode|experts|profile}
 out=${OUT:?set OUT to the output folder}
 mkdir -p "$out"
 export PYTHONPATH=$PWD
@@ -65,6 +67,9 @@ case $part in
     [ -n "${IDS:-}" ] && selection=(--ids "$IDS" -- -m "")
     MONODECODE_TEST_DEVICE=cuda python3 tools/sharded_pytest.py --shards ${SHARDS:-8} --logs "$out" \
       --timeout ${TIMEOUT:-560} "${selection[@]}" >> "$out/$part.txt" 2>&1 ;;
+  tests-tp)
+    MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "" \
+      -rfE --tb=short --durations=10 tests/test_mono_peers.py tests/test_mono_tensor_parallel.py >> "$out/$part.txt" 2>&1 ;;
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;

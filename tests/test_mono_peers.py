@@ -1,5 +1,6 @@
-"""The ranks' sums inside the kernels (mono/peers.py) on the CPU: two processes over gloo, their
-peer memory shared files, each running the standalone sum launch under Triton's interpreter.
+"""The ranks' sums inside the kernels (mono/peers.py): two processes, on the CPU over gloo with
+shared files for peer memory, each running the standalone sum launch under Triton's interpreter
+(with MONODECODE_TEST_DEVICE=cuda and two GPUs: NCCL and symmetric memory, compiled).
 
 Each rank sums its own random bf16 part over several launches (both parities, widths of 1, 5 and
 48 rows, a width that leaves the last column task part-full): the result must be
@@ -14,33 +15,38 @@ import torch
 import torch.multiprocessing as mp
 
 from monodecode.model.parallel import TensorParallel
+from monodecode.ranks import rank_device
 from monodecode.mono.peers import PeerMemory, peer_sum, site_bytes, sum_tasks
 from monodecode.mono.plan import MAX_ROWS
 from monodecode.mono.sync import MonoSyncError, SyncArgs, SyncState
 
-ON_CPU = os.environ.get("MONODECODE_TEST_DEVICE", "cpu") == "cpu"
+DEVICE = os.environ.get("MONODECODE_TEST_DEVICE", "cpu")
 
 WIDTHS = (1, 5, 48)
 COLUMNS = 1100  # two whole 512-column tasks a row and a part-full one
 
 
-def _rank(rank: int, size: int, store: str, results: str):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+def _rank(rank: int, size: int, store: str, results: str, device: str):
+    device = rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                         rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
         tp = TensorParallel.from_process_group()
-        site = PeerMemory.allocate(tp, "cpu", [COLUMNS]).site(0)
-        state = SyncState("cpu", ["peer sum"])
+        site = PeerMemory.allocate(tp, device, [COLUMNS]).site(0)
+        state = SyncState(device, ["peer sum"])
         out = []
         for launch, rows in enumerate(WIDTHS):
             g = torch.Generator().manual_seed(100 * launch + rank)
-            x = torch.randn(rows, COLUMNS, generator=g).to(torch.bfloat16)
+            x = torch.randn(rows, COLUMNS, generator=g).to(device, torch.bfloat16)
             y = peer_sum(x, site, SyncArgs(state.words, 1 << 20, state.words), poison=True)
             state.check()
-            out.append((y, tp.reduce(x)))
+            out.append((y.cpu(), tp.reduce(x).cpu()))
         error = None
         if rank == 0:  # rank 1 never comes: the wait must give up
-            x = torch.randn(2, COLUMNS).to(torch.bfloat16)
+            x = torch.randn(2, COLUMNS).to(device, torch.bfloat16)
             peer_sum(x, site, SyncArgs(state.words, 2000, state.words))
             try:
                 state.check()
@@ -51,10 +57,11 @@ def _rank(rank: int, size: int, store: str, results: str):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(not ON_CPU, reason="the ranks share files: CPU processes under the interpreter")
-def test_two_ranks_sum_their_parts_in_the_kernel(tmp_path):
+@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_ranks_sum_their_parts_in_the_kernel(tmp_path, device):
+    """On the CPU the ranks' memory is shared files, on GPUs torch's symmetric memory."""
     results = str(tmp_path / "sums")
-    mp.start_processes(_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(2, str(tmp_path / "store"), results, device), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{results}.{rank}") for rank in range(2)]
     for launch, rows in enumerate(WIDTHS):
         for result in ranks:

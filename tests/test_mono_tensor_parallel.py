@@ -13,6 +13,8 @@ at these seeds none needs setting aside. The DSpark draft's stages likewise, eac
 draft on their kernels.
 """
 
+import os
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -22,10 +24,12 @@ from monodecode.config import preset
 from monodecode.decode import Decoder, KernelDraft
 from monodecode.model import Model
 from monodecode.model.parallel import TensorParallel
+from monodecode.ranks import rank_device
 from monodecode.mono.runner import MonoRunner
 from monodecode.mono.sync import MonoSyncError
 from monodecode.sampling import RowSettings
 
+DEVICE = os.environ.get("MONODECODE_TEST_DEVICE", "cpu")
 PROMPTS = (5, 3, 4)  # prefill lengths of slots 0, 1, 2
 STEPS = (  # decode steps: (slot, rows) groups, then pad rows
     ([(0, 1)], 0),
@@ -66,42 +70,48 @@ def draft_stages(decoder: Decoder) -> tuple[torch.Tensor, torch.Tensor]:
     assert isinstance(draft, KernelDraft)
     cache = draft.make_cache(2)
     for slot, n in ((0, 7), (1, 4)):
-        draft.commit(cache, slot, torch.arange(n), torch.randn(n, len(c.dspark_target_layer_ids) * c.hidden_size,
-                                                               generator=g).to(torch.bfloat16))
+        features = torch.randn(n, len(c.dspark_target_layer_ids) * c.hidden_size, generator=g)
+        draft.commit(cache, slot, torch.arange(n), features.to(decoder.model.device, torch.bfloat16))
     anchors, starts, b = torch.tensor([3, 9]), torch.tensor([7, 4]), draft.block_size
     tokens = torch.full((2, b), c.dspark_noise_token_id)
     tokens[:, 0] = anchors
     streams = draft.runner.stages(cache)(tokens.flatten(), (starts[:, None] + torch.arange(b)).flatten(),
                                          torch.tensor([0, 1]).repeat_interleave(b))
-    proposal = draft.propose(cache, anchors, starts, [0, 1], RowSettings.of([(0.0, 1.0, 0)] * 2), None)
+    proposal = draft.propose(cache, anchors, starts, [0, 1], RowSettings.of([(0.0, 1.0, 0)] * 2, decoder.model.device), None)
     return streams, proposal.tokens
 
 
-def _rank(rank: int, size: int, store: str, results: str):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+def _rank(rank: int, size: int, store: str, results: str, device: str = "cpu"):
+    device = rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
+                                         rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16,
+        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16,
                                       tp=TensorParallel.from_process_group())
         decoder = Decoder(model, "on")
         logits = decode(decoder)
         launches = {family: state.epoch for family, state in decoder.mono.sync.items()}
         streams, tokens = draft_stages(decoder)
         draft_launches = {family: state.epoch for family, state in decoder.draft().runner.sync.items()}
-        torch.save({"logits": logits, "launches": launches, "heads": decoder.mono.config.num_attention_heads,
-                    "draft_streams": streams, "draft_tokens": tokens, "draft_launches": draft_launches},
-                   f"{results}.{rank}")
+        torch.save({"logits": [x.cpu() for x in logits], "launches": launches,
+                    "heads": decoder.mono.config.num_attention_heads, "draft_streams": streams.cpu(),
+                    "draft_tokens": tokens.cpu(), "draft_launches": draft_launches}, f"{results}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path):
+@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path, device):
     """The target's decode steps, then the draft's stages (each rank a DraftRunner on its part)
     and a greedy proposal: bit-identical across ranks, and one process's up to bf16 noise (the
-    draft's streams after three stages: cosine >= 0.9998 a row, the proposal's tokens equal)."""
+    draft's streams after three stages: cosine >= 0.9998 a row, the proposal's tokens equal).
+    With MONODECODE_TEST_DEVICE=cuda and two GPUs: NCCL, symmetric memory, compiled kernels."""
     results = str(tmp_path / "logits")
     # the ranks inherit TRITON_INTERPRET (conftest) with the environment
-    mp.start_processes(_rank, args=(2, str(tmp_path / "store"), results), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(2, str(tmp_path / "store"), results, device), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{results}.{rank}") for rank in range(2)]
     layers_run = len(STEPS) * tiny().num_hidden_layers
     stages_run = 2 * tiny().num_nextn_predict_layers  # draft_stages' two passes
@@ -111,13 +121,13 @@ def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path):
         assert result["draft_launches"]["k2"] == result["draft_launches"]["k3"] == stages_run
     assert torch.equal(ranks[0]["draft_streams"], ranks[1]["draft_streams"])
     assert torch.equal(ranks[0]["draft_tokens"], ranks[1]["draft_tokens"])
-    one_decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16), "on")
-    streams, tokens = draft_stages(one_decoder)
+    one_decoder = Decoder(Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16), "on")
+    streams, tokens = (x.cpu() for x in draft_stages(one_decoder))
     cosine = torch.nn.functional.cosine_similarity(ranks[0]["draft_streams"].double().flatten(1),
                                                    streams.double().flatten(1), dim=1)
     assert (cosine >= 0.9998).all(), cosine
     assert torch.equal(ranks[0]["draft_tokens"], tokens)
-    one = decode(one_decoder)
+    one = [x.cpu() for x in decode(one_decoder)]
     for step, ((groups, pads), want) in enumerate(zip(STEPS, one)):
         got = ranks[0]["logits"][step]
         assert torch.equal(got, ranks[1]["logits"][step]), step  # bit-identical across ranks
@@ -149,6 +159,7 @@ def _silent_rank(rank: int, size: int, store: str, results: str):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
 def test_a_rank_that_never_launches_makes_the_other_raise(tmp_path):
     """A sum over the ranks whose other rank never comes gives up (bounded) and names its stage."""
     results = str(tmp_path / "errors")
@@ -169,6 +180,7 @@ def test_a_size_whose_slices_split_fp8_blocks_is_refused():
         MonoRunner(eighth)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
 def test_generate_over_two_ranks_runs_the_kernels_on_each():
     """What `generate` and `serve` start at `--tensor-parallel-size 2 --mono on`: rank 0's
     Decoder builds a runner on every rank (`LeadingModel.build_mono`) and sends each decode step
@@ -191,6 +203,7 @@ def test_generate_over_two_ranks_runs_the_kernels_on_each():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
 def test_greedy_speculation_over_two_ranks_runs_the_draft_on_their_kernels():
     """`generate --speculative-config ... --tensor-parallel-size 2 --mono on`: rank 0's Decoder
     builds the draft's runner on every rank (`LeadingDraft.build_mono`), each proposal's stages
