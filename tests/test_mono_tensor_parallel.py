@@ -159,6 +159,50 @@ def _silent_rank(rank: int, size: int, store: str, results: str):
         torch.distributed.destroy_process_group()
 
 
+def _replaying_rank(rank: int, size: int, store: str, results: str, device: str):
+    """300 steps alternating between two widths, each the same rows again (its KV rows rewritten
+    with the same values), so the graph of each width replays from the second on."""
+    device = rank_device(device, rank)
+    torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16,
+                                      tp=TensorParallel.from_process_group())
+        decoder = Decoder(model, "on")
+        assert decoder.mono.graphs_enabled
+        cache = decoder.make_cache(num_slots=2, max_context=32, max_step_rows=4)
+        for slot, n in enumerate((5, 3)):
+            decoder.model.step(cache, torch.arange(n) + 7 * slot, torch.arange(n), [slot] * n)
+        steps = {1: ([11], [5], [0]), 6: ([11, 12, 13, 21, 22, 0], [5, 6, 7, 3, 4, 0], [0, 0, 0, 1, 1, -1])}
+        first, mismatches = {}, 0
+        for i in range(300):
+            width = (1, 6)[i % 2]
+            out = decoder.step(cache, *steps[width]).cpu()
+            assert decoder.last_path == "mono"
+            mismatches += width in first and not torch.equal(out, first[width])
+            first.setdefault(width, out)
+        torch.save({"first": first, "mismatches": mismatches, "graphs": len(decoder.mono.graphs)},
+                   f"{results}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_graphs_over_two_ranks_replay_bit_exact(tmp_path, device):
+    """Under tensor parallelism a step's graph holds its layers (the embedding's sum and the logits'
+    gather run around it): 300 steps of two widths, every replay equal to the width's first
+    result, and the ranks equal to each other."""
+    results = str(tmp_path / "replays")
+    mp.start_processes(_replaying_rank, args=(2, str(tmp_path / "store"), results, device), nprocs=2,
+                       start_method="spawn")
+    ranks = [torch.load(f"{results}.{rank}") for rank in range(2)]
+    for result in ranks:
+        assert result["mismatches"] == 0 and result["graphs"] == 2
+    for width in (1, 6):
+        assert torch.equal(ranks[0]["first"][width], ranks[1]["first"][width]), width
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
 def test_a_rank_that_never_launches_makes_the_other_raise(tmp_path):
     """A sum over the ranks whose other rank never comes gives up (bounded) and names its stage."""

@@ -15,7 +15,7 @@ The head (the last stage's hc_head and norm, the shared lm_head) and the Markov 
 heads stay with `Draft.propose`, which takes this runner's `stages` in place of its own.
 Under tensor parallelism each rank runs one on its own part of the draft (its heads, o groups,
 shared-expert slice and routed experts), as `MonoRunner` does for the target: the sums over the
-ranks inside K2 and K3 (in the runner's own peer memory), no CUDA graphs.
+ranks inside K2 and K3 (in the runner's own peer memory), its graphs holding the stages only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import functools
 
 import torch
 
-from . import k1, k2
 from .runner import LayerStack, MonoRunner
 
 
@@ -66,13 +65,6 @@ class DraftRunner(MonoRunner):
     def _residency_cache(self, requests: int, rows: int):
         return self.draft.make_cache(requests)
 
-    def run_rows(self, s, cache, return_hidden: bool):
-        """The embedding, every stage on the kernels, the settled streams (device work only, as
-        `MonoRunner.run_rows`)."""
-        s.streams[0].copy_(self.model.embed(s.tokens))
-        cur, owed = 0, None
-        for lw, lc in zip(self.layers, cache.layers):
-            cur = k1.launch(self, s, lw, lc, cur, owed)
-            cur = k2.launch(self, s, lw, lc, cur)
-            owed = s.owed()
-        return self._settled(s, cur)
+    def head(self, layers_out):
+        """A draft pass's result: the settled streams after the last stage (its head is the draft's)."""
+        return layers_out[0]

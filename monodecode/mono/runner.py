@@ -20,8 +20,8 @@ Tensor parallelism (`model.tp`; each rank a runner on its own Model): the kernel
 slices (`sizes`, `TensorParallel.rank_sizes`), and K2 and K3 sum the attention and FFN outputs
 over the ranks inside the launches (k2.py, peers.py: the runner's peer memory, allocated by every
 rank at construction). The embedding's sum and the logits' gather around the layers are still
-host collectives (gloo, NCCL), which the runner does not capture: under tensor parallelism it
-captures no graphs.
+host collectives (gloo, NCCL), which the runner does not capture: under tensor parallelism a
+step's graph holds its layers only (`run_layers`), the embedding and the head run around it.
 Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
 at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
@@ -88,8 +88,8 @@ class MonoRunner:
         """`stack`: the layers to run (default: the model's, `target_stack`). Under tensor
         parallelism (`model.tp`, each rank a runner on its own Model) the runner runs this rank's
         slices (`self.sizes`; `self.config` is their config: this rank's heads and o groups), sums
-        over the ranks in its peer memory (a collective: every rank builds its runner at once)
-        and captures no CUDA graphs (the embedding and the logits are host collectives)."""
+        over the ranks in its peer memory (a collective: every rank builds its runner at once),
+        and its graphs hold the layers only (the embedding and the logits are host collectives)."""
         whole = stack.config if stack else model.config
         self.model, self.tp = model, model.tp
         reasons = refusals(whole, model.device, model.dtype) + self.tp.fp8_refusals(whole)
@@ -120,7 +120,7 @@ class MonoRunner:
         self.max_polls = max_polls
         self.poison = poison  # NaN-filled scratch: a stage output no task wrote shows in the result
         self.timeline = False  # per-stage stamps (timeline.py); GPU only; `bench layer --timeline` sets it
-        self.graphs_enabled = graphs and self.device.type == "cuda" and self.tp.size == 1
+        self.graphs_enabled = graphs and self.device.type == "cuda"
         self.scratch: dict[int, Scratch] = {}
         self.checked_caches: set[int] = set()  # ids of live caches whose rings passed check_cache
         log.info("mono: %d layers (compression ratios %s); %.1f MiB of FP8 weights held for the kernels",
@@ -272,6 +272,10 @@ class MonoRunner:
         graph, out, captured_hidden = self.graphs[key]
         if captured_hidden != return_hidden:
             return None
+        if self.tp.size > 1:  # the graph holds the layers only (`_capture`)
+            scratch.streams[0].copy_(self.model.embed(scratch.tokens))
+            graph.replay()
+            return self.head(tuple(None if t is None else t.clone() for t in out))
         graph.replay()
         return tuple(t.clone() for t in out) if return_hidden else out.clone()
 
@@ -343,12 +347,19 @@ class MonoRunner:
         return self.scratch[rows]
 
     def _capture(self, scratch: Scratch, cache, return_hidden: bool):
-        self.run_rows(scratch, cache, return_hidden)  # compile and warm up (this step's real result is replayed)
+        """A graph of the step: `run_rows`, or under tensor parallelism `run_layers` only (the
+        embedding's and the head's host collectives run around its replays, `_replay`)."""
+        if self.tp.size == 1:
+            body = self.run_rows
+        else:
+            scratch.streams[0].copy_(self.model.embed(scratch.tokens))  # the warm-up's input
+            body = self.run_layers
+        body(scratch, cache, return_hidden)  # compile and warm up (this step's real result is replayed)
         torch.cuda.synchronize(self.device)
         self.check()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.run_rows(scratch, cache, return_hidden)
+            out = body(scratch, cache, return_hidden)
         # The warm-up wrote this step's KV rows already; the replay rewrites the same values.
         return graph, out, return_hidden
 
@@ -356,21 +367,30 @@ class MonoRunner:
         """Launch the step on rows that `prepare` made ready in `s`: device work only (no refusal,
         no graph of its own, no error check, nothing read back), so that a caller can capture it
         inside a larger graph (spec/step_graph.py). The logits, with `return_hidden` also the
-        draft's features (Model.step's result)."""
-        model, c = self.model, self.config
-        s.streams[0].copy_(model.embed(s.tokens))
+        draft's features (Model.step's result). Under tensor parallelism the embedding and the
+        head make host collectives."""
+        s.streams[0].copy_(self.model.embed(s.tokens))
+        return self.head(self.run_layers(s, cache, return_hidden))
+
+    def run_layers(self, s: Scratch, cache, return_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers on the kernels from the embedded streams in s.streams[0]: the settled
+        streams and, with `return_hidden`, the draft's features (else None). No collective."""
         cur, owed, captured = 0, None, {}
-        targets = (c.dspark_target_layer_ids or ()) if return_hidden else ()
+        targets = (self.config.dspark_target_layer_ids or ()) if return_hidden else ()
         for i, (lw, lc) in enumerate(zip(self.layers, cache.layers)):
             cur = k1.launch(self, s, lw, lc, cur, owed)
             cur = k2.launch(self, s, lw, lc, cur)
             owed = s.owed()
             if i in targets:
                 captured[i] = self._settled(s, cur).mean(dim=1)
-        logits = model.logits(self._settled(s, cur))
-        if not return_hidden:
-            return logits
-        return logits, torch.cat([captured[i] for i in targets], dim=-1)
+        return self._settled(s, cur), torch.cat([captured[i] for i in targets], dim=-1) if return_hidden else None
+
+    def head(self, layers_out: tuple[torch.Tensor, torch.Tensor | None]):
+        """The step's result from `run_layers`' (settled streams, features): the logits, or with
+        features (logits, features)."""
+        settled, hidden = layers_out
+        logits = self.model.logits(settled)
+        return logits if hidden is None else (logits, hidden)
 
     def _settled(self, s: Scratch, cur: int) -> torch.Tensor:
         """The residual streams with the owed FFN output folded in."""
