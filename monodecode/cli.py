@@ -311,6 +311,9 @@ def add_bench_commands(commands) -> None:
     layer.add_argument("--timeline", action="store_true",
                        help="also print and save the per-stage times of the mono kernels and the gaps between "
                             "their launches, as a CUDA graph replays them (GPU)")
+    layer.add_argument("--tensor-parallel-size", type=tensor_parallel_arg, default=1, metavar="N",
+                       help=TP_HELP + "; every rank times its part (mono, and the per-op layer eagerly), the floor "
+                                      "is the bytes of the rank that reads the most")
     layer.add_argument("--out", default=".", help="where bench_layer.json (and bench_layer.png) go")
     layer.add_argument("--replot", metavar="JSON", help="measure nothing: print the table and write the PNG of a "
                                                         "saved bench_layer.json (e.g. one from a GPU host without "

@@ -270,14 +270,20 @@ def layer_of(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] in ("layers", "mtp") and len(parts) > 2 else ""
 
 
-def step_bytes(config: ModelConfig, specs: list[TensorSpec], prefix: str, rows: int = 1) -> tuple[int, int]:
+def step_bytes(config: ModelConfig, specs: list[TensorSpec], prefix: str, rows: int = 1,
+               tp=None) -> tuple[int, int]:
     """(dense, expert) weight bytes one decode step of `rows` tokens reads from the tensors under
     `prefix`: every dense tensor once, one row of the embedding-like tables per token, and the
-    routed experts of `rows` tokens with distinct picks (top-k each, capped at all experts)."""
+    routed experts of `rows` tokens with distinct picks (top-k each, capped at all experts).
+    With `tp` (model.parallel.TensorParallel) the bytes one rank reads: its slices of the split
+    layer weights, and picks among its own experts (capped at those)."""
     dense = 0
     per_expert: dict[str, int] = {}
     for s in specs:
         if not s.name.startswith(prefix):
+            continue
+        share = 1.0 if tp is None else tp.held_share(s.name, s.shape, config)
+        if share == 0:
             continue
         if s.role == "expert":
             expert = s.name.split(".experts.")[1].split(".")[0]
@@ -289,7 +295,7 @@ def step_bytes(config: ModelConfig, specs: list[TensorSpec], prefix: str, rows: 
         elif s.role == "vision":
             continue
         else:
-            dense += s.nbytes()
+            dense += int(s.nbytes() * share)
     if not per_expert:
         return dense, 0
     topk = config.num_experts_per_tok if prefix.startswith("layers.") else config.draft_num_experts_per_tok

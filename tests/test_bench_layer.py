@@ -211,6 +211,21 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
     assert accepted[0] == accepted[1] == accepted[2]  # the same synthetic acceptances on every path
 
 
+def test_bench_layer_over_two_ranks(tmp_path):
+    """`bench layer --tensor-parallel-size 2` (gloo; both ranks interpreted): mono and the eager
+    per-op layer timed, no batched per-op graph, and a floor below one process's (each rank reads
+    half of the split weights and of the experts)."""
+    common = ["bench", "layer", "--preset", "tiny", "--device", "cpu", "--widths", "3", "--kinds", "window",
+              "--context", "12", "--reps", "1"]
+    assert main(common + ["--out", str(tmp_path / "one")]) == 0
+    assert main(common + ["--tensor-parallel-size", "2", "--out", str(tmp_path / "two")]) == 0
+    one, two = (json.loads((tmp_path / name / "bench_layer.json").read_text()) for name in ("one", "two"))
+    assert two["tensor_parallel_size"] == 2 and two["complete"]
+    [row] = two["layers"]
+    assert row["mono_s"] > 0 and row["per_op_eager_s"] > 0 and row["per_op_graph_s"] is None
+    assert 0 < row["floor_bytes"] < one["layers"][0]["floor_bytes"]
+
+
 @pytest.mark.slow
 def test_bench_decode_over_two_ranks(tmp_path):
     """`bench decode --tensor-parallel-size 2` (gloo; both ranks interpreted): the mono stepwise

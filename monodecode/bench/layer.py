@@ -18,6 +18,11 @@ over them as verify rows) and each layer, with a random residual as the layer's 
 Every graph is timed as the median over `--reps` samples of `REPLAYS_IN_A_ROW` replays in a row
 (divided): each replay starts as the one before ends, as a layer in a step's graph does, so the
 host's launch of the graph, which a step pays once, is not counted in every layer's time.
+`--tensor-parallel-size N` runs N processes (one a device, `ranks.rank_device`), each timing its
+own part of the layers alike (the kernels' sums over the ranks inside, the per-op block's sums
+host collectives; no batched per-op graph, which is one process's), rank 0 reporting; the floor
+is then the bytes of the rank that reads the most (its slices of the split weights, its own picked
+experts, the whole KV), which the step waits for.
 `--shapes` times mono once per launch shape (`mono.shape.LaunchShape`: programs a SM, warps,
 tile sizes; a row each), `--kinds` restricts the layer kinds, and `--timeline`
 adds the per-stage times of the kernels and the gaps between their launches, as the CUDA graph
@@ -40,12 +45,15 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from .. import v41
 from ..checkpoint import SyntheticCheckpoint
@@ -53,9 +61,11 @@ from ..config import preset
 from ..decode import Decoder
 from ..model import Model
 from ..model.attention import RequestRows
+from ..model.parallel import SINGLE, TensorParallel
 from ..mono.plan import MonoRefused
 from ..mono.shape import LaunchShape
 from ..mono.timeline import format_times, launch_gaps, launch_span, stage_times
+from ..ranks import rank_device
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedLayer
 from .timing import copy_bandwidth, graphed, kernels_launched, timed
@@ -65,14 +75,15 @@ MAX_REQUESTS = 8
 REPLAYS_IN_A_ROW = 8  # a timed sample of a graph: this many replays, queued one behind the other
 
 
-def build(name: str, device: str) -> Decoder:
+def build(name: str, device, tp: TensorParallel = SINGLE) -> Decoder:
+    """The three layers at `name`'s sizes on the kernels: the whole, or `tp`'s rank's part."""
     # V4's three layer kinds at the preset's sizes: a V4.1 preset has none of them to time
     v41.refuse_to_run(preset(name), "`bench layer` (it times V4's window, CSA and HCA layers)")
     ratios = tuple(KINDS)
     # no DSpark draft: nothing here runs it, and its three layers of experts would double the build
     config = preset(name, num_hidden_layers=len(ratios), compress_ratios=ratios, num_hash_layers=0,
                     dspark_target_layer_ids=tuple(range(len(ratios))), num_nextn_predict_layers=0)
-    return Decoder(Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16), "on")
+    return Decoder(Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16, tp=tp), "on")
 
 
 def prefill(model: Model, context: int):
@@ -116,7 +127,7 @@ class LayerStep(NamedTuple):
 class LayerBench:
     def __init__(self, decoder: Decoder, cache, context: int, reps: int, compile_mode: str | None = None):
         model = decoder.model
-        self.model, self.runner, self.base_cache = model, decoder.mono, cache
+        self.model, self.runner, self.base_cache, self.tp = model, decoder.mono, cache, model.tp
         self.context, self.reps, self.device = context, reps, model.device
         self.specs = tensor_specs(model.config)
         self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
@@ -157,15 +168,17 @@ class LayerBench:
         kernels = inputs.kernels
         block = self.model.blocks[layer]
         per_op = timed(lambda: block(streams, s.tokens, s.positions, groups, lc), self.device, self.reps)
-        experts = distinct_experts(block, lambda: block(streams, s.tokens, s.positions, groups, lc))
-        batched = self.batched.setdefault(layer, BatchedLayer(block))
+        held = self.tp.part(self.model.config.n_routed_experts)
+        experts = distinct_experts(block, lambda: block(streams, s.tokens, s.positions, groups, lc), held)
         launches = {"per_op_eager": kernels_launched(lambda: block(streams, s.tokens, s.positions, groups, lc),
-                                                     self.device),
-                    "per_op_graph": kernels_launched(lambda: batched(streams, s.tokens, s.positions, s.slots, lc),
                                                      self.device)}
-        per_op_graph = self.replay_time(lambda: batched(streams, s.tokens, s.positions, s.slots, lc))
-        per_op_compiled = None
-        if self.compile_mode:
+        per_op_graph = per_op_compiled = None
+        if self.tp.size == 1:  # the batched layer is one process's (its sums are no collectives)
+            batched = self.batched.setdefault(layer, BatchedLayer(block))
+            launches["per_op_graph"] = kernels_launched(lambda: batched(streams, s.tokens, s.positions, s.slots, lc),
+                                                        self.device)
+            per_op_graph = self.replay_time(lambda: batched(streams, s.tokens, s.positions, s.slots, lc))
+        if self.compile_mode and self.tp.size == 1:
             # One compiled graph a layer kind and width, all of the same code: past dynamo's
             # recompile limit (8) it would quietly run the layer eagerly; raise it, and fail if hit.
             with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
@@ -226,10 +239,14 @@ class LayerBench:
             runner.timelines.clear()
 
     def floor_bytes(self, layer: int, width: int, experts: int, groups: list[RequestRows]) -> int:
-        c = self.model.config
-        dense, all_picks = step_bytes(c, self.specs, f"layers.{layer}.", rows=width)
-        per_expert = all_picks // min(width * c.num_experts_per_tok, c.n_routed_experts)
-        return dense + experts * per_expert + sum(self.kv_bytes(layer, int(g.positions[-1])) for g in groups)
+        """The bytes the step reads (`experts`: the distinct ones it picked). Under tensor
+        parallelism those of the rank that reads the most (its slices of the split weights, its
+        own picked experts, the whole KV: every rank's heads read it): the step waits for it."""
+        c, tp = self.model.config, self.tp
+        dense, all_picks = step_bytes(c, self.specs, f"layers.{layer}.", rows=width, tp=tp if tp.size > 1 else None)
+        per_expert = all_picks // min(width * c.num_experts_per_tok, len(tp.part(c.n_routed_experts))) if all_picks else 0
+        mine = dense + experts * per_expert + sum(self.kv_bytes(layer, int(g.positions[-1])) for g in groups)
+        return max(tp.every_ranks_value(mine))
 
     def kv_bytes(self, layer: int, last: int) -> int:
         """Cache bytes (bf16) a request whose last row is at position `last` reads: its window,
@@ -245,8 +262,9 @@ class LayerBench:
         return 2 * rows
 
 
-def distinct_experts(block, run) -> int:
-    """Distinct routed experts the per-op path picks in run() (the floor's expert bytes)."""
+def distinct_experts(block, run, held: range) -> int:
+    """Distinct routed experts of `held` (a rank's; all of them at one rank) the per-op path picks
+    in run() (the floor's expert bytes)."""
     picked, route = [], block.moe.route
 
     def recording(x, tokens):
@@ -259,7 +277,8 @@ def distinct_experts(block, run) -> int:
         run()
     finally:
         del block.moe.route  # the instance attribute: back to the class's method
-    return int(torch.cat(picked).unique().numel())
+    ids = torch.cat(picked).unique()
+    return int(((ids >= held.start) & (ids < held.stop)).sum())
 
 
 def run(args) -> int:
@@ -268,25 +287,57 @@ def run(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         return show(json.loads(Path(args.replot).read_text()), out)
     device = torch.device(args.device)
-    widths = args.widths
-    shapes = [LaunchShape.parse(text) for text in args.shapes.split(";")]
+    for text in args.shapes.split(";"):
+        LaunchShape.parse(text)  # a bad shape is refused before anything is built
     kinds = args.kinds.split(",")
     unknown = set(kinds) - set(KINDS.values())
     if unknown:
         raise ValueError(f"--kinds: unknown {', '.join(sorted(unknown))} (known: {', '.join(KINDS.values())})")
     if args.timeline and device.type != "cuda":
         raise ValueError("--timeline reads the GPU's global timer: it needs --device cuda")
+    size = args.tensor_parallel_size
+    if size == 1:
+        return measure_all(args, SINGLE)
+    if args.compile:
+        raise ValueError("--compile times the one-process per-op layer: not with --tensor-parallel-size")
+    store = Path(tempfile.mkdtemp(prefix="monodecode-bench-layer-")) / "store"
+    mp.start_processes(_rank, args=(size, str(store), args), nprocs=size, start_method="spawn")
+    return show(json.loads((Path(args.out) / "bench_layer.json").read_text()), Path(args.out))
+
+
+def _rank(rank: int, size: int, store: str, args) -> None:
+    """Rank `rank` of the ranks `run` starts: every rank measures its part alike (the kernels' sums
+    and the per-op layer's collectives meet), rank 0 reports."""
+    device = rank_device(args.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=size)
+    try:
+        measure_all(args, TensorParallel.from_process_group(), device)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_all(args, tp: TensorParallel, device=None) -> int:
+    """Measure every layer kind and width of `args` on this process's part (`tp`); the leader
+    (rank 0) prints and saves the report (and, at one rank, shows it)."""
+    device = torch.device(device or args.device)
+    leader = tp.rank == 0
+    say = print if leader else (lambda *_, **__: None)
+    kinds, widths = args.kinds.split(","), args.widths
+    shapes = [LaunchShape.parse(text) for text in args.shapes.split(";")]
     started = time.strftime("%Y-%m-%d %H:%M")
-    decoder = build(args.preset, args.device)
+    decoder = build(args.preset, device, tp)
     model = decoder.model
     bench = LayerBench(decoder, prefill(model, args.context), args.context, args.reps, args.compile)
     bandwidth = copy_bandwidth(device)
     g = torch.Generator().manual_seed(2)
     rows = []
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "date": started,
-              "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth, "layers": rows,
-              "complete": False}
+              "preset": args.preset, "context": args.context, "copy_bytes_per_s": bandwidth,
+              "tensor_parallel_size": tp.size, "layers": rows, "complete": False}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for layer, ratio in enumerate(model.config.compress_ratios):
@@ -304,22 +355,25 @@ def run(args) -> int:
                              "mono_of_floor": floor_s / mono if mono else None,
                              "speedup": best_per_op / mono if mono else None})
                 # saved and shown as it comes: a run cut short (a device call's time limit) keeps its rows
-                (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
-                print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: per-op graph {_us(m['per_op_graph_s'])} us, "
+                if leader:
+                    (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
+                say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: per-op graph {_us(m['per_op_graph_s'])} us, "
                       f"mono {_us(mono)} us, floor {floor_s * 1e6:.1f} us", flush=True)
                 if m["refused"]:
-                    print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
+                    say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
                 if m["stages"]:
                     for kind, times in m["stages"].items():
-                        print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
+                        say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}, {kind}:\n{format_times(times)}")
                     gaps = m["launches_in_graph"]
-                    print(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: the kernels' span in the graph "
+                    say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: the kernels' span in the graph "
                           f"{gaps['span_us']:.1f} us; gaps before " +
                           ", ".join(f"{kind} {us:.1f} us" for kind, us in gaps["gaps_us"].items()))
     report["complete"] = True
+    if not leader:
+        return 0
     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'bench_layer.json'}")
-    return show(report, out)
+    return show(report, out) if tp.size == 1 else 0
 
 
 def show(report: dict, out: Path) -> int:
@@ -400,6 +454,9 @@ def mono_runs(rows: list[dict]) -> dict:
 def table(report: dict) -> str:
     head = (f"{report['device']}, torch {report['torch']}, Triton {report['triton']}, {report['date']}; "
             f"copy {report['copy_bytes_per_s'] / 1e12:.2f} TB/s; {report['preset']}, context {report['context']}")
+    if report.get("tensor_parallel_size", 1) > 1:
+        head += (f"; over {report['tensor_parallel_size']} ranks: rank 0's times and experts, the floor of the rank "
+                 "that reads the most")
     cols = (f"{'kind':<7}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
             f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'K1':>9}{'K2':>9}{'of floor':>9}"
             f"{'speedup':>9}"

@@ -69,13 +69,18 @@ class TensorParallel:
     def check_same(self, what: str, value: str) -> None:
         """Raise unless every rank holds the same `value` (say, the config and the checkpoint's
         tensor table): ranks must load the same model."""
-        if self.size == 1:
-            return
-        values = [None] * self.size
-        dist.all_gather_object(values, value, group=self.group)
+        values = self.every_ranks_value(value)
         for rank, other in enumerate(values):
             if other != values[0]:
                 raise ValueError(f"tensor parallel ranks disagree on the {what}: rank {rank} differs from rank 0")
+
+    def every_ranks_value(self, value) -> list:
+        """Every rank's `value` (a picklable object), in rank order."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def part(self, total: int) -> range:
         """This rank's contiguous share of `total` (heads, groups, experts, vocabulary rows)."""
@@ -109,6 +114,14 @@ class TensorParallel:
             return True
         experts = config.draft_n_routed_experts if found[1] == "mtp" else config.n_routed_experts
         return int(found[2]) in self.part(experts)
+
+    def held_share(self, name: str, shape: tuple[int, ...], config: ModelConfig) -> float:
+        """The share of layer weight `name` (schema name, of `shape`) this rank reads: 1 where it
+        holds the whole, its slice's share where it holds a slice, 0 for another rank's expert."""
+        if not self.holds(name, config):
+            return 0.0
+        cut = self._cut(name, config)
+        return 1.0 if cut is None else (cut[2] - cut[1]) / shape[cut[0]]
 
     def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         """This rank's slice of weight `name` (schema name without `.weight`), converted."""
