@@ -16,7 +16,8 @@
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest. Give it a call of its own: on a
 #                 fresh machine 330 s were not enough (torch.compile of the CSA / HCA attention at every width)
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
-#   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline
+#   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline,
+#                 over $TP ranks (default 1; one GPU each: a multi-GPU kind)
 #   ab            bench layer of baseline/ (a `git archive` of main, carried) and of this tree, in the order
 #                 base, new, new, base (runs base1, new1, new2, base2 in $OUT/ab_runs.tar.gz; TIMELINE=--timeline adds the timeline
 #                 to round 2, when both trees' kernels are compiled), then tools/ab_summary.py: each run's
@@ -79,7 +80,7 @@ case $part in
   bench-layer)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default}" \
-      --context "${CONTEXT:-512}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
+      --context "${CONTEXT:-512}" --tensor-parallel-size "${TP:-1}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
   ab)
     trees=(${TREES:-base=baseline new=.})
     kinds=${KINDS:-window} widths=${WIDTHS:-6}
