@@ -46,7 +46,8 @@ class Attention:
         # under tensor parallelism this rank's heads and the o groups they feed (parallel.py)
         self.heads, self.o_groups = config.num_attention_heads // tp.size, config.o_groups // tp.size
         self.ratio = ratio
-        self.freqs = layer_frequencies(config, compressed=ratio > 0)
+        # on the weights' device: a CPU table would be copied in every step (and cannot be inside a CUDA graph)
+        self.freqs = layer_frequencies(config, compressed=ratio > 0).to(next(iter(self.w.values())).device)
         self.compressor = self.indexer = None
         self.build_compression()
 
