@@ -4,7 +4,8 @@
 Contract (`peer_sum_stage`; WORLD ranks, this one `site.rank`; a site is one place a launch sums):
 - Tasks: `sum_tasks(R, N)` = R * ceil(N / COLUMNS); task t is row t // n_chunks, columns
   (t % n_chunks) * COLUMNS .. + COLUMNS (masked at N), n_chunks = ceil(N / COLUMNS). Program p
-  takes tasks p, p + grid, ...
+  takes tasks p, p + grid, ...; every program resident (the launches are cooperative), and every
+  program pushes all its tasks before it waits on any, so no wait holds back a push.
 - Push: for each of its tasks a program loads the tile of `src` [R, N] (row stride `stride`),
   stores it into every rank q's inbox (this rank's too) at [parity, rank, row, columns], parity =
   epoch % 2, then (a CTA barrier: the program's stores first) sets rank q's flag [parity, rank, t]
@@ -43,9 +44,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from .plan import MAX_ROWS
+from .plan import MAX_ROWS, interpreted
 from .rounding import bf16
-from .plan import interpreted
 from .sync import ERROR, SyncArgs, finish_launch, launch_epoch, wait_until
 
 COLUMNS = 512  # columns a sum task carries: 8 tasks a row of a 4096-wide hidden state
