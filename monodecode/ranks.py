@@ -53,13 +53,22 @@ def rank_device(device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
-def _join(rank: int, size: int, store: str, device: torch.device):
-    """Join the ranks' process group; the group commands travel over."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def join_ranks(rank: int, size: int, store: str, device) -> torch.device:
+    """Join the default process group as `rank` of `size` (NCCL for GPUs, gloo on the CPU; `store`
+    a file path every rank is given) on this rank's device (`rank_device` of `device`), and return
+    that device."""
+    device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's collectives (all_gather_object too) use the current device
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size, timeout=TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else dist.group.WORLD
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=size, timeout=TIMEOUT)
+    return device
+
+
+def _join(rank: int, size: int, store: str, device) -> tuple[torch.device, object]:
+    """`join_ranks`, and the group commands travel over: (this rank's device, that group)."""
+    device = join_ranks(rank, size, store, device)
+    return device, dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else dist.group.WORLD
 
 
 def _plain(values) -> list:
@@ -216,8 +225,7 @@ def _follow(index: int, size: int, store: str, source: str, device: str, dtype: 
             overrides: dict | None):
     """Rank index + 1: load its part, then make the leader's calls until told to stop."""
     rank = index + 1
-    device = rank_device(device, rank)
-    control = _join(rank, size, store, device)
+    device, control = _join(rank, size, store, device)
     model = load_model(source, device=device, dtype=dtype, seed=seed, tp=TensorParallel.from_process_group(),
                        overrides=overrides)
     caches, draft, runner, draft_runner = {}, None, None, None
@@ -313,8 +321,8 @@ def load_ranks(source, size: int, *, device="cpu", dtype=torch.float32, seed: in
                                nprocs=size - 1, join=False, daemon=True, start_method="spawn")
 
     def start():
-        control = _join(0, size, store, rank_device(device, 0))
-        model = load_model(source, device=rank_device(device, 0), dtype=dtype, seed=seed,
+        own, control = _join(0, size, store, device)
+        model = load_model(source, device=own, dtype=dtype, seed=seed,
                            tp=TensorParallel.from_process_group(), overrides=overrides)
         return LeadingModel(model, control, ranks)
 

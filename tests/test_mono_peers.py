@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from monodecode.model.parallel import TensorParallel
-from monodecode.ranks import rank_device
+from monodecode.ranks import join_ranks
 from monodecode.mono.peers import PeerMemory, peer_sum, site_bytes, sum_tasks
 from monodecode.mono.plan import MAX_ROWS
 from monodecode.mono.sync import MonoSyncError, SyncArgs, SyncState
@@ -27,11 +27,7 @@ COLUMNS = 1100  # two whole 512-column tasks a row and a part-full one
 
 
 def _rank(rank: int, size: int, store: str, results: str, device: str):
-    device = rank_device(device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
-                                         rank=rank, world_size=size)
+    device = join_ranks(rank, size, store, device)
     try:
         torch.set_num_threads(1)
         tp = TensorParallel.from_process_group()

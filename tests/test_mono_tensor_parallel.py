@@ -24,7 +24,7 @@ from monodecode.config import preset
 from monodecode.decode import Decoder, KernelDraft
 from monodecode.model import Model
 from monodecode.model.parallel import TensorParallel
-from monodecode.ranks import rank_device
+from monodecode.ranks import join_ranks
 from monodecode.mono.runner import MonoRunner
 from monodecode.mono.sync import MonoSyncError
 from monodecode.sampling import RowSettings
@@ -82,11 +82,7 @@ def draft_stages(decoder: Decoder) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rank(rank: int, size: int, store: str, results: str, device: str = "cpu"):
-    device = rank_device(device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
-                                         rank=rank, world_size=size)
+    device = join_ranks(rank, size, store, device)
     try:
         torch.set_num_threads(1)
         model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16,
@@ -139,7 +135,7 @@ def test_two_ranks_on_the_kernels_give_the_one_process_logits(tmp_path, device):
 
 def _silent_rank(rank: int, size: int, store: str, results: str):
     """Both ranks build a runner and make one step, but rank 1 never launches K2."""
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    join_ranks(rank, size, store, "cpu")
     try:
         torch.set_num_threads(1)
         model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), "cpu", torch.bfloat16,
@@ -162,9 +158,7 @@ def _silent_rank(rank: int, size: int, store: str, results: str):
 def _replaying_rank(rank: int, size: int, store: str, results: str, device: str):
     """300 steps alternating between two widths, each the same rows again (its KV rows rewritten
     with the same values), so the graph of each width replays from the second on."""
-    device = rank_device(device, rank)
-    torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=size)
+    device = join_ranks(rank, size, store, device)
     try:
         model = Model.from_checkpoint(SyntheticCheckpoint(tiny(), seed=5), device, torch.bfloat16,
                                       tp=TensorParallel.from_process_group())

@@ -65,7 +65,7 @@ from ..model.parallel import SINGLE, TensorParallel
 from ..mono.plan import MonoRefused
 from ..mono.shape import LaunchShape
 from ..mono.timeline import format_times, launch_gaps, launch_span, stage_times
-from ..ranks import rank_device
+from ..ranks import join_ranks
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedLayer
 from .timing import copy_bandwidth, graphed, kernels_launched, timed
@@ -308,11 +308,7 @@ def run(args) -> int:
 def _rank(rank: int, size: int, store: str, args) -> None:
     """Rank `rank` of the ranks `run` starts: every rank measures its part alike (the kernels' sums
     and the per-op layer's collectives meet), rank 0 reports."""
-    device = rank_device(args.device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=size)
+    device = join_ranks(rank, size, store, args.device)
     try:
         measure_all(args, TensorParallel.from_process_group(), device)
     finally:
