@@ -67,6 +67,18 @@ TP_HELP = ("ranks the model is split over, one process a device (rank r on cuda:
            "attention heads, routed experts and the vocabulary divided (default: 1)")
 
 
+def paths_arg(text: str) -> tuple[str, ...]:
+    """`bench decode --paths`: names of `bench.decode.PATHS`, comma-separated, at least one."""
+    from .bench.decode import PATHS
+
+    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {', '.join(unknown) or '(none given)'}: "
+                                         f"choose from {', '.join(PATHS)}")
+    return paths
+
+
 def tensor_parallel_arg(text: str) -> int:
     size = int(text) if text.isdigit() else 0
     if size < 1:
@@ -341,6 +353,9 @@ def add_bench_commands(commands) -> None:
     decode.add_argument("--steps", type=positive_int_arg, default=20,
                         help="timed steps a request count (the median is kept)")
     decode.add_argument("--reps", type=positive_int_arg, default=20, help="timed repetitions of the head alone")
+    decode.add_argument("--paths", default="per-op,stepwise,whole", type=paths_arg,
+                        help="paths to time, comma-separated: per-op (the per-op graph), stepwise (mono stepwise), "
+                             "whole (mono, the whole step)")
     decode.add_argument("--tensor-parallel-size", type=tensor_parallel_arg, default=1, metavar="N",
                         help=TP_HELP + "; over ranks only the mono stepwise path runs")
     decode.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under Triton's "

@@ -31,7 +31,9 @@
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
 #   bench-decode  monodecode bench decode on 4 layers at the request counts in $REQUESTS (default 1,2,4,8),
-#                 $TEMPERATURE (default 0) and $TOP_P (default 1), over $TP ranks (default 1; one GPU each)
+#                 $TEMPERATURE (default 0) and $TOP_P (default 1), over $TP ranks (default 1; one GPU each),
+#                 the paths in $PATHS (default per-op,stepwise,whole; the per-op graph's row alone took ~250 s
+#                 at 1 request on 2026-12-05)
 #   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
 #   profile       Nsight Compute's PC sampling of one step of the window layer's K1, K2 and K3 at $WIDTH rows
@@ -120,7 +122,8 @@ case $part in
       --out "$out" >> "$out/$part.txt" 2>&1 ;;
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --requests "${REQUESTS:-1,2,4,8}" \
-      --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" --tensor-parallel-size "${TP:-1}" --out "$out" \
+      --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" --tensor-parallel-size "${TP:-1}" \
+      --paths "${PATHS:-per-op,stepwise,whole}" --out "$out" \
       >> "$out/$part.txt" 2>&1 ;;
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.experts --shapes "${SHAPES:-default}" --out "$out" \

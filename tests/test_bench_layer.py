@@ -211,6 +211,17 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
     assert accepted[0] == accepted[1] == accepted[2]  # the same synthetic acceptances on every path
 
 
+def test_bench_decode_times_the_paths_asked_for(device, tmp_path, capsys):
+    """`--paths whole,stepwise`: the two mono rows, in the usual order; an unknown path is refused."""
+    assert main(["bench", "decode", "--preset", "tiny", "--layers", "1", "--requests", "1", "--steps", "1",
+                 "--context", "12", "--reps", "1", "--paths", "whole,stepwise", "--device", device,
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert [r["path"] for r in report["rows"]] == ["mono stepwise", "mono"]
+    assert main(["bench", "decode", "--paths", "per-op,eager", "--device", device]) == 2
+    assert "unknown path(s) eager: choose from per-op, stepwise, whole" in capsys.readouterr().err
+
+
 def test_bench_layer_over_two_ranks(tmp_path):
     """`bench layer --tensor-parallel-size 2` (gloo; both ranks interpreted): mono and the eager
     per-op layer timed, no batched per-op graph, and a floor below one process's (each rank reads

@@ -20,6 +20,8 @@ commits to the draft's rings: host work); whole, split into its device work (the
 the device synchronised around it) and the rest (host work: loading the rows, drawing the
 uniforms, reading the verdicts); tokens committed a step a request; tokens/s per user. The
 draft follows its path: per-op and eager with the per-op graph, on the kernels with mono.
+`--paths` picks among them (`per-op`, `stepwise`, `whole`; default all three: a GPU call short of
+time can leave the per-op graph out, whose experts take minutes to dequantize).
 `--tensor-parallel-size N`: the model over N ranks (`ranks.load_ranks`), only `mono stepwise`
 (the per-op graph's fixed-shape layers hold whole layers; the whole step is one process's).
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
@@ -49,6 +51,7 @@ from .batched import BatchedLayer
 from .timing import graphed, timed
 
 RESERVE = 24 * 2**30  # bytes left free by `--layers fit`: caches, scratch, graphs, the draft's weights
+PATHS = ("per-op", "stepwise", "whole")  # `--paths`' names of the per-op graph, mono stepwise and mono (whole)
 
 
 def build(name: str, layers: int, device: str, tensor_parallel_size: int = 1) -> Decoder:
@@ -227,6 +230,8 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
     if over_ranks:
         print("per-op graph and mono (whole): not run over ranks (the per-op graph's layers are whole layers; "
               "the whole step is built for one process)")
+    elif "per-op" not in args.paths:
+        pass  # not asked for: its expert banks are not even dequantized
     elif bank_bytes * layers + reserve <= free_memory(device):
         per_op = PerOpGraphStep(model.model)
     else:
@@ -244,8 +249,8 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
         head = None if over_ranks else head_seconds(model.model, count * (block + 1), args.reps)
         paths = (("per-op graph", model.model, per_op, False), ("mono stepwise", model, model.step, False),
                  ("mono", model, None if over_ranks else model.step, True))
-        for path, decoder, step, whole in paths:
-            if step is None:
+        for (path, decoder, step, whole), name in zip(paths, PATHS):
+            if step is None or name not in args.paths:
                 continue
             m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device, args.temperature, args.top_p),
                         args.steps, args.acceptance, whole)
