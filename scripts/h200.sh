@@ -36,7 +36,7 @@
 #                 at 1 request on 2026-12-05)
 #   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
-#   profile       Nsight Compute's PC sampling of one step of the window layer's K1, K2 and K3 at $WIDTH rows
+#   profile       Nsight Compute's PC sampling of one step of a $KIND layer's (default window) K1, K2 and K3 at $WIDTH rows
 #                 (default 1; $SHAPE, default the default shape), summed by stage (tools/stall_profile.py);
 #                 $OUT/profile.ncu-rep, profile_source.csv (the SASS with its samples), profile_details.csv
 # TIMEOUT (seconds, default 560) bounds a part; KINDS and WIDTHS pick bench-layer's layer kinds and rows
@@ -134,7 +134,8 @@ case $part in
     timeout ${TIMEOUT:-560} ncu --nvtx --nvtx-include "profiled/" --kernel-name regex:'^_k[123]$' \
       --launch-skip 3 --launch-count 3 \
       --section SourceCounters --section WarpStateStats --section SpeedOfLight --cache-control none \
-      --clock-control none -f -o "$out/profile" python3 tools/stall_profile.py step --width "${WIDTH:-1}" \
+      --clock-control none -f -o "$out/profile" python3 tools/stall_profile.py step --kind "${KIND:-window}" \
+      --width "${WIDTH:-1}" \
       --shape "${SHAPE:-default}" >> "$out/$part.txt" 2>&1
     ncu --import "$out/profile.ncu-rep" --page source --csv --print-source sass > "$out/profile_source.csv" \
       2>> "$out/$part.txt"

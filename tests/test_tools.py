@@ -97,3 +97,17 @@ def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_s
     bad = subprocess.run([sys.executable, str(STALL_PROFILE), "summary", str(tmp_path / "other.csv")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no table with an Address and a Source column" in bad.stderr
+
+
+def test_stall_profile_names_each_kernels_stages_by_its_place_in_the_launch_order():
+    """K1 of a CSA layer and K2 both have 7 stages: the kernel's place (K1, K2, K3) decides."""
+    import importlib.util
+
+    from monodecode.mono import k1, k2
+
+    spec = importlib.util.spec_from_file_location("stall_profile", STALL_PROFILE)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.stage_names(0, 7) == k1.stage_names("k1c") and tool.stage_names(0, 5) == k1.stage_names("k1")
+    assert tool.stage_names(1, 7) == k2.stage_names("k2") and tool.stage_names(5, 4) == k2.stage_names("k3")
+    assert tool.stage_names(1, 3) == ["stage 0", "stage 1", "stage 2"]

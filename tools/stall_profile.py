@@ -7,7 +7,8 @@ scripts/h200.sh profile` (WIDTH rows, default 1) runs
     ncu ... python tools/stall_profile.py step --width W
 
 which builds `bench layer`'s model (v4-flash sizes, synthetic weights, context 512) and launches
-its window layer's kernels a few times eagerly for ncu to sample one step of them; then exports
+one layer's kernels (`--kind`: window, CSA or HCA; h200.sh's KIND) a few times eagerly for ncu to
+sample one step of them; then exports
 each profiled kernel's SASS with its samples (`ncu --import ... --page source --csv
 --print-source sass`), and
 
@@ -15,7 +16,8 @@ each profiled kernel's SASS with its samples (`ncu --import ... --page source --
 
 sums the samples by stage. A stage of a persistent kernel is its code up to a grid barrier's
 signal (`sync.signal`'s release increment: the only `REDG.E.ADD.STRONG.GPU` the kernels have), so
-a kernel with B signals has B + 1 stages, named from its family's STAGES (K1 5, K2 7, K3 4).
+a kernel with B signals has B + 1 stages, named from its family's stages (K1 5, a CSA layer's
+K1 7, K2 7, K3 4; the kernels in launch order).
 Per stage: its share of the kernel's samples; of them, the wait at the grid barrier before it
 (the code from the previous stage's signal to the first CTA barrier after it, where a program's
 warps wait while one of them polls: a stage that few programs work in shows mostly as the next
@@ -43,10 +45,14 @@ REASONS = 4  # stall reasons listed a stage (their share of the stage's samples)
 PROFILED = "profiled"  # the NVTX range of the launches to sample
 
 
-def stage_names() -> dict[int, list[str]]:
-    """Stages a kernel has -> their names (the window layer's kernels: K1, K2, K3)."""
+def stage_names(kernel: int, count: int) -> list[str]:
+    """The names of the `count` stages of profiled kernel `kernel` (in launch order: K1, K2, K3,
+    then again): its family's whose stage count matches (a CSA layer's K1 has two stages more),
+    else numbered."""
     from monodecode.mono import k1, k2
-    return {len(names): names for names in (k1.STAGES, k2.stage_names("k2"), k2.stage_names("k3"))}
+    families = ([k1.stage_names("k1"), k1.stage_names("k1c")], [k2.stage_names("k2")], [k2.stage_names("k3")])
+    return next((names for names in families[kernel % 3] if len(names) == count),
+                [f"stage {i}" for i in range(count)])
 
 
 def read_tables(path: Path) -> list[list[dict]]:
@@ -130,12 +136,11 @@ def by_stage(rows: list[dict]) -> list[dict]:
 
 
 def summary(path: Path) -> str:
-    names = stage_names()
     lines = []
     for k, rows in enumerate(read_tables(path)):
         stages = by_stage(rows)
         total = sum(s["samples"] for s in stages) or 1.0
-        labels = names.get(len(stages), [f"stage {i}" for i in range(len(stages))])
+        labels = stage_names(k, len(stages))
         lines.append(f"kernel {k + 1}: {len(stages)} stages, {total:.0f} samples")
         for label, stage in zip(labels, stages):
             share, sync, wait = (100 * stage[key] / total for key in ("samples", "sync", "wait"))
@@ -150,9 +155,10 @@ def summary(path: Path) -> str:
     return "\n".join(lines)
 
 
-def step(width: int, launches: int, shape: str) -> None:
-    """Launch the bench model's window layer's kernels `launches` times on a step of `width` rows,
-    inside the NVTX range `PROFILED` (ncu --nvtx-include "profiled/": not the build's launches)."""
+def step(width: int, launches: int, shape: str, kind: str = "window") -> None:
+    """Launch the bench model's `kind` layer's kernels (K1, K2, K3) `launches` times on a step of
+    `width` rows, inside the NVTX range `PROFILED` (ncu --nvtx-include "profiled/": not the
+    build's launches)."""
     import torch
 
     from monodecode.bench.layer import KINDS, LayerBench, build, prefill
@@ -163,22 +169,23 @@ def step(width: int, launches: int, shape: str) -> None:
         decoder.mono.configure(LaunchShape.parse(shape))
     context = 512
     bench = LayerBench(decoder, prefill(decoder.model, context), context, reps=1)
-    window = [KINDS[r] for r in decoder.model.config.compress_ratios].index("window")
-    inputs = bench.step(window, width, torch.Generator().manual_seed(2))
+    layer = [KINDS[r] for r in decoder.model.config.compress_ratios].index(kind)
+    inputs = bench.step(layer, width, torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.cuda.nvtx.range_push(PROFILED)
         for _ in range(launches):
-            inputs.kernels(False)
+            inputs.kernels()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
     decoder.mono.check()
-    print(f"launched the window layer's kernels {launches} times at {width} rows, shape {shape}")
+    print(f"launched the {kind} layer's kernels {launches} times at {width} rows, shape {shape}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("step", help="launch the window layer's kernels (under ncu)")
+    run = sub.add_parser("step", help="launch a layer's kernels (under ncu)")
+    run.add_argument("--kind", choices=("window", "CSA", "HCA"), default="window")
     run.add_argument("--width", type=int, default=1)
     run.add_argument("--launches", type=int, default=3)
     run.add_argument("--shape", default="default")
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
     show.add_argument("csv", type=Path)
     args = parser.parse_args(argv)
     if args.command == "step":
-        step(args.width, args.launches, args.shape)
+        step(args.width, args.launches, args.shape, args.kind)
     else:
         print(summary(args.csv))
     return 0
