@@ -63,7 +63,7 @@ def test_bench_layer_times_each_launch_shape(device, tmp_path):
 def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):
     """`--shapes 'default;X;default'` (the default again: a control for run order) and `--widths
     6,1`: one mono line a place in --shapes, each over the widths in order."""
-    from monodecode.bench.layer import mono_runs, write_plot
+    from monodecode.bench.layer_report import mono_runs, write_plot
 
     shapes = ["default", "block_n=32", "default"]
     rows = [{"kind": "window", "width": width, "shape": shape, "shape_run": run, "floor_s": 1e-5 * width,
@@ -77,7 +77,7 @@ def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):
 def test_the_whole_model_projection_sums_each_kind_over_the_presets_layers():
     """v4-flash's 2 window, 21 CSA and 20 HCA layers from one timed layer of each kind, at each
     width and shape where all three were timed (not at a width that lacks one)."""
-    from monodecode.bench.layer import whole_model
+    from monodecode.bench.layer_report import whole_model
 
     times = {"window": 1e-4, "CSA": 2e-4, "HCA": 3e-4}
     rows = [{"kind": kind, "width": width, "shape": "default", "shape_run": 0, "floor_s": t / 4,
@@ -88,6 +88,8 @@ def test_the_whole_model_projection_sums_each_kind_over_the_presets_layers():
     assert lines == [f"whole model (2 window, 21 CSA, 20 HCA layers; no head, no draft), 1 rows, default: mono "
                      f"{mono * 1e3:.2f} ms, 25.0% of its floor {mono / 4 * 1e3:.2f} ms; per-op graph "
                      f"{10 * mono * 1e3:.2f} ms"]
+    over_ranks = [{**r, "per_op_graph_s": None} for r in rows]  # no per-op graph under tensor parallelism
+    assert whole_model({"preset": "v4-flash", "layers": over_ranks})[0].endswith("; per-op graph - ms")
 
 
 def test_the_identity_owed_output_leaves_the_residual_as_it_is(device):

@@ -230,13 +230,12 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
     if over_ranks:
         print("per-op graph and mono (whole): not run over ranks (the per-op graph's layers are whole layers; "
               "the whole step is built for one process)")
-    elif "per-op" not in args.paths:
-        pass  # not asked for: its expert banks are not even dequantized
-    elif bank_bytes * layers + reserve <= free_memory(device):
-        per_op = PerOpGraphStep(model.model)
-    else:
-        print(f"per-op graph: not run: its bf16 expert banks need {bank_bytes * layers / 2**30:.0f} GiB for "
-              f"{layers} layers (use --layers N for a model where both paths fit)")
+    elif "per-op" in args.paths:  # not asked for, its expert banks are not even dequantized
+        if bank_bytes * layers + reserve <= free_memory(device):
+            per_op = PerOpGraphStep(model.model)
+        else:
+            print(f"per-op graph: not run: its bf16 expert banks need {bank_bytes * layers / 2**30:.0f} GiB for "
+                  f"{layers} layers (use --layers N for a model where both paths fit)")
     g = torch.Generator().manual_seed(0)
     rows = []
     for count in args.requests:

@@ -143,11 +143,10 @@ def verify_block(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_p
 
 def verify_synthetic(target_probs: torch.Tensor, draft_tokens: torch.Tensor, acceptance_length: float,
                      generator: torch.Generator | None) -> Verdict:
-    k = _check_rows(target_probs[None], draft_tokens[None])
-    rate = synthetic_acceptance_rate(acceptance_length, k)
-
     def rule(target, drafts, _, uniforms):
-        return synthetic_rows(target, drafts, synthetic_accepted(uniforms[:, :k], rate), uniforms[:, k])
+        k = drafts.shape[1]
+        accepted = synthetic_accepted(uniforms[:, :k], synthetic_acceptance_rate(acceptance_length, k))
+        return synthetic_rows(target, drafts, accepted, uniforms[:, k])
 
     return _one_request(rule, target_probs, draft_tokens, None, generator)
 
