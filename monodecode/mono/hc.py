@@ -21,20 +21,23 @@ Contract (hc = HC streams, a power of two; MIX = (2 + hc) * hc mixes; rows r < R
     a dot's M side is 16 rows, 15 of them padding, and its operands go through shared memory.
     A task issues all its loads (fn, residual, out, post, comb) before its first store: it
     waits on memory once (a store between them would make each later load wait for it).
-- `settle_task`, one task per row: `settle_tasks(R)` = R. Row t reduces its partials:
+- `settle_task`, two tasks per row: `settle_tasks(R)` = 2 R. Both reduce the row's partials:
   mixes = dot * rsqrt(sumsq / (hc * d) + norm_eps), i.e. F.linear(rms_norm(flat streams), fn);
-  then, all in fp32 as `hc_pre`: pre = sigmoid(mix * scale[0] + base) + hc_eps,
-  post = 2 sigmoid(mix * scale[1] + base), comb = softmax over k of (mix * scale[2] + base)[j, k]
-  + hc_eps, a column normalisation, then (sinkhorn_iters - 1) row / column rounds (+ hc_eps in each
-  denominator). Writes post [R, hc] and comb [R, hc, hc] fp32 (owed to the next fold), and
-  x_norm [R, d] bf16 = bf16(norm_w * (x * rsqrt(mean(x^2) + norm_eps))) of the collapsed row
-  x = bf16(sum_k pre[k] * streams[r, k]) (fp32 product-sum), norm_w fp32 [d].
-  The row's first BD columns (streams and norm weight) are loaded with the partials. A row of
-  d <= BD is then collapsed and normalised in registers. A longer row goes in BD-column pieces
-  and two passes: pass 1 writes the collapsed bf16 row into x_norm itself (its scratch) and sums
-  its squares; a CTA barrier (`tl.debug_barrier`: the pass-2 tile may sit on other threads than
-  the pass-1 tile); pass 2 re-reads it and overwrites it with the normalised row. Pad rows are
-  computed like any row.
+  then, all in fp32 as `hc_pre`. Task t < R (row t) collapses: pre = sigmoid(mix * scale[0] +
+  base) + hc_eps, and writes x_norm [R, d] bf16 = bf16(norm_w * (x * rsqrt(mean(x^2) + norm_eps)))
+  of the collapsed row x = bf16(sum_k pre[k] * streams[r, k]) (fp32 product-sum), norm_w fp32 [d].
+  Task R + r mixes row r: post = 2 sigmoid(mix * scale[1] + base), comb = softmax over k of
+  (mix * scale[2] + base)[j, k] + hc_eps, a column normalisation, then (sinkhorn_iters - 1) row /
+  column rounds (+ hc_eps in each denominator); writes post [R, hc] and comb [R, hc, hc] fp32
+  (owed to the next fold). Why two: the Sinkhorn rounds are a serial chain as long as the
+  collapse's, and nothing this stage's successors read depends on them, so a one-row step's
+  settle takes two programs the time of the longer of the two instead of their sum.
+  The collapsing task loads the row's first BD columns (streams and norm weight) with the
+  partials. A row of d <= BD is then collapsed and normalised in registers. A longer row goes in
+  BD-column pieces and two passes: pass 1 writes the collapsed bf16 row into x_norm itself (its
+  scratch) and sums its squares; a CTA barrier (`tl.debug_barrier`: the pass-2 tile may sit on
+  other threads than the pass-1 tile); pass 2 re-reads it and overwrites it with the normalised
+  row. Pad rows are computed like any row.
 - Stages: settle reads the streams fold wrote (or the residual, without HAS_OWED) and all of a row's
   partials, so a grid barrier separates them.
 - Rounding points: the reference's (bf16 after each bf16 op of hc_post, after the collapse and after
@@ -102,7 +105,7 @@ def fold_tasks(R: int, d: int, CHUNK: int = CHUNK, RB: int = RB) -> int:
 
 
 def settle_tasks(R: int) -> int:
-    return R
+    return 2 * R
 
 
 def mix_pad(hc: int) -> int:
@@ -200,26 +203,54 @@ def _sinkhorn(z, hc_eps, sinkhorn_iters):
 
 
 @triton.jit
-def settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
+def settle_task(t, R, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
                 hc_eps, norm_eps, sinkhorn_iters,
                 HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
-    """Settle row t: post, comb and the normalised collapsed row x_norm. The row's first BD columns
-    of streams and norm weight are loaded with the partials, before anything waits on memory; a
-    row that fits in them (d <= BD) is then normalised in registers, in one pass."""
+    """Settle task t: row t's normalised collapsed row x_norm (t < R), or row t - R's post and
+    comb."""
+    if t < R:
+        _collapse_row(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, xn_ptr, hc_eps, norm_eps, HC,
+                      CHUNK, CB, BD)
+    else:
+        _mix_row(t - R, d, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, norm_eps, sinkhorn_iters, HC,
+                 CHUNK, CB)
+
+
+@triton.jit
+def _row_mixes(t, d, part_ptr, norm_eps, HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
+    """Row t's mixes (pre [HC], post [HC], comb [HC, HC]) before their scales and bases."""
     MIX: tl.constexpr = (2 + HC) * HC
+    n_chunks = tl.cdiv(d, CHUNK)
+    pre_w, post_w, comb_w, sumsq = _mix_sums(part_ptr + t * n_chunks * (MIX + 1), n_chunks, HC, CB)
+    inv = tl.rsqrt(sumsq / (HC * d) + norm_eps)  # rms_norm of the flat streams, applied to the dots
+    return pre_w * inv, post_w * inv, comb_w * inv
+
+
+@triton.jit
+def _mix_row(t, d, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, norm_eps, sinkhorn_iters,
+             HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr):
+    """Row t's post and comb (Sinkhorn), for the next fold."""
+    i = tl.arange(0, HC)
+    _, post_w, comb_w = _row_mixes(t, d, part_ptr, norm_eps, HC, CHUNK, CB)
+    post = 2 * tl.sigmoid(post_w * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
+    z = comb_w * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
+    comb = _sinkhorn(z, hc_eps, sinkhorn_iters)
+    tl.store(post_ptr + t * HC + i, post)
+    tl.store(comb_ptr + t * (HC * HC) + i[:, None] * HC + i[None, :], comb)
+
+
+@triton.jit
+def _collapse_row(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, xn_ptr, hc_eps, norm_eps,
+                  HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
+    """Row t's normalised collapsed row x_norm. The row's first BD columns of streams and norm
+    weight are loaded with the partials, before anything waits on memory; a row that fits in them
+    (d <= BD) is then normalised in registers, in one pass."""
     i = tl.arange(0, HC)
     c = tl.arange(0, BD)
     first = tl.load(streams_ptr + t * (HC * d) + i[:, None] * d + c[None, :], mask=c[None, :] < d, other=0.0)
     first_w = tl.load(norm_w_ptr + c, mask=c < d, other=0.0)
-    n_chunks = tl.cdiv(d, CHUNK)
-    pre_w, post_w, comb_w, sumsq = _mix_sums(part_ptr + t * n_chunks * (MIX + 1), n_chunks, HC, CB)
-    inv = tl.rsqrt(sumsq / (HC * d) + norm_eps)  # rms_norm of the flat streams, applied to the dots
-    pre = tl.sigmoid(pre_w * inv * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
-    post = 2 * tl.sigmoid(post_w * inv * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
-    z = comb_w * inv * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
-    comb = _sinkhorn(z, hc_eps, sinkhorn_iters)
-    tl.store(post_ptr + t * HC + i, post)
-    tl.store(comb_ptr + t * (HC * HC) + i[:, None] * HC + i[None, :], comb)
+    pre_w, _, _ = _row_mixes(t, d, part_ptr, norm_eps, HC, CHUNK, CB)
+    pre = tl.sigmoid(pre_w * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
 
     # the collapsed row, rounded to bf16, and its sum of squares
     row = xn_ptr + t * d
@@ -258,11 +289,11 @@ def _fold(n_tasks, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, strea
 
 
 @triton.jit
-def _settle(n_tasks, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
+def _settle(n_tasks, R, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
             hc_eps, norm_eps, sinkhorn_iters,
             HC: tl.constexpr, CHUNK: tl.constexpr, CB: tl.constexpr, BD: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        settle_task(t, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
+        settle_task(t, R, d, streams_ptr, part_ptr, base_ptr, scale_ptr, norm_w_ptr, post_ptr, comb_ptr, xn_ptr,
                     hc_eps, norm_eps, sinkhorn_iters, HC, CHUNK, CB, BD)
 
 
@@ -314,7 +345,7 @@ def settle(streams: torch.Tensor, partials: torch.Tensor, base: torch.Tensor, sc
     post = _empty((R, hc), torch.float32, streams, poison)
     comb = _empty((R, hc, hc), torch.float32, streams, poison)
     n_tasks = settle_tasks(R)
-    _settle[task_grid(n_tasks)](n_tasks, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
+    _settle[task_grid(n_tasks)](n_tasks, R, d, streams, partials, base.float().contiguous(), scale.float().contiguous(),
                                 norm_weight.float().contiguous(), post, comb, x_norm, float(hc_eps), float(norm_eps),
                                 int(sinkhorn_iters), HC=hc, CHUNK=chunk, CB=CB,
                                 BD=min(block, triton.next_power_of_2(d)), num_stages=1)

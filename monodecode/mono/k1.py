@@ -10,7 +10,7 @@ Stages (R rows; task counts)                                    reads -> writes
 0 fold      hc.fold_task       ceil(R/RB) * ceil(d/CHUNK)      residual, owed y/post/comb (the
                                                                previous layer's FFN) -> streams,
                                                                mix partials (hc_attn_fn)
-1 settle    hc.settle_task     R                               partials, streams -> post/comb of the
+1 settle    hc.settle_task     2R                              partials, streams -> post/comb of the
                                                                attention site, x = attn_norm(collapse)
 2 wq_a|wkv  gemv_stage (FP8)   ceil((q_lora+D)/BN_QKV)         x -> qkv_raw (bf16): wq_a and wkv
                                * SPLIT_D                       stacked (weights.stack_rows), one GEMV
@@ -210,8 +210,8 @@ def _k1(a, m):
                      a.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.HAS_OWED)
     barrier(a.sync, epoch, 0, m.B, m.TIMELINE, m.FAST)
 
-    for t in range(pid, a.rows, grid):
-        HC.settle_task(t, a.d, a.streams, a.partials, a.hc_base, a.hc_scale, a.attn_norm, a.post, a.comb, a.x,
+    for t in range(pid, 2 * a.rows, grid):  # hc.settle_tasks: a collapse and a mix task a row
+        HC.settle_task(t, a.rows, a.d, a.streams, a.partials, a.hc_base, a.hc_scale, a.attn_norm, a.post, a.comb, a.x,
                        a.hc_eps, a.norm_eps, a.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
     barrier(a.sync, epoch, 1, m.B, m.TIMELINE, m.FAST)
 

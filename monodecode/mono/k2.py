@@ -21,7 +21,7 @@ K2:
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
                                                       post/comb (K1) -> streams, partials (hc_ffn_fn)
-4 settle    hc.settle_task         R                  -> post/comb of the FFN site (owed to the next
+4 settle    hc.settle_task         2R                 -> post/comb of the FFN site (owed to the next
                                                       layer), x = ffn_norm(collapse)
 5 gate|w1|w3 gemv_stage            ceil(E/BN_G) * SPLIT_G       x -> logits (fp32), shared gate/up
                                    + ceil(2I/BN_SH) * SPLIT_D   (w1 and w3 stacked: one GEMV)
@@ -272,8 +272,8 @@ def _front_stages(f, m, epoch, b0, NB: tl.constexpr, pid, grid):
                      f.partials, m.HC, m.MIXP, m.RB, m.CHUNK, True)
     barrier(f.sync, epoch, b0, NB, m.TIMELINE, m.FAST)
 
-    for t in range(pid, R, grid):
-        HC.settle_task(t, f.d, f.streams, f.partials, f.hc_base, f.hc_scale, f.ffn_norm, f.post, f.comb, f.x,
+    for t in range(pid, 2 * R, grid):  # hc.settle_tasks: a collapse and a mix task a row
+        HC.settle_task(t, R, f.d, f.streams, f.partials, f.hc_base, f.hc_scale, f.ffn_norm, f.post, f.comb, f.x,
                        f.hc_eps, f.norm_eps, f.sinkhorn_iters, m.HC, m.CHUNK, m.CB, m.BD)
     barrier(f.sync, epoch, b0 + 1, NB, m.TIMELINE, m.FAST)
 
