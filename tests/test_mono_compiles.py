@@ -36,6 +36,14 @@ def test_the_kernels_build_for_sm90(compiled_env, widths, kernels):
 
 
 @needs_nvidia
+def test_the_kernels_build_with_one_compressed_entry(compiled_env):
+    """A cache of 16 positions holds one entry of the tiny HCA layer (ratio 16): the entry count
+    1 is then a compile-time constant, as the JIT specialises it (it took Triton 3.6, the GPU's,
+    a move of the count out of the compressor's nested arguments to build: k1.py)."""
+    assert "10 kernels built" in run_tool("mono_compile.py", compiled_env, "--widths", "6", "--context", "16")
+
+
+@needs_nvidia
 @pytest.mark.parametrize("matrix", ["gate/up", "down"])
 def test_the_expert_k_loops_disassemble_for_sm90(compiled_env, matrix):
     """The expert stage's K loops in the SASS (the default 8-warp 128 x 256 tile, v4-flash sizes):

@@ -1,6 +1,6 @@
 """Compile the mono kernels for an H100/H200 (sm_90) on a machine without a GPU.
 
-`python tools/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC] [--widths 1,48]`, in a process
+`python tools/mono_compile.py [--dims tiny|v4-flash] [--shape SPEC] [--widths 1,48] [--context 64]`, in a process
 where TRITON_INTERPRET is unset (tests/test_mono_compiles.py runs it so).
 
 Triton's CPU interpreter accepts code that compiled Triton refuses (a non-constexpr global in a
@@ -19,6 +19,8 @@ ptxas -v.
 - `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
 - `--sms`: the target's multiprocessor count (default 132, an H100 SXM / H200): the grid the
   tile choices that depend on it assume (a CPU runner's own grid is 1).
+- `--context N`: the positions a request's cache holds (default 64); a compressed layer's
+  cache then holds N // ratio entries (16 at the tiny dims: one entry of the HCA layer).
 - `--tensor-parallel N`: rank 0's kernels of N ranks (its slices, the sums over the ranks inside
   K2 and K3), with stand-ins for the ranks' collectives and peer memory: nothing runs.
 - `--draft`: the DSpark draft's runner (`mono.DraftRunner`: its stages, draft blocks in K2's
@@ -73,16 +75,17 @@ class Recorder:
 def signature(kernel, args):
     """(types, constexprs, attrs) of a recorded launch, as the JIT derives them from its arguments
     (named tuples of them too: their types a named tuple of the same class, paths of indices into
-    them): `tl.constexpr` values and None are compile-time constants; attrs mark what the JIT would
-    specialize on a GPU, pointers aligned to 16 bytes and integers divisible by 16 (which lets it
-    vectorize loads)."""
+    them): `tl.constexpr` values, None and integers equal to 1 are compile-time constants (the
+    JIT specialises a 1, anywhere in the arguments); attrs mark what the JIT would specialize on a
+    GPU, pointers aligned to 16 bytes and integers divisible by 16 (which lets it vectorize
+    loads)."""
     constants, attrs = {}, {}
 
     def leaf(path, value):
         if isinstance(value, tuple):
             types = [leaf(path + (i,), v) for i, v in enumerate(value)]
             return type(value)(*types) if hasattr(value, "_fields") else tuple(types)
-        if value is None or isinstance(value, tl.constexpr):
+        if value is None or isinstance(value, tl.constexpr) or (type(value) is int and value == 1):
             constants[path] = getattr(value, "value", value)
             return "constexpr"
         if isinstance(value, torch.Tensor):
@@ -184,6 +187,8 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", default="1,48", help="rows a step, comma-separated")
     parser.add_argument("--sms", type=int, default=132, help="the target GPU's SMs (an H200's 132): the grid "
                                                             "that the launch shape's tile choices assume")
+    parser.add_argument("--context", type=int, default=64, help="positions a request's cache holds (a compressed "
+                        "layer's cache holds context // ratio entries)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="compile rank 0's kernels of this many ranks")
     parser.add_argument("--draft", action="store_true", help="the DSpark draft's runner instead of the "
                         "target's (widths: whole blocks of the draft's block size)")
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
             cache, block = runner.draft.make_cache(8), runner.draft_block
             positions, slots = [8 + i % block for i in range(rows)], [i // block for i in range(rows)]
         else:
-            cache, live = model.make_cache(8, 64, 8), min(rows, 5)
+            cache, live = model.make_cache(8, cli.context, 8), min(rows, 5)
             positions, slots = list(range(live)) + [0] * (rows - live), [0] * live + [-1] * (rows - live)
         runner.step(cache, [1] * rows, positions, slots)  # its outputs are garbage: nothing ran
     # each distinct launch once, and the first K1, K2 and K3 launches again with the timeline's stamps

@@ -49,7 +49,11 @@ selection); the rings are the layer's `LayerCache.window` and, on a compressed l
 `index_entries`); the split GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes
 them).
 Arguments: `K1Args` (pointers and runtime scalars; a compressor's as `CompressorArgs`, the
-indexer's as `IndexArgs`) and `K1Meta` (compile-time constants), by name.
+indexer's as `IndexArgs`) and `K1Meta` (compile-time constants), by name. Ints sit at
+the first level of `K1Args` only (a compressor's span and entry count too, not in its
+`CompressorArgs`): Triton 3.6 specialises an int argument of 1 to a constant and loses that
+constant (None in the kernel) when it sits in a tuple inside the argument tuple, so a cache of
+one compressed entry failed to compile.
 """
 
 from __future__ import annotations
@@ -88,12 +92,10 @@ class CompressorArgs(NamedTuple):
     source_gate: torch.Tensor
     src_kv: torch.Tensor  # the source ring (PositionRing: [S, span, C D], pos [S, span])
     src_gate: torch.Tensor
-    src_pos: torch.Tensor
-    src_span: int
+    src_pos: torch.Tensor  # (its span and the entries' count: K1Args.span, n_entries; why: nested ints)
     ape: torch.Tensor  # fp32 [ratio, C D]
     norm: torch.Tensor  # fp32 [D]
     entries: torch.Tensor  # bf16 [S, n_entries, D]
-    n_entries: int
 
 
 class IndexArgs(NamedTuple):
@@ -105,7 +107,7 @@ class IndexArgs(NamedTuple):
     weights: torch.Tensor  # [R, HI] bf16: weights_proj(x)
     wq_b: Fp8Matrix  # [HI DI, q_lora]
     q: torch.Tensor  # [R, HI DI] bf16: wq_b(qr), before its RoPE
-    scores: torch.Tensor  # fp32 [R, comp.n_entries]
+    scores: torch.Tensor  # fp32 [R, K1Args.index_entries]
     selected: torch.Tensor  # int64 [R, TOPK]: entry ids, then -1
     weights_scale: float  # HI^-0.5
     score_scale: float  # DI^-0.5
@@ -142,6 +144,10 @@ class K1Args(NamedTuple):
     q_raw: torch.Tensor
     comp: CompressorArgs  # a compressed layer's compressor (RATIO > 0; else unread)
     index: IndexArgs  # a CSA layer's indexer (INDEXED; else unread)
+    span: int  # the compressor's source ring span and entries a slot, then its indexer's (0: none)
+    n_entries: int
+    index_span: int
+    index_entries: int
     sums: torch.Tensor  # the split GEMVs' slice sums and tickets (gemv.py)
     tickets: torch.Tensor
     d: int
@@ -237,9 +243,9 @@ def _k1(a, m):
                                 a.positions, a.slots, a.freqs, a.ring_kv, a.ring_pos, a.ring_size, a.q_lora, m.D,
                                 m.RD, a.norm_eps, m.BQ, m.D)
         elif t < norm_tasks + a.rows:
-            _source_write(t - norm_tasks, a, a.comp, m.HALVES * m.D, m.D)
+            _source_write(t - norm_tasks, a, a.comp, a.span, m.HALVES * m.D, m.D)
         else:
-            _source_write(t - norm_tasks - a.rows, a, a.index.comp, 2 * m.DI, m.DI)
+            _source_write(t - norm_tasks - a.rows, a, a.index.comp, a.index_span, 2 * m.DI, m.DI)
     barrier(a.sync, epoch, 3, m.B, m.TIMELINE, m.FAST)
 
     gemv_stage(pid, grid, 0, a.qr, a.q_lora, a.rows, a.wq_b.codes, a.wq_b.scales, a.q_raw, a.heads * m.D,
@@ -253,19 +259,18 @@ def _k1(a, m):
     if m.RATIO > 0:  # the entries the step's rows complete (their source rows written a stage earlier)
         for t in range(pid, a.rows * m.COMPRESSORS, grid):
             if t < a.rows:
-                _emit(t, a, a.comp, m.D, m.RD, m.RATIO, m.HALVES, m.ESB)
+                _emit(t, a, a.comp, a.span, a.n_entries, m.D, m.RD, m.RATIO, m.HALVES, m.ESB)
             else:
-                _emit(t - a.rows, a, a.index.comp, m.DI, m.RD, m.RATIO, m.HALVES, m.ESB)
+                _emit(t - a.rows, a, a.index.comp, a.index_span, a.index_entries, m.DI, m.RD, m.RATIO, m.HALVES, m.ESB)
     if m.INDEXED:
         ix = a.index
-        n_entries = ix.comp.n_entries
         barrier(a.sync, epoch, 4, m.B, m.TIMELINE, m.FAST)
-        for t in range(pid, I.score_tasks_of(a.rows, n_entries, m.KE), grid):
-            I.score_task(t, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries, n_entries, ix.scores,
+        for t in range(pid, I.score_tasks_of(a.rows, a.index_entries, m.KE), grid):
+            I.score_task(t, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries, a.index_entries, ix.scores,
                          m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI, m.KE, m.FAST)
         barrier(a.sync, epoch, 5, m.B, m.TIMELINE, m.FAST)
         for row in range(pid, a.rows, grid):
-            I.select_row(row, ix.scores, n_entries, ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
+            I.select_row(row, ix.scores, a.index_entries, ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
     end_launch(a.sync, epoch, m.B, m.TIMELINE)
 
 
@@ -291,15 +296,16 @@ def _projections(pid, grid, nxt, x, d, R, comp, CW, SB: tl.constexpr, BN: tl.con
 
 
 @triton.jit
-def _source_write(r, a, comp, CW, BLOCK: tl.constexpr):
+def _source_write(r, a, comp, span, CW, BLOCK: tl.constexpr):
     C.source_write_task(r, a.positions, a.slots, comp.source_kv, comp.source_gate, comp.src_kv, comp.src_gate,
-                        comp.src_pos, comp.src_span, CW, BLOCK)
+                        comp.src_pos, span, CW, BLOCK)
 
 
 @triton.jit
-def _emit(r, a, comp, D: tl.constexpr, RD, RATIO: tl.constexpr, HALVES: tl.constexpr, ESB: tl.constexpr):
-    C.emit_task(r, a.positions, a.slots, comp.src_kv, comp.src_gate, comp.src_pos, comp.src_span, comp.ape,
-                comp.norm, a.freqs, comp.entries, comp.n_entries, D, RD, a.norm_eps, RATIO, HALVES, ESB, D)
+def _emit(r, a, comp, span, n_entries, D: tl.constexpr, RD, RATIO: tl.constexpr, HALVES: tl.constexpr,
+          ESB: tl.constexpr):
+    C.emit_task(r, a.positions, a.slots, comp.src_kv, comp.src_gate, comp.src_pos, span, comp.ape,
+                comp.norm, a.freqs, comp.entries, n_entries, D, RD, a.norm_eps, RATIO, HALVES, ESB, D)
 
 
 def dense_stages(runner, rows: int):
@@ -356,6 +362,9 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw,
         comp=_compressor(lw.compressor, cache, "source", "entries", s.source_kv, s.source_gate),
         index=_indexer(lw, cache, s, c),
+        span=_span(lw.compressor, cache, "source"), n_entries=_entries(lw.compressor, cache, "entries"),
+        index_span=_span(lw.indexer and lw.indexer.compressor, cache, "index_source"),
+        index_entries=_entries(lw.indexer and lw.indexer.compressor, cache, "index_entries"),
         sums=runner.split_sums, tickets=runner.split_tickets,
         d=d, q_lora=q_lora, heads=heads, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps,
         sinkhorn_iters=c.hc_sinkhorn_iters,
@@ -386,11 +395,20 @@ def _compressor(comp, cache, ring_name: str, entries_name: str, source_kv, sourc
     if comp is None:
         ring = cache.window
         kv = ring.data["kv"]
-        return CompressorArgs(kv, kv, source_kv, source_gate, kv, kv, ring.pos, ring.size, kv, kv, kv, 0)
+        return CompressorArgs(kv, kv, source_kv, source_gate, kv, kv, ring.pos, kv, kv, kv)
     source, entries = getattr(cache, ring_name), getattr(cache, entries_name)
     return CompressorArgs(comp.wkv, comp.wgate, source_kv, source_gate, source.data["kv"], source.data["gate"],
-                          source.pos, source.size, comp.ape, comp.norm,
-                          entries if entries.numel() else source.data["kv"], entries.shape[1])
+                          source.pos, comp.ape, comp.norm, entries if entries.numel() else source.data["kv"])
+
+
+def _span(comp, cache, ring_name: str) -> int:
+    """The span of a compressor's source ring (0 without a compressor)."""
+    return getattr(cache, ring_name).size if comp else 0
+
+
+def _entries(comp, cache, entries_name: str) -> int:
+    """The compressed entries a slot of a compressor's cache holds (0 without a compressor)."""
+    return getattr(cache, entries_name).shape[1] if comp else 0
 
 
 def _indexer(lw, cache, s, c) -> IndexArgs:
@@ -401,5 +419,6 @@ def _indexer(lw, cache, s, c) -> IndexArgs:
     if ix is None:
         kv = cache.window.data["kv"]
         return IndexArgs(comp, kv, s.index_weights, Fp8Matrix(kv, kv), s.index_q, s.partials, s.selected, 1.0, 1.0)
-    return IndexArgs(comp, ix.weights_proj, s.index_weights, ix.wq_b, s.index_q, s.scores(comp.n_entries),
+    return IndexArgs(comp, ix.weights_proj, s.index_weights, ix.wq_b, s.index_q,
+                     s.scores(_entries(ix.compressor, cache, "index_entries")),
                      s.selected, c.index_n_heads ** -0.5, c.index_head_dim ** -0.5)
