@@ -8,6 +8,8 @@ layers, one of each kind, all `whole` (K1 + K2 + K3): window-only (hash-routed),
 
 import logging
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -508,6 +510,29 @@ def test_a_launch_shape_that_cannot_be_resident_is_refused_and_the_old_one_kept(
     decoder.model.step(cache, [1, 2, 3], [0, 1, 2], [0, 0, 0])
     decoder.step(cache, [4], [3], [0])
     assert decoder.last_path == "mono"
+
+
+def test_a_kernel_too_large_for_a_sm_is_refused(decoder, monkeypatch):
+    """A build that needs more shared memory than a SM has (Triton's OutOfResources, raised before
+    anything runs) is a refusal naming the kernel and the shape, as an over-large grid is: so
+    `configure` keeps the old shape and `bench layer --shapes` goes on to the next shape."""
+    from triton.runtime.errors import OutOfResources
+
+    from monodecode.mono import runner as runner_module
+
+    class TooLarge:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(278528, 232448, "shared memory")
+            return launch
+
+    class Meta(NamedTuple):
+        BR: int
+
+    monkeypatch.setattr(runner_module, "interpreted", lambda: False)
+    meta = Meta(16)
+    with pytest.raises(MonoRefused, match=r"K2 \(default: \d+ warps\) does not fit a SM: .*shared memory"):
+        decoder.mono.launch(TooLarge(), "K2", "k2", meta=meta)
 
 
 def test_stage_times_from_stamps():

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..config import CSA_RATIO, ModelConfig
 from ..model.hc import hc_post
@@ -299,7 +300,7 @@ class MonoRunner:
         `meta` named tuple passed as compile-time constants. On the GPU it is cooperative: the
         driver refuses a grid whose programs cannot all be resident at once (registers, shared
         memory) instead of letting their waits on each other hang; that refusal becomes
-        MonoRefused."""
+        MonoRefused, as does a build that needs more shared memory than one SM has."""
         warps, grid = self.warps(family), self.grids[family]
         constants = type(meta)(*(tl.constexpr(value) for value in meta))
         options = {"maxnreg": self.shape.expert_registers()} if family == "k3" else {}
@@ -310,6 +311,8 @@ class MonoRunner:
             compiled = kernel[(grid,)](*args, constants, num_warps=warps, launch_cooperative_grid=True, **options)
             if compiled is not None:  # Triton returns the compiled kernel it launched
                 self.compiled[(name, getattr(meta, "BR", None))] = compiled  # K3: one build for every width
+        except OutOfResources as e:
+            raise MonoRefused([f"{name} ({self.shape.spec()}: {warps} warps) does not fit a SM: {e}"]) from e
         except RuntimeError as e:
             if "cooperative" not in str(e).lower():
                 raise
