@@ -17,12 +17,13 @@
 #                 fresh machine 330 s were not enough (torch.compile of the CSA / HCA attention at every width)
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline,
-#                 over $TP ranks (default 1; one GPU each: a multi-GPU kind)
+#                 over $TP ranks (default 1; one GPU each: a multi-GPU kind); WARM=1 first compiles every kind,
+#                 width and shape in parallel processes (as ab's), with $ALONGSIDE beside them
 #   ab            bench layer of baseline/ (a `git archive` of main, carried) and of this tree, in the order
 #                 base, new, new, base (runs base1, new1, new2, base2 in $OUT/ab_runs.tar.gz; TIMELINE=--timeline adds the timeline
 #                 to round 2, when both trees' kernels are compiled), then tools/ab_summary.py: each run's
-#                 mono time with the per-op graph as a control, and the trees' fastest runs. KINDS and
-#                 WIDTHS as for bench-layer (defaults: window, 6: one width); TIMEOUT bounds each run (150);
+#                 mono time with the per-op graph as a control, and the trees' fastest runs. KINDS, WIDTHS and
+#                 SHAPES as for bench-layer (defaults: window, 6: one width; default); TIMEOUT bounds each run (150);
 #                 TREES='base=baseline mid=other new=.' (name=folder, names in lower case) times more trees,
 #                 in that order and back; WARM=1 first compiles every tree, kind and width in parallel
 #                 processes (one core each), so that the timed runs start with Triton's cache warm, and
@@ -52,6 +53,19 @@ export PYTHONPATH=$PWD
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } > "$out/$part.txt" 2>&1
+# warm TREE KINDS WIDTHS SHAPES [--timeline]: compile every (kind, width, shape) of the tree's kernels in processes of
+# their own, at most $PARALLEL (default 8) at once (a compile is one CPU core's work; each process holds a
+# layer's weights), so that the timed runs after it start with Triton's cache warm; the caller waits.
+# These runs' times are thrown away (they share the GPU).
+warm() {
+  local tree=$1 kind width shape
+  for kind in ${2//,/ }; do for width in ${3//,/ }; do while IFS= read -r shape; do
+    while (( $(jobs -rp | wc -l) >= ${PARALLEL:-8} )); do sleep 1; done
+    (cd "$tree" && PYTHONPATH=$PWD timeout ${WARM_TIMEOUT:-240} python3 -m monodecode.cli bench layer --reps 1 \
+      --widths $width --kinds $kind --shapes "$shape" --context "${CONTEXT:-512}" ${5:-} \
+      --out /tmp/warm > /dev/null 2>&1) &
+  done <<< "${4//;/$'\n'}"; done; done
+}
 case $part in
   tests)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "" \
@@ -80,6 +94,12 @@ case $part in
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;
   bench-layer)
+    if [ -n "${WARM:-}" ]; then
+      [ -n "${ALONGSIDE:-}" ] && (eval "$ALONGSIDE") &
+      warm . "${KINDS:-window,CSA,HCA}" "${WIDTHS:-1,6,16,48}" "${SHAPES:-default}" "${TIMELINE---timeline}"
+      wait
+      echo "warm: $SECONDS s" >> "$out/$part.txt"
+    fi
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" ${TIMELINE---timeline} --shapes "${SHAPES:-default}" \
       --context "${CONTEXT:-512}" --tensor-parallel-size "${TP:-1}" --out "$out" >> "$out/$part.txt" 2>&1 ;;
@@ -90,14 +110,8 @@ case $part in
       [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" >> "$out/$part.txt"; exit 2; }
     done
     if [ -n "${WARM:-}" ]; then
-      # compile every (tree, kind, width) at once, one process each (a compile is one CPU core's
-      # work), so that the timed runs below start with Triton's cache warm; these runs' times are
-      # thrown away (they share the GPU)
-      for entry in "${trees[@]}"; do for kind in ${kinds//,/ }; do for width in ${widths//,/ }; do
-        (cd ${entry#*=} && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --reps 1 \
-          --widths $width --kinds $kind --context "${CONTEXT:-512}" ${TIMELINE:-} --out /tmp/ab_warm > /dev/null 2>&1) &
-      done; done; done
       [ -n "${ALONGSIDE:-}" ] && (eval "$ALONGSIDE") &
+      for entry in "${trees[@]}"; do warm "${entry#*=}" "$kinds" "$widths" "${SHAPES:-default}" "${TIMELINE:-}"; done
       wait
       echo "warm: $SECONDS s" >> "$out/$part.txt"
     fi
@@ -108,7 +122,7 @@ case $part in
       case $round in 2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
       runs=/tmp/ab_runs; mkdir -p "$runs/$name$round"
       (cd $tree && PYTHONPATH=$PWD timeout ${TIMEOUT:-150} python3 -m monodecode.cli bench layer --widths "$widths" \
-        --kinds "$kinds" --context "${CONTEXT:-512}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
+        --kinds "$kinds" --shapes "${SHAPES:-default}" --context "${CONTEXT:-512}" $timeline --out "$runs/$name$round" > "$runs/$name$round/bench-layer.txt" 2>&1)
       echo "$name$round: exit $? ($SECONDS s)" >> "$out/$part.txt"
       rm -f "$runs/$name$round/bench_layer.png"
       # a call brings back at most 8 files: the runs travel as one archive, summarised after each run

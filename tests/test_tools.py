@@ -46,7 +46,9 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
     for name, (mono, per_op) in runs.items():
         (tmp_path / name).mkdir()
         rows = [{"kind": "window", "width": 6, "mono_s": mono * 1e-6, "per_op_graph_s": per_op * 1e-6},
-                {"kind": "window", "width": 1, "mono_s": None, "per_op_graph_s": 1e-3}]  # refused: not summed
+                {"kind": "window", "width": 1, "mono_s": None, "per_op_graph_s": 1e-3},  # refused: not summed
+                {"kind": "window", "width": 6, "shape": "dense_stages=8", "mono_s": mono * 0.9e-6,
+                 "per_op_graph_s": per_op * 1e-6}]
         (tmp_path / name / "bench_layer.json").write_text(json.dumps({"layers": rows}))
     done = subprocess.run([sys.executable, str(AB_SUMMARY), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -54,6 +56,8 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
     assert "fastest: base 465.0, new 450.0 us (-15.0 us, -3.2 %)" in done.stdout
     assert "fastest: base 465.0, mid 462.0 us (-3.0 us, -0.6 %)" in done.stdout
     assert "1 rows" not in done.stdout
+    assert "window layer, 6 rows, shape dense_stages=8: mono us" in done.stdout  # each shape on its own
+    assert "fastest: base 418.5, new 405.0 us" in done.stdout
     empty = subprocess.run([sys.executable, str(AB_SUMMARY), str(tmp_path / "none")], capture_output=True, text=True,
                            timeout=60)
     assert empty.returncode == 1 and "no <tree><round>/bench_layer.json" in empty.stderr

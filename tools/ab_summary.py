@@ -19,13 +19,13 @@ from pathlib import Path
 
 
 def runs(folder: Path) -> dict[str, list[tuple[int, dict]]]:
-    """tree -> [(round, {(kind, width): (mono_s, per_op_graph_s)})] from folder/<tree><round>/."""
+    """tree -> [(round, {(kind, width, shape): (mono_s, per_op_graph_s)})] from folder/<tree><round>/."""
     found: dict[str, list[tuple[int, dict]]] = {}
     for path in sorted(folder.glob("*/bench_layer.json")):
         name = re.fullmatch(r"([a-z_]+)(\d+)", path.parent.name)
         if not name:
             continue
-        rows = {(r["kind"], r["width"]): (r["mono_s"], r["per_op_graph_s"])
+        rows = {(r["kind"], r["width"], r.get("shape", "default")): (r["mono_s"], r["per_op_graph_s"])
                 for r in json.loads(path.read_text())["layers"] if r.get("mono_s")}
         found.setdefault(name[1], []).append((int(name[2]), rows))
     return found
@@ -34,13 +34,15 @@ def runs(folder: Path) -> dict[str, list[tuple[int, dict]]]:
 def summary(found: dict[str, list[tuple[int, dict]]]) -> str:
     trees = sorted(found)
     keys = sorted({key for runs_ in found.values() for _, rows in runs_ for key in rows},
-                  key=lambda k: (k[0], k[1]))
+                  key=lambda k: (k[0], k[1], k[2] != "default", k[2]))
     lines = []
-    for kind, width in keys:
-        lines.append(f"{kind} layer, {width} rows: mono us (per-op graph us, the control) by run")
+    for key in keys:
+        kind, width, shape = key
+        named = "" if shape == "default" else f", shape {shape}"
+        lines.append(f"{kind} layer, {width} rows{named}: mono us (per-op graph us, the control) by run")
         best = {}
         for tree in trees:
-            times = [(rnd, rows[(kind, width)]) for rnd, rows in sorted(found[tree]) if (kind, width) in rows]
+            times = [(rnd, rows[key]) for rnd, rows in sorted(found[tree]) if key in rows]
             cells = ", ".join(f"run {rnd}: {m * 1e6:.1f} ({p * 1e6:.1f})" for rnd, (m, p) in times)
             best[tree] = min(m for _, (m, _) in times) if times else None
             lines.append(f"  {tree:<8} {cells}")
