@@ -15,7 +15,9 @@ ptxas -v.
   bias-routed; a 1024-token vocabulary; ~12 GB of memory, ~3 min): the tiles a launch shape gives at real
   sizes, so that a shape's registers and spills are known before a GPU times it (registers are
   per thread, at most 255; a SM holds 64 K, so P programs of W warps need <= 65536 / (32 P W)).
-  This machine's Triton may allocate a little differently from the GPU's.
+  This machine's Triton may allocate a little differently from the GPU's, and
+  may build what the GPU's refuses: run the tool with the GPU's Triton too (a venv made with
+  `--system-site-packages`, then `pip install triton==3.6.0`, the H200's) before a device call.
 - `--shape`: a `LaunchShape` spec (`shape.LaunchShape.parse`), default the default shape.
 - `--sms`: the target's multiprocessor count (default 132, an H100 SXM / H200): the grid the
   tile choices that depend on it assume (a CPU runner's own grid is 1).
