@@ -36,6 +36,14 @@ def test_the_kernels_build_for_sm90(compiled_env, widths, kernels):
 
 
 @needs_nvidia
+def test_rank_one_of_two_builds(compiled_env):
+    """Rank 1's kernels under tensor parallelism: its slices, the sums over the ranks in K2 and K3,
+    its peer sites' rank a compile-time constant (the JIT makes a 1 one)."""
+    out = run_tool("mono_compile.py", compiled_env, "--widths", "6", "--tensor-parallel", "2", "--rank", "1")
+    assert "10 kernels built" in out
+
+
+@needs_nvidia
 def test_the_kernels_build_with_one_compressed_entry(compiled_env):
     """A cache of 16 positions holds one entry of the tiny HCA layer (ratio 16): the entry count
     1 is then a compile-time constant, as the JIT specialises it (it took Triton 3.6, the GPU's,

@@ -23,8 +23,9 @@ ptxas -v.
   tile choices that depend on it assume (a CPU runner's own grid is 1).
 - `--context N`: the positions a request's cache holds (default 64); a compressed layer's
   cache then holds N // ratio entries (16 at the tiny dims: one entry of the HCA layer).
-- `--tensor-parallel N`: rank 0's kernels of N ranks (its slices, the sums over the ranks inside
-  K2 and K3), with stand-ins for the ranks' collectives and peer memory: nothing runs.
+- `--tensor-parallel N [--rank R]`: rank R's (default 0) kernels of N ranks (its slices, the sums
+  over the ranks inside K2 and K3), with stand-ins for the ranks' collectives and peer memory:
+  nothing runs.
 - `--draft`: the DSpark draft's runner (`mono.DraftRunner`: its stages, draft blocks in K2's
   attend) instead of the target's; widths are then whole blocks, one a request.
 - `--widths`: rows a step, comma-separated: one request of up to 5 rows (a draft block), the rest
@@ -121,7 +122,7 @@ def with_timeline(args):
 
 
 class LoneRank(TensorParallel):
-    """Rank 0 of a tensor-parallel group without the others: its collectives return their input
+    """One rank of a tensor-parallel group without the others: its collectives return their input
     (the recorded step's outputs are garbage anyway)."""
 
     def check_same(self, what: str, value: str) -> None:
@@ -191,7 +192,9 @@ def main(argv=None) -> int:
                                                             "that the launch shape's tile choices assume")
     parser.add_argument("--context", type=int, default=64, help="positions a request's cache holds (a compressed "
                         "layer's cache holds context // ratio entries)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, help="compile rank 0's kernels of this many ranks")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="compile one rank's kernels of this many ranks")
+    parser.add_argument("--rank", type=int, default=0, help="that rank (its rank number is a constant of its build "
+                        "when it is 1)")
     parser.add_argument("--draft", action="store_true", help="the DSpark draft's runner instead of the "
                         "target's (widths: whole blocks of the draft's block size)")
     cli = parser.parse_args(argv)
@@ -200,9 +203,11 @@ def main(argv=None) -> int:
     plan.interpreted = runner_module.interpreted = lambda: True  # a CPU runner, grid (1,)
     tp = TensorParallel()
     if cli.tensor_parallel > 1:
-        tp = LoneRank(rank=0, size=cli.tensor_parallel)
+        if not 0 <= cli.rank < cli.tensor_parallel:
+            parser.error(f"--rank {cli.rank} is not a rank of {cli.tensor_parallel}")
+        tp = LoneRank(rank=cli.rank, size=cli.tensor_parallel)
         k2.PeerMemory.allocate = classmethod(lambda cls, tp, device, columns: cls(
-            [torch.zeros(sum(site_bytes(tp.size, n) for n in columns), dtype=torch.uint8)] * tp.size, 0, columns))
+            [torch.zeros(sum(site_bytes(tp.size, n) for n in columns), dtype=torch.uint8)] * tp.size, tp.rank, columns))
     model = Model.from_checkpoint(SyntheticCheckpoint(model_config(cli.dims, cli.draft), seed=1), "cpu",
                                   torch.bfloat16, tp=tp)
     shape = LaunchShape.parse(cli.shape)
