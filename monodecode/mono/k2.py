@@ -345,11 +345,10 @@ def _k2(a, f, m):
 @triton.jit
 def _attention_stages(a, f, m, epoch, NB: tl.constexpr, pid, grid):
     """Stages 0..2 (attend, wo_a, wo_b); barriers 0 and 1 of NB."""
-    max_polls = f.sync.max_polls  # a nested int, read before the loop (k1.py: nested ints)
     for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS + 1), grid):
         A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                       a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
-                      a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, max_polls, m.HB,
+                      a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, f.sync.max_polls, m.HB,
                       m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, 0)
     barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
     z_width = a.o_groups * a.o_lora
