@@ -49,11 +49,11 @@ selection); the rings are the layer's `LayerCache.window` and, on a compressed l
 `index_entries`); the split GEMVs' slice sums and tickets (the runner's: `dense_stages` sizes
 them).
 Arguments: `K1Args` (pointers and runtime scalars; a compressor's as `CompressorArgs`, the
-indexer's as `IndexArgs`) and `K1Meta` (compile-time constants), by name. Ints sit at
-the first level of `K1Args` only (a compressor's span and entry count too, not in its
-`CompressorArgs`): Triton 3.6 specialises an int argument of 1 to a constant and loses that
-constant (None in the kernel) when it sits in a tuple inside the argument tuple, so a cache of
-one compressed entry failed to compile.
+indexer's as `IndexArgs`) and `K1Meta` (compile-time constants), by name. A compressor's
+span and entry count sit at the first level of `K1Args`, not in its `CompressorArgs`: Triton 3.6
+specialises an int argument of 1 to a constant and lost that constant (None in the kernel) in
+`CompressorArgs`, so a cache of one compressed entry failed to compile. (The one int nested
+deeper, `SyncArgs.max_polls`, is never 1.)
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class CompressorArgs(NamedTuple):
     source_gate: torch.Tensor
     src_kv: torch.Tensor  # the source ring (PositionRing: [S, span, C D], pos [S, span])
     src_gate: torch.Tensor
-    src_pos: torch.Tensor  # (its span and the entries' count: K1Args.span, n_entries; why: nested ints)
+    src_pos: torch.Tensor  # (the ring's span and the entries' count are K1Args': the module docstring)
     ape: torch.Tensor  # fp32 [ratio, C D]
     norm: torch.Tensor  # fp32 [D]
     entries: torch.Tensor  # bf16 [S, n_entries, D]
