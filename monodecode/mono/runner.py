@@ -274,7 +274,7 @@ class MonoRunner:
         if captured_hidden != return_hidden:
             return None
         if self.tp.size > 1:  # the graph holds the layers only (`_capture`)
-            scratch.streams[0].copy_(self.model.embed(scratch.tokens))
+            self._embed(scratch)
             graph.replay()
             return self.head(tuple(None if t is None else t.clone() for t in out))
         graph.replay()
@@ -355,7 +355,7 @@ class MonoRunner:
         if self.tp.size == 1:
             body = self.run_rows
         else:
-            scratch.streams[0].copy_(self.model.embed(scratch.tokens))  # the warm-up's input
+            self._embed(scratch)  # the warm-up's input
             body = self.run_layers
         body(scratch, cache, return_hidden)  # compile and warm up (this step's real result is replayed)
         torch.cuda.synchronize(self.device)
@@ -372,8 +372,13 @@ class MonoRunner:
         inside a larger graph (spec/step_graph.py). The logits, with `return_hidden` also the
         draft's features (Model.step's result). Under tensor parallelism the embedding and the
         head make host collectives."""
-        s.streams[0].copy_(self.model.embed(s.tokens))
+        self._embed(s)
         return self.head(self.run_layers(s, cache, return_hidden))
+
+    def _embed(self, s: Scratch) -> None:
+        """The step's tokens embedded into s.streams[0], where `run_layers` starts (under tensor
+        parallelism a host collective: never inside a graph)."""
+        s.streams[0].copy_(self.model.embed(s.tokens))
 
     def run_layers(self, s: Scratch, cache, return_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers on the kernels from the embedded streams in s.streams[0]: the settled
