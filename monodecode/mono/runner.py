@@ -252,14 +252,13 @@ class MonoRunner:
         reason = None if refusal_checked else self.refusal(cache, tokens, positions, slots)
         if reason:
             raise ValueError(f"the mono kernels do not take this step: {reason}")
-        host = [torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)]
+        host = torch.stack([torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)])
         if id(cache) not in self.checked_caches:
             check_cache(self.config, cache)
             self.checked_caches.add(id(cache))
             weakref.finalize(cache, self.checked_caches.discard, id(cache))
-        scratch = self._scratch(host[0].numel())
-        for buffer, values in zip((scratch.tokens, scratch.positions, scratch.slots), host):
-            buffer.copy_(values, non_blocking=True)
+        scratch = self._scratch(host.shape[1])
+        scratch.rows_in.copy_(host, non_blocking=True)  # one copy a step (each is a host round trip)
         return scratch
 
     def _replay(self, scratch: Scratch, cache, return_hidden: bool):
@@ -336,7 +335,15 @@ class MonoRunner:
     def check(self) -> None:
         """Raise MonoSyncError if a kernel's wait expired since the last check (one host sync a
         step: the step's logits are wrong then, and the caller must fail its requests)."""
-        errors = torch.stack([state.words[ERROR] for state in self.sync.values()]).tolist()
+        self.raise_errors(self.error_words().tolist())
+
+    def error_words(self) -> torch.Tensor:
+        """Each launch family's error word, on the device (int32 [families]): `check` reads them; a
+        caller with more to read after the step reads them with it and hands them to `raise_errors`."""
+        return torch.stack([state.words[ERROR] for state in self.sync.values()])
+
+    def raise_errors(self, errors: list[int]) -> None:
+        """`check` on error words already read (`error_words`, in its order)."""
         for state, error in zip(self.sync.values(), errors):
             if error:
                 state.check()

@@ -35,9 +35,8 @@ class Scratch:
         def i32(*shape):
             return torch.full(shape, -1, dtype=torch.int32, device=device)
 
-        self.tokens = torch.zeros(r, dtype=torch.long, device=device)
-        self.positions = torch.zeros(r, dtype=torch.long, device=device)
-        self.slots = torch.full((r,), -1, dtype=torch.long, device=device)
+        # the step's rows: tokens, positions and slots, one tensor so that one copy loads them
+        self.rows_in = torch.tensor([[0], [0], [-1]], dtype=torch.long, device=device).repeat(1, r)
         self.streams = (bf16(r, hc, d), bf16(r, hc, d))
         # mHC seams: fold partials, the attention site's mixes, the FFN site's (owed) mixes
         self.partials = f32(r, -(-d // HC.MIN_CHUNK), mix + 1)  # every fold chunk's partials fit
@@ -70,6 +69,18 @@ class Scratch:
         self.route_ticket = torch.zeros(1, dtype=torch.int32, device=device)  # 0 between launches
         self.gate_up, self.h, self.per_pick = f32(picks, 2, inter), bf16(picks, inter), f32(picks, d)
         self.y = bf16(r, d)  # the FFN output, owed to the next layer's fold
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.rows_in[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.rows_in[1]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.rows_in[2]
 
     def owed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The FFN output and its site's post / comb mixes that the next layer's fold takes."""

@@ -6,8 +6,10 @@ and both runners take the step's rows (`rows_refusal`). Otherwise the step runs 
 before. Any verification method and any sampling settings: the step runs the stepwise path's
 operations on the same uniforms (spec/draws.py), so it commits the same tokens.
 
-Host, before: each runner's `prepare` checks the rows (a ValueError if a runner refuses them)
-and loads them into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
+Host, before: the requests are checked (slots, positions within the cache, anchors: a ValueError
+naming the request, before anything runs; the checks the runners' refusals would make of the
+rows, without their row-by-row grouping) and each runner's `prepare` loads the rows, in one copy,
+into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
 verify rows [anchor, 0 x B] (0 in the drafts' places, which the device fills), their positions
 and slots. Then the request count's input buffers: each request's sampling settings
 (`RowSettings`, one copy) and its uniforms, drawn from its generator (`draws.draw_uniforms`, as
@@ -30,10 +32,11 @@ second step captures the graph and replays it; later steps replay it. A graph go
 of its caches, and is captured again after either runner's `configure` (new grids and sync
 words). On a CPU (Triton's interpreter) the same device work runs eagerly every step.
 
-Host, after: one read of each runner's error words (`MonoRunner.check`; a wait that gave up in
-either raises MonoSyncError naming the runner and stage: the step's results are invalid and the
-requests are left as they were), then one read of the verdicts (accepted counts and committed
-tokens) for the caller to update the requests with.
+Host, after: one read of the device, both runners' error words and the verdict rows together
+(one host round trip a step). A wait that gave up in either runner raises MonoSyncError naming the
+runner and stage (`MonoRunner.raise_errors`: the step's results are invalid and the requests are
+left as they were); else the verdicts (accepted counts and committed tokens) go to the caller to
+update the requests with.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch
 from ..decode import Decoder, KernelDraft
 from ..sampling import RowSettings
 from .draws import draw_uniforms, markov, uniforms_per_step, verification
-from .verify import Verdict, read_verdicts, verify_rows
+from .verify import Verdict, verdicts, verify_rows
 
 
 class Captured(NamedTuple):
@@ -99,40 +102,72 @@ class WholeStep:
         drafted, verified = self._prepare(caches, requests)
         settings, uniforms = self._load_inputs(requests)
         rows, logits = self.device_work(caches, drafted, verified, settings, uniforms)
-        self._check_runners()
-        return read_verdicts(rows), logits
+        words = [self.draft_runner.error_words(), self.target.error_words()]
+        read = torch.cat([*words, rows.flatten()]).tolist()  # the step's one read of the device
+        n_draft, n_target = (len(w) for w in words)
+        self._raise_errors(read[:n_draft], read[n_draft:n_draft + n_target])
+        found, width = read[n_draft + n_target:], rows.shape[1]
+        return verdicts([found[i:i + width] for i in range(0, len(found), width)]), logits
 
-    def _check_runners(self) -> None:
-        """Read both runners' error words (each `check` that finds one starts its counters over),
-        then raise MonoSyncError naming the runner and stage of each wait that gave up."""
+    def _raise_errors(self, draft_errors: list[int], target_errors: list[int]) -> None:
+        """Each runner's `raise_errors` on its error words (each that finds one starts its counters
+        over), then MonoSyncError naming the runner and stage of each wait that gave up."""
         from ..mono.sync import MonoSyncError  # a kernel module: imported once the runners exist
 
-        errors = []
-        for name, runner in (("draft", self.draft_runner), ("target", self.target)):
+        failed = []
+        for name, runner, errors in (("draft", self.draft_runner, draft_errors),
+                                     ("target", self.target, target_errors)):
             try:
-                runner.check()
+                runner.raise_errors(errors)
             except MonoSyncError as e:
-                errors.append(f"the {name}'s kernels: {e}")
-        if errors:
-            raise MonoSyncError("a whole speculative step failed, its results discarded: " + "; ".join(errors))
+                failed.append(f"the {name}'s kernels: {e}")
+        if failed:
+            raise MonoSyncError("a whole speculative step failed, its results discarded: " + "; ".join(failed))
 
     def _prepare(self, caches, requests):
-        """Both runners' scratch, loaded with the step's rows (host side)."""
-        b, r = self.block_size, len(requests)
-        anchors, starts, slots = (torch.tensor([[getattr(q, name)] for q in requests])
-                                  for name in ("anchor", "position", "slot"))
+        """Both runners' scratch, loaded with the step's rows (host side). The rows are made here
+        from the requests, checked as requests (`_check_requests`) rather than row by row by the
+        runners' refusals: the step's host work is on the path of every token."""
+        self._check_requests(caches, requests)
+        b, noise = self.block_size, self.draft.c.dspark_noise_token_id
 
-        def rows(after_anchor: torch.Tensor):
-            """Each request's anchor then its `after_anchor` row, at consecutive positions from
-            the anchor's, in its slot: (tokens, positions, slots), flat."""
-            n = after_anchor.shape[1] + 1
-            return (torch.cat([anchors, after_anchor], dim=1).flatten(), (starts + torch.arange(n)).flatten(),
-                    slots.expand(-1, n).flatten())
+        def rows(after_anchor: list[int]) -> torch.Tensor:
+            """Each request's anchor then `after_anchor`, at consecutive positions from the
+            anchor's, in its slot: [3, rows] (tokens, positions, slots)."""
+            n = len(after_anchor) + 1
+            return torch.tensor([[t for q in requests for t in [q.anchor, *after_anchor]],
+                                 [q.position + i for q in requests for i in range(n)],
+                                 [q.slot for q in requests for _ in range(n)]])
 
-        noise = torch.full((r, b - 1), self.draft.c.dspark_noise_token_id)
-        drafted = self.draft_runner.prepare(caches.draft, *rows(noise))
-        verified = self.target.prepare(caches.target, *rows(torch.zeros(r, b, dtype=torch.long)))
-        return drafted, verified
+        return (self.draft_runner.prepare(caches.draft, *rows([noise] * (b - 1)), refusal_checked=True),
+                self.target.prepare(caches.target, *rows([0] * b), refusal_checked=True))
+
+    def _check_requests(self, caches, requests) -> None:
+        """What the runners' row checks (`Model.group_rows`, `MonoRunner.refusal`) would find in the
+        rows `_prepare` makes of `requests`, as a ValueError naming the request: nothing has run
+        then, and the requests are as they were."""
+        b, target = self.block_size, caches.target
+        slots = min(target.num_slots, caches.draft.rings[0].pos.shape[0])
+        last = target.max_context - b  # a request's verify rows reach its position + b
+        vocab = self.target.config.vocab_size
+        if refusal := self.refusal(len(requests)):
+            raise ValueError(f"the mono kernels do not take this step: {refusal}")
+        if target.max_step_rows < b + 1:
+            raise ValueError(f"the cache rewinds {target.max_step_rows} rows a request, a step writes {b + 1} "
+                             "(make the caches with SpeculativeDecoder.make_caches)")
+        taken = set()
+        for i, q in enumerate(requests):
+            where = f"request {i} (slot {q.slot})"
+            if not 0 <= q.slot < slots:
+                raise ValueError(f"{where}: the slot is outside [0, {slots})")
+            if q.slot in taken:
+                raise ValueError(f"{where}: an earlier request of the step has this slot")
+            if not 0 <= q.position < last:
+                raise ValueError(f"{where}: position {q.position} is outside [0, {last}): its verify rows reach "
+                                 f"position + {b}, and the cache holds {target.max_context} positions")
+            if not 0 <= q.anchor < vocab:
+                raise ValueError(f"{where}: token id {q.anchor} is outside [0, {vocab})")
+            taken.add(q.slot)
 
     def _load_inputs(self, requests) -> tuple[RowSettings, torch.Tensor]:
         """The requests' settings and uniforms, written into the input buffers of their count

@@ -291,4 +291,9 @@ def verdict_rows(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch
 
 def read_verdicts(rows: torch.Tensor) -> list[Verdict]:
     """The verdicts of `verdict_rows`, from one read of the device."""
-    return [Verdict(row[-1], row[:row[-1] + 1]) for row in rows.tolist()]
+    return verdicts(rows.tolist())
+
+
+def verdicts(rows: list[list[int]]) -> list[Verdict]:
+    """The verdicts of verdict rows read to the host (as lists of ints)."""
+    return [Verdict(row[-1], row[:row[-1] + 1]) for row in rows]
