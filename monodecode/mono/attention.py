@@ -55,6 +55,10 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   ids first (the top-k stage's contract), so it attends the first min(TOPK, (p + 1) // RATIO).
   Entry splits (SPLITS > 0): a pair's compressed entries spread over SPLITS more tasks, whose
   partial softmaxes the window's task waits for and combines (`attend_entries.py`).
+  Output parts (PARTS > 1, a window layer only): a pair's D / BD output chunks spread over PARTS
+  window tasks, t = pair PARTS + part, part p writing chunks p C / PARTS .. (p + 1) C / PARTS - 1
+  of the C; each computes the pair's whole softmax, so each chunk is what one task would write,
+  bit for bit, and no task waits.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
   reads what both wrote, so grid barriers (or the end of a launch) must separate them.

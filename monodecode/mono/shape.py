@@ -19,7 +19,8 @@ as fill the programs, `attend_entries.entry_splits`; else that many, a power of 
 interpreter's one program needs to run the split tasks at all); a window layer's attend spreading
 each pair's output chunks over `attend_parts` tasks (0: as many as fill the programs,
 `attention.output_parts`; else that many, a power of two up to head_dim / 64).
-The defaults are the fastest shape measured on the H200 (docs/notes/).
+The defaults are the fastest shape measured on the H200 (docs/notes/), but for `attend_parts`,
+whose automatic count has not been timed yet.
 """
 
 from __future__ import annotations
