@@ -11,6 +11,7 @@ Activations bf16, mixes and accumulators fp32, as the stages' docstrings state.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ModelConfig
 from . import attention as A
@@ -35,8 +36,11 @@ class Scratch:
         def i32(*shape):
             return torch.full(shape, -1, dtype=torch.int32, device=device)
 
-        # the step's rows: tokens, positions and slots, one tensor so that one copy loads them
-        self.rows_in = torch.tensor([[0], [0], [-1]], dtype=torch.long, device=device).repeat(1, r)
+        # the step's rows: tokens, positions and slots, the rows of one tensor so that one copy loads
+        # them (`load_rows`); each padded to 16 bytes, so that each starts as aligned as a tensor of
+        # its own would (Triton builds a kernel for its pointers' 16-byte alignment: odd widths would
+        # otherwise build kernels of their own)
+        self.rows_in = torch.tensor([[0], [0], [-1]], dtype=torch.long, device=device).repeat(1, r + r % 2)
         self.streams = (bf16(r, hc, d), bf16(r, hc, d))
         # mHC seams: fold partials, the attention site's mixes, the FFN site's (owed) mixes
         self.partials = f32(r, -(-d // HC.MIN_CHUNK), mix + 1)  # every fold chunk's partials fit
@@ -72,15 +76,19 @@ class Scratch:
 
     @property
     def tokens(self) -> torch.Tensor:
-        return self.rows_in[0]
+        return self.rows_in[0, :self.rows]
 
     @property
     def positions(self) -> torch.Tensor:
-        return self.rows_in[1]
+        return self.rows_in[1, :self.rows]
 
     @property
     def slots(self) -> torch.Tensor:
-        return self.rows_in[2]
+        return self.rows_in[2, :self.rows]
+
+    def load_rows(self, rows: torch.Tensor) -> None:
+        """The step's tokens, positions and slots (int64 [3, rows] on the host) in one copy."""
+        self.rows_in.copy_(F.pad(rows, (0, self.rows_in.shape[1] - self.rows)), non_blocking=True)
 
     def owed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The FFN output and its site's post / comb mixes that the next layer's fold takes."""
