@@ -308,3 +308,29 @@ def test_bench_layer_records_a_refused_shape_and_goes_on(device, tmp_path, monke
     assert refused["speedup"] is None and refused["distinct_experts"] == timed["distinct_experts"] >= 1
     assert timed["refused"] is None and timed["mono_s"] > 0
     assert "refused" in capsys.readouterr().out
+
+
+def test_the_prefill_in_chunks_fills_the_cache_as_one_step_does(monkeypatch):
+    """`bench layer`'s prefill runs a long context in chunks (the per-op indexer's scores would not
+    fit a GPU in one step at 128 K tokens); the caches come out as one step's, chunk edges falling
+    inside compressed blocks included (a chunk of 6 against ratio 4)."""
+    from monodecode.bench import layer as bench_layer
+
+    model = bench_layer.build("tiny", "cpu").model
+    whole = bench_layer.prefill(model, 22)
+    monkeypatch.setattr(bench_layer, "PREFILL_CHUNK", 6)
+    chunked = bench_layer.prefill(model, 22)
+    compared = 0
+    for layer_whole, layer_chunked in zip(whole.layers, chunked.layers):
+        for name in ("window", "source", "index_source"):
+            ring_whole, ring_chunked = getattr(layer_whole, name), getattr(layer_chunked, name)
+            if ring_whole is not None:
+                assert torch.equal(ring_whole.pos, ring_chunked.pos), name
+                for key in ring_whole.data:
+                    torch.testing.assert_close(ring_chunked.data[key], ring_whole.data[key], rtol=2e-2, atol=2e-2)
+                    compared += 1
+        for name in ("entries", "index_entries"):
+            if getattr(layer_whole, name) is not None:
+                torch.testing.assert_close(getattr(layer_chunked, name), getattr(layer_whole, name), rtol=2e-2, atol=2e-2)
+                compared += 1
+    assert compared >= 8  # the window, CSA and HCA layers' rings and entries

@@ -52,6 +52,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from .. import v41
 from ..checkpoint import SyntheticCheckpoint
@@ -84,12 +85,24 @@ def build(name: str, device, tp: TensorParallel = SINGLE) -> Decoder:
     return Decoder(Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16, tp=tp), "on")
 
 
+# Prompt tokens a prefill step: bounds the per-op indexer's scores ([chunk, heads, entries] fp32,
+# ~8 GB at 131 K cached tokens) so that long contexts prefill within a GPU's memory.
+PREFILL_CHUNK = 512
+
+
 def prefill(model: Model, context: int):
+    """A cache of MAX_REQUESTS requests, each with `context` random prompt tokens, prefilled in
+    chunks of PREFILL_CHUNK tokens (per-op steps, as the engine prefills)."""
     g = torch.Generator().manual_seed(1)
     cache = model.make_cache(MAX_REQUESTS, context + 64, 8)
-    for slot in range(MAX_REQUESTS):
-        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g)
-        model.step(cache, prompt, torch.arange(context), torch.full((context,), slot))
+    starts = range(0, context, PREFILL_CHUNK)
+    with tqdm(total=MAX_REQUESTS * len(starts), desc="prefilling the cache", unit="chunk", delay=2.0) as bar:
+        for slot in range(MAX_REQUESTS):
+            prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g)
+            for start in starts:
+                end = min(start + PREFILL_CHUNK, context)
+                model.step(cache, prompt[start:end], torch.arange(start, end), torch.full((end - start,), slot))
+                bar.update()
     return cache
 
 
