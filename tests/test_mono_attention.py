@@ -179,6 +179,48 @@ def test_attend(device, rows, n_heads, window, chunk):
     assert (o[slots < 0] == 0).all()
 
 
+# (heads, window, chunk, parts): head_dim 64 with 16 rope channels. Chunks of 16: 3 plain, 1 rope;
+# parts of 2 split them 2 plain | 1 plain + 1 rope, parts of 4 one chunk each. Chunks of 32: the
+# second holds plain and rope channels, each part one chunk.
+PART_SHAPES = [(40, 40, 16, 2), (4, 16, 16, 4), (4, 16, 32, 2)]
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n_heads,window,chunk,parts", PART_SHAPES)
+def test_attend_output_parts_equal_one_task(device, rows, n_heads, window, chunk, parts):
+    """A window layer's pair spread over `parts` tasks, each its share of the output chunks, gives
+    bit for bit what one task a pair gives (each chunk's operations are the same); pad rows 0."""
+    config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=250 + rows + n_heads,
+                                                               num_attention_heads=n_heads, sliding_window=window)
+    g = torch.Generator().manual_seed(rows + parts)
+    q_raw = (3 * torch.randn(rows, n_heads, config.head_dim, generator=g)).to(torch.bfloat16).to(device)
+    for grp in groups:  # the step's rows in the ring, as stage 1 writes them
+        cache.window.write(grp.slot, grp.positions,
+                           {"kv": torch.randn(len(grp.index), config.head_dim, generator=g).to(torch.bfloat16).to(device)})
+    args = (q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window,
+            config.rms_norm_eps)
+    one = A.attend(*args, d_chunk=chunk, poison=True)
+    spread = A.attend(*args, d_chunk=chunk, parts=parts, poison=True)
+    assert torch.equal(spread, one)
+    assert (spread[slots < 0] == 0).all()
+
+
+def test_output_parts_fill_one_round():
+    """Output parts a pair: a power of two, at most the D / BD chunks, parts x pairs within the
+    programs, and no more parts would fit; 1 once the pairs alone fill them."""
+    for rows in range(1, 49):
+        parts = A.output_parts(rows, 64, 512, 132)
+        pairs, chunks = rows * 4, 512 // A.BD
+        assert parts & (parts - 1) == 0 and 1 <= parts <= chunks
+        assert parts == 1 or pairs * parts <= 132
+        assert parts == chunks or pairs * 2 * parts > 132
+    with pytest.raises(AssertionError, match="output parts"):
+        config, attn, positions, slots, _, cache, _ = setup("cpu", 1, seed=1)
+        q_raw = torch.randn(1, config.num_attention_heads, config.head_dim).to(torch.bfloat16)
+        A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs, config.sliding_window,
+                 config.rms_norm_eps, parts=2)  # one chunk of 64: no second part
+
+
 @pytest.mark.parametrize("rows", [5, 48])
 def test_stages_in_sequence(device, rows):
     """Stage 1 writes the step's rows into the ring, stage 2 (after the wq_b GEMV) attends over
@@ -235,6 +277,9 @@ def test_attend_over_draft_blocks(device, requests):
                  config.rms_norm_eps, block=block, poison=True)
     assert_close(o, ref, differ=0.02, rel=5e-4)
     assert (o[slots < 0] == 0).all()
+    spread = A.attend(q_raw, ring, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window + block,
+                      config.rms_norm_eps, block=block, d_chunk=16, parts=4, poison=True)
+    assert_close(spread, ref, differ=0.02, rel=5e-4)  # another chunking: another fp32 order
 
 
 @pytest.mark.parametrize("rows,splits", [(1, 0), (5, 0), (16, 0), (1, 8), (5, 2), (16, 1)])

@@ -433,6 +433,8 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(settle_columns=48))
     with pytest.raises(ValueError, match=r"attend_splits must be 0 \(automatic\) or a power of two up to 8"):
         d.mono.configure(LaunchShape(attend_splits=3))
+    with pytest.raises(ValueError, match=r"attend_parts must be 0 \(automatic\) or a power of two up to head_dim / 64 = 1"):
+        d.mono.configure(LaunchShape(attend_parts=2))  # the tiny model's heads: one chunk of 64
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts

@@ -55,6 +55,10 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   ids first (the top-k stage's contract), so it attends the first min(TOPK, (p + 1) // RATIO).
   Entry splits (SPLITS > 0): a pair's compressed entries spread over SPLITS more tasks, whose
   partial softmaxes the window's task waits for and combines (`attend_entries.py`).
+  Output parts (PARTS > 1, a window layer only): a pair's D / BD output chunks spread over PARTS
+  window tasks, t = pair PARTS + part, part p writing chunks p C / PARTS .. (p + 1) C / PARTS - 1
+  of the C; each computes the pair's whole softmax, so each chunk is what one task would write,
+  bit for bit, and no task waits.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
   reads what both wrote, so grid barriers (or the end of a launch) must separate them.
@@ -93,8 +97,16 @@ def norm_rope_kv_tasks(R: int) -> int:
     return 2 * R
 
 
-def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0) -> int:
-    return R * triton.cdiv(H, HB) * (splits + 1)
+def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0, parts: int = 1) -> int:
+    return R * triton.cdiv(H, HB) * (splits + parts)
+
+
+def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = BD) -> int:
+    """Output parts a (row, head block) pair of a window layer's attend (its D / BD output chunks
+    spread over that many tasks) for a launch of `programs` programs: as many as leave every
+    pair's tasks one round of the programs, a power of two, at most D / BD (1: one task a pair)."""
+    fit = min(D // BD, programs // (R * triton.cdiv(H, HB)))
+    return 1 if fit < 1 else 1 << (fit.bit_length() - 1)
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------
@@ -171,15 +183,20 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                 freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
                 selected_ptr, n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB: tl.constexpr,
                 KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RATIO: tl.constexpr,
-                KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, STAGE: tl.constexpr):
-    """Task t of (row, head block) pairs, SPLITS + 1 a pair: entry splits 0 .. SPLITS - 1, then
-    the window's task, which writes o[row, block heads] from the raw heads (normalised and rotated
-    as they are loaded), the whole window in two passes over D (module docstring); RATIO > 0: and
-    the row's compressed entries (every visible one, TOPK 0, or the TOPK its indexer selected),
-    its own (SPLITS 0) or the entry splits' (waited for at the pair's ticket)."""
+                KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr,
+                STAGE: tl.constexpr):
+    """Task t of (row, head block) pairs, SPLITS + PARTS a pair: entry splits 0 .. SPLITS - 1, then
+    the window's tasks, PARTS of them (SPLITS 0 then), each of which writes its share of
+    o[row, block heads] (output chunks (part - SPLITS) C / PARTS .., of the C = D / BD) from the
+    raw heads (normalised and rotated as they are loaded), the whole window in two passes over
+    D (module docstring); RATIO > 0: and the row's compressed entries (every visible one, TOPK 0,
+    or the TOPK its indexer selected), its own (SPLITS 0) or the entry splits' (waited for at the
+    pair's ticket)."""
     n_blocks = tl.cdiv(H, HB)
-    pair = t // (SPLITS + 1)
-    part = t - pair * (SPLITS + 1)
+    pair = t // (SPLITS + PARTS)
+    part = t - pair * (SPLITS + PARTS)
+    first = (part - SPLITS) * (D // PARTS)  # the window task's output channels: first .. first + D / PARTS
+    last = first + D // PARTS
     row = pair // n_blocks
     heads = (pair % n_blocks) * HB + tl.arange(0, HB)
     hmask = heads < H
@@ -196,7 +213,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                         slot, n_entries, visible, sel, scale, park, partials_ptr, tickets_ptr, D, RD, HB, BD, KE,
                         FAST, TOPK, SPLITS)
     elif slot < 0:
-        for d0 in range(0, D, BD):
+        for d0 in range(first, last, BD):
             d = d0 + tl.arange(0, BD)
             tl.store(o_ptr + rows + d[None, :], tl.zeros((HB, BD), dtype=tl.bfloat16), mask=hmask[:, None])
     else:
@@ -239,11 +256,11 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
             hi = p.to(tl.bfloat16)
             lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
         plain = (D - RD) // BD * BD  # the chunks before any rope channel: no inverse rotation to compute
-        for d0 in range(0, plain, BD):
+        for d0 in range(first, tl.minimum(plain, last), BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
                           park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales, D, RD, HB,
                           BD, FAST, False, RATIO, KE, TOPK, SPLITS)
-        for d0 in range(plain, D, BD):
+        for d0 in range(tl.maximum(plain, first), last, BD):
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
                           park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales, D, RD, HB,
                           BD, FAST, True, RATIO, KE, TOPK, SPLITS)
@@ -265,12 +282,12 @@ def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_p
             freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
             selected_ptr, n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB: tl.constexpr,
             KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RATIO: tl.constexpr,
-            KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr):
+            KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                     freqs_ptr, H, D, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride, selected_ptr,
                     n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB, KW, BD, BLOCK, FAST, RATIO, KE, TOPK,
-                    SPLITS, 0)
+                    SPLITS, PARTS, 0)
 
 
 def _empty(shape, like: torch.Tensor, poison: bool) -> torch.Tensor:
@@ -323,7 +340,7 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
            freqs: torch.Tensor, window: int, eps: float, *, block: int = 0, heads_per_task: int = HB,
            d_chunk: int = BD, num_warps: int = 4, num_stages: int = 3, poison: bool = False,
            entries: torch.Tensor | None = None, ratio: int = 0, entry_block: int = KE,
-           selected: torch.Tensor | None = None, splits: int = 0, tickets: torch.Tensor | None = None,
+           selected: torch.Tensor | None = None, splits: int = 0, parts: int = 1, tickets: torch.Tensor | None = None,
            max_polls: int = DEFAULT_MAX_POLLS) -> torch.Tensor:
     """q_raw [R, H, D] bf16 (the wq_b GEMV's heads, before their norm and rope), ring the layer's
     window `PositionRing` (the step's rows already written), positions / slots int64 [R], sink fp32
@@ -333,7 +350,9 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     loads (faster than 2 on the H200). A compressed layer (`ratio`) can spread its entries over
     `splits` tasks a pair (a power of two): its window tasks then wait on them, so the launch is
     cooperative, at most a program a SM, through `tickets` (int32, a pair's each, 0 between launches;
-    made here if None) and a wait of `max_polls` polls, which raises MonoSyncError if it expires."""
+    made here if None) and a wait of `max_polls` polls, which raises MonoSyncError if it expires.
+    A window layer (`ratio` 0) can spread a pair's output chunks over `parts` tasks (a power of two
+    dividing D / d_chunk; `output_parts`)."""
     q = q_raw
     R, H, D = q.shape
     assert block >= 0 and (block == 0 or (R % block == 0 and window > block)), \
@@ -345,10 +364,12 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     assert D % chunk == 0 and chunk & (chunk - 1) == 0, "D must be a multiple of a power-of-two chunk"
     assert splits == 0 or (ratio and splits & (splits - 1) == 0 and splits <= MAX_SPLITS), \
         f"entry splits ({splits}): a power of two up to {MAX_SPLITS}, on a compressed layer"
+    assert parts == 1 or (not ratio and parts & (parts - 1) == 0 and parts <= D // chunk), \
+        f"output parts ({parts}): a power of two up to D / d_chunk = {D // chunk}, on a window layer"
     ring_kv, ring_pos = _check_ring(ring, D)
     assert ring_kv.numel() < 2**31, "the ring is addressed with int32 offsets"
     o = _empty((R, H, D), q, poison)
-    n_tasks = attend_tasks(R, H, heads_per_task, splits)
+    n_tasks = attend_tasks(R, H, heads_per_task, splits, parts)
     if ratio:  # a compressed layer: the visible entries too (a task's logits parked in `park`)
         assert entries is not None and entries.dtype == torch.bfloat16 and entries.is_contiguous()
         assert entries.shape[0] == ring_kv.shape[0] and entries.shape[2] == D and block == 0
@@ -376,7 +397,7 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
                   float(D ** -0.5), float(eps), entries, entries.shape[1] if ratio else 0, park, park_stride,
                   positions if selected is None else selected, R, partials, tickets, sync.words, int(max_polls),
                   HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
-                  FAST=fast_dots(q), RATIO=ratio, KE=entry_block, TOPK=topk, SPLITS=splits, num_warps=num_warps,
-                  num_stages=num_stages, **options)
+                  FAST=fast_dots(q), RATIO=ratio, KE=entry_block, TOPK=topk, SPLITS=splits, PARTS=parts,
+                  num_warps=num_warps, num_stages=num_stages, **options)
     sync.check()
     return o

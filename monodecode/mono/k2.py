@@ -11,12 +11,14 @@ K3 runs two programs a SM, twice the expert weight loads in flight.
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
 0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on a
-                                   * (SPLITS + 1)     compressed layer (RATIO > 0) its visible
+                                   * (SPLITS + PARTS) compressed layer (RATIO > 0) its visible
                                                       entries (HCA) or those K1 selected (CSA,
                                                       TOPK > 0; logits parked in `park`; SPLITS
                                                       entry splits a pair, their partials
                                                       combined by the pair's window task), sinks
-                                                      -> o (inverse RoPE; zero for pad rows)
+                                                      -> o (inverse RoPE; zero for pad rows); on a
+                                                      window layer a pair's output chunks over
+                                                      PARTS tasks, each with the whole softmax
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
@@ -211,6 +213,7 @@ class K2Meta(NamedTuple):
     RATIO: int  # a compressed layer's compression ratio (its entries attended), 0 for a window layer
     TOPK: int  # a CSA layer's entries a row attends (its selection list), 0: every visible one (HCA)
     SPLITS: int  # a compressed layer's entry splits a pair (attend_entries.entry_splits), 0: the window task's own
+    PARTS: int  # a window layer's output parts a pair (attention.output_parts), 1 on a compressed layer
     HC: int
     MIXP: int
     RB: int
@@ -345,11 +348,11 @@ def _k2(a, f, m):
 @triton.jit
 def _attention_stages(a, f, m, epoch, NB: tl.constexpr, pid, grid):
     """Stages 0..2 (attend, wo_a, wo_b); barriers 0 and 1 of NB."""
-    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS + 1), grid):
+    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS + m.PARTS), grid):
         A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                       a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
                       a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, f.sync.max_polls, m.HB,
-                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, 0)
+                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, m.PARTS, 0)
     barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
     z_width = a.o_groups * a.o_lora
     gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -398,6 +401,8 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     ring = cache.window
     splits = _entry_splits(lw, cache, rows, c.num_attention_heads, c.index_topk, runner.grids["k2"],
                            shape.attend_splits)
+    parts = 1 if lw.compressor else (shape.attend_parts or A.output_parts(rows, c.num_attention_heads, hd,
+                                                                          runner.grids["k2"]))
     entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk, splits)
     attn = K2Attention(
         q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
@@ -427,7 +432,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     meta = K2Meta(
         WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
-        TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits,
+        TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits, PARTS=parts,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,

@@ -40,6 +40,7 @@ from triton.runtime.errors import OutOfResources
 from ..config import CSA_RATIO, ModelConfig
 from ..model.hc import hc_post
 from . import attend_entries as AE
+from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import k1, k2
@@ -200,6 +201,10 @@ class MonoRunner:
         if splits & (splits - 1) or splits > AE.MAX_SPLITS:
             raise ValueError(f"launch shape {shape.spec()}: attend_splits must be 0 (automatic) or a power of two "
                              f"up to {AE.MAX_SPLITS}")
+        parts, chunks = shape.attend_parts, c.head_dim // A.BD
+        if parts & (parts - 1) or parts > chunks:
+            raise ValueError(f"launch shape {shape.spec()}: attend_parts must be 0 (automatic) or a power of two up "
+                             f"to head_dim / {A.BD} = {chunks}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

@@ -16,8 +16,10 @@ its row in tiles of `settle_columns` columns (0: 512 a warp, the whole row at v4
 in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`); a compressed
 layer's attend spreading each (row, head block)'s entries over `attend_splits` tasks (0: as many
 as fill the programs, `attend_entries.entry_splits`; else that many, a power of two: what the
-interpreter's one program needs to run the split tasks at all).
-The defaults are the fastest shape measured on the H200 (docs/notes/).
+interpreter's one program needs to run the split tasks at all); a window layer's attend spreading
+each pair's output chunks over `attend_parts` tasks (0: as many as fill the programs,
+`attention.output_parts`; else that many, a power of two up to head_dim / 64).
+The defaults are the fastest shapes measured (docs/notes/; on the H200, `attend_parts` on an H100).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class LaunchShape:
     fold_rows: int = 16
     settle_columns: int = 0
     attend_splits: int = 0
+    attend_parts: int = 0
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
