@@ -310,27 +310,38 @@ def test_bench_layer_records_a_refused_shape_and_goes_on(device, tmp_path, monke
     assert "refused" in capsys.readouterr().out
 
 
-def test_the_prefill_in_chunks_fills_the_cache_as_one_step_does(monkeypatch):
-    """`bench layer`'s prefill runs a long context in chunks (the per-op indexer's scores would not
-    fit a GPU in one step at 128 K tokens); the caches come out as one step's, chunk edges falling
-    inside compressed blocks included (a chunk of 6 against ratio 4)."""
+
+@pytest.mark.parametrize("context", [22, 300])
+def test_the_filled_cache_has_the_layout_a_prefill_leaves(context):
+    """`bench layer`'s cache (random values, any context at once) holds what a per-op prefill of
+    the same tokens leaves in every ring's positions and every compressed layer's entries; the
+    values are fresh random ones, not zeros."""
     from monodecode.bench import layer as bench_layer
 
     model = bench_layer.build("tiny", "cpu").model
-    whole = bench_layer.prefill(model, 22)
-    monkeypatch.setattr(bench_layer, "PREFILL_CHUNK", 6)
-    chunked = bench_layer.prefill(model, 22)
+    filled = bench_layer.fill_cache(model, context)
+    prefilled = model.make_cache(bench_layer.MAX_REQUESTS, context + 64, 8)
+    for slot in range(bench_layer.MAX_REQUESTS):
+        tokens = torch.randint(0, model.config.vocab_size, (context,))
+        model.step(prefilled, tokens, torch.arange(context), torch.full((context,), slot))
     compared = 0
-    for layer_whole, layer_chunked in zip(whole.layers, chunked.layers):
+    for ratio, layer_filled, layer_prefilled in zip(model.config.compress_ratios, filled.layers, prefilled.layers):
         for name in ("window", "source", "index_source"):
-            ring_whole, ring_chunked = getattr(layer_whole, name), getattr(layer_chunked, name)
-            if ring_whole is not None:
-                assert torch.equal(ring_whole.pos, ring_chunked.pos), name
-                for key in ring_whole.data:
-                    torch.testing.assert_close(ring_chunked.data[key], ring_whole.data[key], rtol=2e-2, atol=2e-2)
-                    compared += 1
-        for name in ("entries", "index_entries"):
-            if getattr(layer_whole, name) is not None:
-                torch.testing.assert_close(getattr(layer_chunked, name), getattr(layer_whole, name), rtol=2e-2, atol=2e-2)
+            ring, reference = getattr(layer_filled, name), getattr(layer_prefilled, name)
+            assert (ring is None) == (reference is None), name
+            if ring is not None:
+                assert torch.equal(ring.pos, reference.pos), name
+                for key, data in ring.data.items():
+                    held = ring.pos >= 0
+                    assert torch.equal(data[~held], reference.data[key][~held])  # zeros where nothing is held
+                    assert data[held].abs().min() > 0 and data[held].std() > 0.5, (name, key)
                 compared += 1
-    assert compared >= 8  # the window, CSA and HCA layers' rings and entries
+        for name in ("entries", "index_entries"):
+            entries, reference = getattr(layer_filled, name), getattr(layer_prefilled, name)
+            assert (entries is None) == (reference is None), name
+            if entries is not None:
+                written = reference.abs().amax(dim=(0, 2)) > 0  # the entries the prefill emitted
+                assert int(written.sum()) == context // ratio
+                assert torch.equal(entries.abs().amax(dim=(0, 2)) > 0, written), name
+                compared += 1
+    assert compared == 9  # rings: the window layer 1, CSA 3, HCA 2; entries: CSA 2, HCA 1

@@ -161,16 +161,15 @@ def step(width: int, launches: int, shape: str, kind: str = "window") -> None:
     build's launches)."""
     import torch
 
-    from monodecode.bench.layer import KINDS, LayerBench, build, prefill
+    from monodecode.bench.layer import LayerBench, build, fill_cache
     from monodecode.mono.shape import LaunchShape
 
-    decoder = build("v4-flash", "cuda")
+    decoder = build("v4-flash", "cuda", kinds=(kind,))
     if shape != "default":
         decoder.mono.configure(LaunchShape.parse(shape))
     context = 512
-    bench = LayerBench(decoder, prefill(decoder.model, context), context, reps=1)
-    layer = [KINDS[r] for r in decoder.model.config.compress_ratios].index(kind)
-    inputs = bench.step(layer, width, torch.Generator().manual_seed(2))
+    bench = LayerBench(decoder, fill_cache(decoder.model, context), context, reps=1)
+    inputs = bench.step(0, width, torch.Generator().manual_seed(2))  # the model's one layer
     with torch.no_grad():
         torch.cuda.nvtx.range_push(PROFILED)
         for _ in range(launches):

@@ -1,9 +1,10 @@
 """`monodecode bench layer`: one decoder layer's decode-step time against the bandwidth floor.
 
-A model of three layers at `--preset` sizes, one of each kind (window-only, CSA, HCA), bias-routed
-so that the routing follows the activations; synthetic weights, bf16; every request's cache holds
-`--context` prefilled tokens. For each width (rows of the step: up to 8 requests, the rows spread
-over them as verify rows) and each layer, with a random residual as the layer's input:
+A model of a layer of each kind in `--kinds` (window-only, CSA, HCA) at `--preset` sizes,
+bias-routed so that the routing follows the activations; synthetic weights, bf16; every request's
+cache holds `--context` tokens, in the layout a prefill leaves with random values (`fill_cache`).
+For each width (rows of the step: up to 8 requests, the rows spread over them as verify rows)
+and each layer, with a random residual as the layer's input:
 - `per-op eager`: the per-op block (attention + MoE), eagerly, timed with events. It is our
   reference, not a fair baseline yet: it loops over the step's experts in Python and dequantizes
   each expert's MXFP4 on every call;
@@ -52,7 +53,6 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tqdm import tqdm
 
 from .. import v41
 from ..checkpoint import SyntheticCheckpoint
@@ -86,24 +86,26 @@ def build(name: str, device, tp: TensorParallel = SINGLE, kinds=tuple(KINDS.valu
     return Decoder(Model.from_checkpoint(SyntheticCheckpoint(config, seed=0), device, torch.bfloat16, tp=tp), "on")
 
 
-# Prompt tokens a prefill step: bounds the per-op indexer's scores ([chunk, heads, entries] fp32,
-# ~8 GB at 131 K cached tokens) so that long contexts prefill within a GPU's memory.
-PREFILL_CHUNK = 512
-
-
-def prefill(model: Model, context: int):
-    """A cache of MAX_REQUESTS requests, each with `context` random prompt tokens, prefilled in
-    chunks of PREFILL_CHUNK tokens (per-op steps, as the engine prefills)."""
+def fill_cache(model: Model, context: int):
+    """A cache of MAX_REQUESTS requests with `context` tokens each, in the layout a prefill of
+    them leaves (every ring's positions, each compressed layer's first context // ratio entries),
+    its values random (the model's weights are synthetic too): what a step reads, at any context
+    in moments (a per-op prefill runs the eager reference's expert loop: far too slow at long
+    contexts)."""
     g = torch.Generator().manual_seed(1)
     cache = model.make_cache(MAX_REQUESTS, context + 64, 8)
-    starts = range(0, context, PREFILL_CHUNK)
-    with tqdm(total=MAX_REQUESTS * len(starts), desc="prefilling the cache", unit="chunk", delay=2.0) as bar:
-        for slot in range(MAX_REQUESTS):
-            prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g)
-            for start in starts:
-                end = min(start + PREFILL_CHUNK, context)
-                model.step(cache, prompt[start:end], torch.arange(start, end), torch.full((end - start,), slot))
-                bar.update()
+    for ratio, layer in zip(model.config.compress_ratios, cache.layers):
+        for ring in (layer.window, layer.source, layer.index_source):
+            if ring is not None:
+                positions = torch.arange(max(context - ring.size, 0), context, device=ring.pos.device)
+                ring.pos[:, positions % ring.size] = positions
+                for data in ring.data.values():
+                    shape = (data.shape[0], len(positions), data.shape[2])
+                    data[:, positions % ring.size] = torch.randn(shape, generator=g).to(data)
+        for entries in (layer.entries, layer.index_entries):
+            if entries is not None:
+                shape = (entries.shape[0], context // ratio, entries.shape[2])
+                entries[:, :context // ratio] = torch.randn(shape, generator=g).to(entries)
     return cache
 
 
@@ -131,7 +133,7 @@ def identity_owed(rows: int, hc: int, d: int, device):
 class LayerStep(NamedTuple):
     scratch: object  # the runner's Scratch of the step's width
     streams: torch.Tensor  # the layer's input residual [rows, hc, d]
-    cache: object  # the layer's cache (a copy of the prefilled one)
+    cache: object  # the layer's cache (a copy of the filled one)
     groups: list  # the step's rows by request (model.group_rows)
     kernels: Callable  # kernels(k2_too=True): launch mono's kernels on the step (K1 alone without K2 and K3)
 
@@ -147,7 +149,7 @@ class LayerBench:
 
     def step(self, layer: int, width: int, g: torch.Generator) -> LayerStep:
         """A step of `width` rows at `layer` (fresh random residual and tokens from `g`, a copy of
-        the prefilled cache) and the launch of mono's kernels on it (`LayerStep.kernels`)."""
+        the filled cache) and the launch of mono's kernels on it (`LayerStep.kernels`)."""
         from ..mono import k1, k2  # after the runner's build: on a CPU it turns Triton's interpreter on first
 
         model, runner, c = self.model, self.runner, self.model.config
@@ -338,7 +340,7 @@ def measure_all(args, tp: TensorParallel, device=None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M")
     decoder = build(args.preset, device, tp, kinds)
     model = decoder.model
-    bench = LayerBench(decoder, prefill(model, args.context), args.context, args.reps, args.compile)
+    bench = LayerBench(decoder, fill_cache(model, args.context), args.context, args.reps, args.compile)
     bandwidth = copy_bandwidth(device)
     g = torch.Generator().manual_seed(2)
     rows = []
