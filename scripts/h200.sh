@@ -34,7 +34,7 @@
 #   bench-decode  monodecode bench decode on 4 layers at the request counts in $REQUESTS (default 1,2,4,8),
 #                 $TEMPERATURE (default 0) and $TOP_P (default 1), over $TP ranks (default 1; one GPU each),
 #                 the paths in $PATHS (default per-op,stepwise,whole; the per-op graph's row alone took ~250 s
-#                 at 1 request on 2026-12-05)
+#                 at 1 request on 2026-12-05); HOST_PROFILE=1 adds the host's operations a step (--host-profile)
 #   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
 #   profile       Nsight Compute's PC sampling of one step of a $KIND layer's (default window) K1, K2 and K3 at $WIDTH rows
@@ -137,7 +137,7 @@ case $part in
   bench-decode)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench decode --layers 4 --requests "${REQUESTS:-1,2,4,8}" \
       --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" --tensor-parallel-size "${TP:-1}" \
-      --paths "${PATHS:-per-op,stepwise,whole}" --out "$out" \
+      --paths "${PATHS:-per-op,stepwise,whole}" ${HOST_PROFILE:+--host-profile} --out "$out" \
       >> "$out/$part.txt" 2>&1 ;;
   experts)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.experts --shapes "${SHAPES:-default}" --out "$out" \

@@ -214,13 +214,17 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
 
 
 def test_bench_decode_times_the_paths_asked_for(device, tmp_path, capsys):
-    """`--paths whole`: the whole mono row alone (the test above times all three paths); an unknown
-    path is refused."""
+    """`--paths whole`: the whole mono row alone (the test above times all three paths), with
+    `--host-profile`: the host's operations a step; an unknown path is refused."""
     assert main(["bench", "decode", "--preset", "tiny", "--layers", "1", "--requests", "1", "--steps", "1",
-                 "--context", "12", "--reps", "1", "--paths", "whole", "--device", device,
+                 "--context", "12", "--reps", "1", "--paths", "whole", "--host-profile", "--device", device,
                  "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [r["path"] for r in report["rows"]] == ["mono"]
+    profile = report["rows"][0]["host_profile"]
+    assert 0 < len(profile) <= 12 and all(p["self_us_a_step"] > 0 and p["calls_a_step"] > 0 for p in profile)
+    assert any(p["op"].startswith("aten::") for p in profile)  # torch's operations the host ran
+    assert f"us a step in {profile[0]['calls_a_step']:5.1f} calls: {profile[0]['op']}" in capsys.readouterr().out
     assert main(["bench", "decode", "--paths", "per-op,eager", "--device", device]) == 2
     assert "unknown path(s) eager: choose from per-op, stepwise, whole" in capsys.readouterr().err
 

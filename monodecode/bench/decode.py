@@ -22,6 +22,8 @@ uniforms, reading the verdicts); tokens committed a step a request; tokens/s per
 draft follows its path: per-op and eager with the per-op graph, on the kernels with mono.
 `--paths` picks among them (`per-op`, `stepwise`, `whole`; default all three: a GPU call short of
 time can leave the per-op graph out, whose experts take minutes to dequantize).
+`--host-profile`: after each path's timed steps, as many more under torch.profiler, and the
+operations the host spends the most of its own time in a step (what the host column is made of).
 `--tensor-parallel-size N`: the model over N ranks (`ranks.load_ranks`), only `mono stepwise`
 (the per-op graph's fixed-shape layers hold whole layers; the whole step is one process's).
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
@@ -135,10 +137,12 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
-def measure(model, target_step, caches, requests, steps: int, acceptance: float, whole: bool = False) -> dict:
+def measure(model, target_step, caches, requests, steps: int, acceptance: float, whole: bool = False,
+            host_profile: bool = False) -> dict:
     """`steps` timed speculative steps (after two warm-up steps, which capture the graphs) of
     `model` (a Model: the draft per-op; a Decoder: the draft as it gives it) verifying with
-    `target_step`; `whole`: every step whole (a Decoder's, spec/step_graph.py), else stepwise."""
+    `target_step`; `whole`: every step whole (a Decoder's, spec/step_graph.py), else stepwise;
+    `host_profile`: then `steps` more under torch.profiler (`profile_host`)."""
     block = model.draft().block_size
     config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": block,
                                           "rejection_sample_method": "synthetic",
@@ -167,6 +171,7 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             if timer:
                 timer.seconds.clear()
         committed = sum(len(tokens) for _ in range(steps) for tokens in step(caches, requests))
+        profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     finally:
         del draft.propose  # the instance attributes: back to the classes' methods
         if runner:
@@ -176,7 +181,26 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     return {"step_s": median(step.seconds),
             **{name: median(t.seconds) if t and t.seconds else None for name, t in parts.items()},
             "tokens_per_step": committed / steps / len(requests),
-            "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds)}
+            "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds),
+            **({"host_profile": profile} if host_profile else {})}
+
+
+HOST_PROFILE_ROWS = 12  # operations `--host-profile` reports a path
+
+
+def profile_host(step, steps: int, device) -> list[dict]:
+    """`steps` calls of `step` under torch.profiler: the operations the host spends the most of
+    its own time in (torch's and, on a GPU, the CUDA runtime's calls: copies, launches, syncs),
+    each with its calls and self microseconds a step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step()
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "calls_a_step": e.count / steps, "self_us_a_step": e.self_cpu_time_total / steps}
+            for e in events[:HOST_PROFILE_ROWS]]
 
 
 def seeded(requests: list[SpecRequest], device, temperature: float, top_p: float) -> list[SpecRequest]:
@@ -242,7 +266,8 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
         base = SpeculativeDecoder(model, SpeculativeConfig.from_json(
             {"method": "dspark", "num_speculative_tokens": block, "rejection_sample_method": "synthetic",
              "synthetic_acceptance_length": args.acceptance}))
-        caches = base.make_caches(count, args.context + (args.steps + 3) * (block + 1) + block + 2)
+        steps = args.steps * (2 if args.host_profile else 1) + 3  # timed (and profiled), and the warm-up
+        caches = base.make_caches(count, args.context + steps * (block + 1) + block + 2)
         requests = [base.prefill(caches, slot, torch.randint(0, model.config.vocab_size, (args.context,),
                                                                generator=g).tolist()) for slot in range(count)]
         head = None if over_ranks else head_seconds(model.model, count * (block + 1), args.reps)
@@ -252,12 +277,19 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
             if step is None or name not in args.paths:
                 continue
             m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device, args.temperature, args.top_p),
-                        args.steps, args.acceptance, whole)
+                        args.steps, args.acceptance, whole, args.host_profile)
             timed_parts = (m["device_s"],) if whole else (m["draft_s"], m["verify_s"])
             rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
                          "other_s": m["step_s"] - sum(timed_parts)})
             print(line(rows[-1]), flush=True)
+            if args.host_profile:
+                print(profile_lines(m["host_profile"]), flush=True)
     return rows
+
+
+def profile_lines(profile: list[dict]) -> str:
+    return "\n".join(f"    host {p['self_us_a_step']:8.1f} us a step in {p['calls_a_step']:5.1f} calls: {p['op']}"
+                     for p in profile)
 
 
 def line(r: dict) -> str:
