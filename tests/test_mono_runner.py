@@ -379,7 +379,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
 @pytest.mark.parametrize("spec,width", [("block_n=16,block_k=512,expert_block_n=32,k1_programs_per_sm=2,k1_warps=4", 6),
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
                                          "expert_programs_per_sm=1,expert_warps=4,settle_columns=64", 6),
-                                        ("attend_splits=2", 1),
+                                        ("attend_splits=2", 1), ("select_block=16", 6),
                                         pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
@@ -389,10 +389,12 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of
     32 and 16 rows (`experts.load_fragments`' 16-row blocks), settle tiles of half a row (two
     passes over it), the compressed layers' attend entries split over two tasks a pair (the
-    window's task combining them): the same result up to fp32 summation order; fold tasks of all
-    48 rows of a step (`slow`)."""
+    window's task combining them), the CSA layer's top-k over 16 scores at a time (four of its rows
+    see 16-24 entries, top 8: one or two blocks a pass): the same result up to fp32 summation order; fold
+    tasks of all 48 rows of a step (`slow`)."""
     g = torch.Generator().manual_seed(21)
-    caches, next_pos = prefilled(decoder, [3, 17, 9, 30, 1, 12, 20, 5], seed=21)
+    lengths = [70, 81, 9, 95, 1, 66, 20, 5] if spec.startswith("select_block") else [3, 17, 9, 30, 1, 12, 20, 5]
+    caches, next_pos = prefilled(decoder, lengths, seed=21)
     tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, *STEPS[width])
     default = decoder.mono.shape
     out = decoder.step(caches[0], tokens, positions, slots)
@@ -435,6 +437,9 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(attend_splits=3))
     with pytest.raises(ValueError, match=r"attend_parts must be 0 \(automatic\) or a power of two up to head_dim / 64 = 1"):
         d.mono.configure(LaunchShape(attend_parts=2))  # the tiny model's heads: one chunk of 64
+    for block in (8, 48, 8192):
+        with pytest.raises(ValueError, match=r"select_block must be a power of two from 16 to 4096"):
+            d.mono.configure(LaunchShape(select_block=block))
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts

@@ -28,7 +28,8 @@ from .attention_math import pair_offsets, rope, visible_entries
 from .plan import fast_dots, task_grid
 
 KE = 64  # entries of a score task
-SELECT_BLOCK = 256  # entries a selection pass loads at once
+SELECT_BLOCK = 256  # entries a selection pass loads at once (K1's: LaunchShape.select_block)
+MAX_SELECT_BLOCK = 4096  # scores a pass holds at once: 16 a thread of K1's 8 warps, with their keys
 
 
 def score_tasks(R: int, E: int, KE: int = KE) -> int:

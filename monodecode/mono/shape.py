@@ -18,8 +18,11 @@ layer's attend spreading each (row, head block)'s entries over `attend_splits` t
 as fill the programs, `attend_entries.entry_splits`; else that many, a power of two: what the
 interpreter's one program needs to run the split tasks at all); a window layer's attend spreading
 each pair's output chunks over `attend_parts` tasks (0: as many as fill the programs,
-`attention.output_parts`; else that many, a power of two up to head_dim / 64).
-The defaults are the fastest shapes measured (docs/notes/; on the H200, `attend_parts` on an H100).
+`attention.output_parts`; else that many, a power of two up to head_dim / 64); a CSA layer's
+top-k selection loading `select_block` of a row's scores at once in each of its passes (a power
+of two; `indexer.select_task`).
+The defaults are the fastest shapes measured (docs/notes/; on the H200, `attend_parts` on an H100;
+`select_block` not yet timed at long context).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class LaunchShape:
     settle_columns: int = 0
     attend_splits: int = 0
     attend_parts: int = 0
+    select_block: int = 256
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
