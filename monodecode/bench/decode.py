@@ -171,11 +171,14 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             if timer:
                 timer.seconds.clear()
         committed = sum(len(tokens) for _ in range(steps) for tokens in step(caches, requests))
-        profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     finally:
         del draft.propose  # the instance attributes: back to the classes' methods
         if runner:
             del runner.step
+        if whole:
+            del decoder.whole_step.device_work
+    # without the timers' syncs (but the verify step's, which the decoder holds: stepwise only)
+    profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     median = statistics.median
     parts = {"draft_s": propose, "draft_stages_s": stages, "verify_s": verify, "device_s": device_work}
     return {"step_s": median(step.seconds),
@@ -190,8 +193,9 @@ HOST_PROFILE_ROWS = 12  # operations `--host-profile` reports a path
 
 def profile_host(step, steps: int, device) -> list[dict]:
     """`steps` calls of `step` under torch.profiler: the operations the host spends the most of
-    its own time in (torch's and, on a GPU, the CUDA runtime's calls: copies, launches, syncs),
-    each with its calls and self microseconds a step."""
+    its own time in (torch's and, on a GPU, the CUDA runtime's calls: copies, launches, and the
+    syncs, whose time is the wait for the device), each with its calls and self microseconds a
+    step."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.device(device).type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
