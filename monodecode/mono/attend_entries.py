@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_math import HB, key_chunk, scaled_logits, visible_entries
+from .attention_math import HB, key_chunk, power_of_two_at_most, scaled_logits, visible_entries
 from .sync import _ERROR, leader_wait, signal, wait_at_least
 
 
@@ -39,7 +39,7 @@ def entry_splits(R: int, H: int, entries: int, programs: int, HB: int = HB, KE: 
     the blocks; 0 (the window's task takes the entries itself) when the pairs fill the programs."""
     pairs = R * triton.cdiv(H, HB)
     fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // pairs - 1)
-    return 0 if fit < 1 else 1 << (fit.bit_length() - 1)
+    return 0 if fit < 1 else power_of_two_at_most(fit)
 
 
 def split_partials(R: int, H: int, D: int, splits: int, HB: int = HB) -> int:

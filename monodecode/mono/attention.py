@@ -84,7 +84,8 @@ import triton.language as tl
 
 from .attend_entries import (KE, MAX_SPLITS, attended_entries, await_splits, entries_out, entry_split,
                              park_entry_logits, parked_mass, split_partials, split_stats, splits_out)
-from .attention_math import HB, heads_inverse_rms, key_chunk, pair_offsets, rms_norm, rope, scaled_logits
+from .attention_math import (HB, heads_inverse_rms, key_chunk, pair_offsets, power_of_two_at_most, rms_norm, rope,
+                             scaled_logits)
 from .plan import fast_dots, interpreted, task_grid
 from .rounding import bf16
 from .sync import DEFAULT_MAX_POLLS, SyncState
@@ -106,7 +107,7 @@ def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = 
     spread over that many tasks) for a launch of `programs` programs: as many as leave every
     pair's tasks one round of the programs, a power of two, at most D / BD (1: one task a pair)."""
     fit = min(D // BD, programs // (R * triton.cdiv(H, HB)))
-    return 1 if fit < 1 else 1 << (fit.bit_length() - 1)
+    return 1 if fit < 1 else power_of_two_at_most(fit)
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------

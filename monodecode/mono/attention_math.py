@@ -20,6 +20,11 @@ from .rounding import bf16
 HB = 16  # heads of an attend task: the M side of its dots
 
 
+def power_of_two_at_most(n: int) -> int:
+    """The largest power of two <= n (n >= 1): how many tasks a pair's work is spread over."""
+    return 1 << (n.bit_length() - 1)
+
+
 @triton.jit
 def visible_entries(row, positions_ptr, slots_ptr, RATIO: tl.constexpr):
     """The compressed entries row `row` sees: (p + 1) // RATIO at its position p, none for a pad row."""

@@ -254,14 +254,18 @@ class MonoRunner:
 
     def prepare(self, cache, tokens, positions, slots, refusal_checked: bool = False) -> Scratch:
         """Make a step's rows ready for `run_rows`, on the host: the refusal (a ValueError naming it;
-        skipped with `refusal_checked`), the cache's check (once a cache), the width's scratch (made
-        now, never first inside a capture) with the rows loaded into it. Returns that scratch. A
-        whole speculative step (spec/step_graph.py) passes its verify rows with 0 in the drafts' places
-        and writes the drafts there on the device."""
+        skipped with `refusal_checked`), then `load_rows`. Returns the width's scratch."""
         reason = None if refusal_checked else self.refusal(cache, tokens, positions, slots)
         if reason:
             raise ValueError(f"the mono kernels do not take this step: {reason}")
-        host = torch.stack([torch.as_tensor(t, dtype=torch.long).cpu() for t in (tokens, positions, slots)])
+        return self.load_rows(cache, torch.stack([torch.as_tensor(t, dtype=torch.long).cpu()
+                                                  for t in (tokens, positions, slots)]))
+
+    def load_rows(self, cache, host: torch.Tensor) -> Scratch:
+        """Rows already checked (int64 [3, rows] on the host: tokens, positions, slots) into the
+        scratch of their width (made now, never first inside a capture), after the cache's check
+        (once a cache). A whole speculative step (spec/step_graph.py) loads its verify rows with 0
+        in the drafts' places and writes the drafts there on the device."""
         if id(cache) not in self.checked_caches:
             check_cache(self.config, cache)
             self.checked_caches.add(id(cache))

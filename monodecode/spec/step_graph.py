@@ -8,7 +8,7 @@ operations on the same uniforms (spec/draws.py), so it commits the same tokens.
 
 Host, before: the requests are checked (slots, positions within the cache, anchors: a ValueError
 naming the request, before anything runs; the checks the runners' refusals would make of the
-rows, without their row-by-row grouping) and each runner's `prepare` loads the rows, in one copy,
+rows, without their row-by-row grouping) and each runner's `load_rows` loads them, in one copy,
 into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
 verify rows [anchor, 0 x B] (0 in the drafts' places, which the device fills), their positions
 and slots. Then the request count's input buffers: each request's sampling settings
@@ -139,8 +139,8 @@ class WholeStep:
                                  [q.position + i for q in requests for i in range(n)],
                                  [q.slot for q in requests for _ in range(n)]])
 
-        return (self.draft_runner.prepare(caches.draft, *rows([noise] * (b - 1)), refusal_checked=True),
-                self.target.prepare(caches.target, *rows([0] * b), refusal_checked=True))
+        return (self.draft_runner.load_rows(caches.draft, rows([noise] * (b - 1))),
+                self.target.load_rows(caches.target, rows([0] * b)))
 
     def _check_requests(self, caches, requests) -> None:
         """What the runners' row checks (`Model.group_rows`, `MonoRunner.refusal`) would find in the
