@@ -250,6 +250,13 @@ def test_blocks_and_tasks():
     assert G.kernel_blocks(0, 32, 96, 64, 384, 32, 1, 2, 4) == (32, 32, 4)  # slices of 3 K steps
     assert G.kernel_blocks(0, 128, 96, 64, 384, 32, 1, 2, 4) == (32, 128, 3)  # a slice is at least a K step
     assert G.kernel_blocks(0, 32, 256, 64, 384, 32, 1, 2, 4) == (32, 32, 1)  # 256 does not divide 384
+    # chunk 0: the slices that leave the busiest program the fewest K elements, the fewest among equals
+    assert G.kernel_blocks(0, 128, 0, 1536, 4096, 128, 132, 6, 8) == (128, 128, 8)  # 12 blocks: 96 tasks of 512
+    assert G.kernel_blocks(0, 128, 0, 4096, 8192, 128, 132, 6, 8) == (128, 128, 4)  # 128 tasks of 2048, not 256 of 1024
+    assert G.kernel_blocks(0, 128, 0, 32768, 1024, 128, 132, 48, 8) == (128, 128, 1)  # 256 blocks fill the programs
+    assert G.balanced_split(32, 2048, 128, 132) == 4 and G.balanced_split(3, 4096, 128, 132) == G.MAX_BALANCED_SPLIT
+    assert G.balanced_split(4, 384, 128, 132) == 1  # 384 = 3 K steps: no whole-step slices but one
+    assert G.balanced_split(12, 4096, 128, 1) == 1  # one program: slices only add sums
     # one row: 16 K weights a step, unsplit, whatever the launch shape says
     assert G.kernel_blocks(64, 128, 1024, 4096, 8192, 128, 132, 1, 8) == (32, 512, 1)  # 128 tasks
     assert G.split_scratch(4096, 128, 8, 16) == (4096 * 8 * 16, 32) and G.split_scratch(4096, 128, 1, 16) == (0, 0)

@@ -373,15 +373,30 @@ def kernel_blocks(block_n: int, block_k: int, chunk: int, N: int, K: int, SB: in
     programs of 8 warps or more and 64 below (a dot of 64 rows a warp group); at most SB and
     next_pow2(N), at least 16; BK = block_k, at most the largest power of two dividing K, and
     half that for bf16 weights (the same bytes a step); tasks of `chunk` K elements (at least
-    BK), so K splits into K / chunk slices when longer (while that divides K evenly)."""
+    BK), so K splits into K / chunk slices when longer (while that divides K evenly); chunk 0:
+    the slices that balance the programs (`balanced_split`)."""
     if rows == 1:
         return (*single_row_blocks(N, K, SB, programs), 1)
     bn = block_n or (128 if warps >= 8 else 64)
     bn = max(16, min(bn, SB or bn, triton.next_power_of_2(N)))
     bk = min(block_k, K & -K) if SB is not None else max(16, min(block_k // 2, K & -K))
+    if chunk == 0:
+        return bn, bk, balanced_split(triton.cdiv(N, bn), K, bk, programs)
     chunk = max(chunk, bk)
     split = K // chunk if K > chunk and K % chunk == 0 else 1
     return bn, bk, split
+
+
+MAX_BALANCED_SPLIT = 8  # the most slices `balanced_split` cuts K into: the last slice sums them all
+
+
+def balanced_split(blocks: int, K: int, BK: int, programs: int) -> int:
+    """The number of slices (a power of two up to MAX_BALANCED_SPLIT, whole BK steps each) of a
+    GEMV of `blocks` output blocks over `programs` programs that leaves its busiest program the
+    fewest K elements to stream: ceil(blocks * split / programs) tasks of K / split each. Among
+    equals the fewest slices, since each adds a tile to the sums that the last slice reads."""
+    splits = [1 << i for i in range(MAX_BALANCED_SPLIT.bit_length()) if K % ((1 << i) * BK) == 0]
+    return min(splits, key=lambda s: (triton.cdiv(blocks * s, programs) * (K // s), s))
 
 
 def check_blocks(N: int, K: int, SB: int | None, BN: int, BK: int, group_rows: int = 0, split: int = 1,

@@ -7,7 +7,8 @@ K1, `k2_programs_per_sm` of `k2_warps` in K2, `expert_programs_per_sm` of
 that they fit (`expert_registers`);
 dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8
 warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into slices summed in
-order) in K steps of `block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
+order; 0: each GEMV's slices balance the programs, `gemv.balanced_split`) in K steps of
+`block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
@@ -21,8 +22,8 @@ each pair's output chunks over `attend_parts` tasks (0: as many as fill the prog
 `attention.output_parts`; else that many, a power of two up to head_dim / 64); a CSA layer's
 top-k selection loading `select_block` of a row's scores at once in each of its passes (a power
 of two; `indexer.select_task`).
-The defaults are the fastest shapes measured (docs/notes/; on the H200, `attend_parts` on an H100;
-`select_block` not yet timed at long context).
+The defaults are the fastest shapes measured (docs/notes/; on the H200; `attend_parts` at 1-6 and
+48 rows on an H100, on the H200 at 16 rows only; `select_block` not yet timed at long context).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class LaunchShape:
     k2_warps: int = 8
     block_n: int = 0
     block_k: int = 128
-    dense_chunk: int = 1024
+    dense_chunk: int = 0
     dense_stages: int = 4
     expert_block_n: int = 128
     expert_block_k: int = 256
