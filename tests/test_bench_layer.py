@@ -27,6 +27,7 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
         assert r["floor_bytes"] > 0 and r["per_op_eager_s"] > 0 and r["mono_s"] > 0
         # K1 timed alone: a part of the layer (K2 and K3, the FFN, the larger part)
         assert 0 < r["mono_k1_s"] < r["mono_s"] and r["mono_k2_s"] > 0
+        assert r["cosine"] > 0.9999  # mono's layer output against the per-op block's on the same step
         launches = r["kernels_launched"]
         if device == "cpu":
             assert launches == {"per_op_eager": None, "per_op_graph": None, "mono": None}
@@ -57,7 +58,7 @@ def test_bench_layer_times_each_launch_shape(device, tmp_path):
     assert [(r["kind"], r["width"], r["shape"]) for r in rows] == [
         ("window", 2, "default"), ("window", 2, "block_n=32,expert_block_n=32")]
     assert rows[0]["per_op_eager_s"] == rows[1]["per_op_eager_s"]  # the per-op path is timed once
-    assert all(r["mono_s"] > 0 for r in rows)
+    assert all(r["mono_s"] > 0 and r["cosine"] > 0.9999 for r in rows)
 
 
 def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):

@@ -16,6 +16,9 @@ and each layer, with a random residual as the layer's input:
   K2 the rest, K3 with it). Mono's layer first folds
   an owed FFN output that leaves the residual unchanged (`identity_owed`), as a model's layers
   after the first fold the one before's: so it pays for one FFN fold, as the per-op block does.
+  Each shape's output (the residual with the layer's owed FFN output folded in) is also compared
+  with the per-op block's on the same step: `cosine` in the JSON and the printout, so that a
+  timed shape is a checked one.
 Every graph is timed as the median over `--reps` samples of `REPLAYS_IN_A_ROW` replays in a row
 (divided): each replay starts as the one before ends, as a layer in a step's graph does, so the
 host's launch of the graph, which a step pays once, is not counted in every layer's time.
@@ -60,6 +63,7 @@ from ..config import preset
 from ..decode import Decoder
 from ..model import Model
 from ..model.attention import RequestRows
+from ..model.hc import hc_post
 from ..model.parallel import SINGLE, TensorParallel
 from ..mono.plan import MonoRefused
 from ..mono.shape import LaunchShape
@@ -136,6 +140,7 @@ class LayerStep(NamedTuple):
     cache: object  # the layer's cache (a copy of the filled one)
     groups: list  # the step's rows by request (model.group_rows)
     kernels: Callable  # kernels(k2_too=True): launch mono's kernels on the step (K1 alone without K2 and K3)
+    # and return the index of the scratch streams that the layer's owed FFN output folds into
 
 
 class LayerBench:
@@ -163,11 +168,12 @@ class LayerBench:
         lw, lc = runner.layers[layer], cache.layers[layer]
         owed = identity_owed(width, c.hc_mult, c.hidden_size, self.device)
 
-        def kernels(k2_too: bool = True):
+        def kernels(k2_too: bool = True) -> int:
             s.streams[0].copy_(streams)
             cur = k1.launch(runner, s, lw, lc, 0, owed=owed)
             if k2_too:
-                k2.launch(runner, s, lw, lc, cur)
+                cur = k2.launch(runner, s, lw, lc, cur)
+            return cur  # the streams the owed FFN output folds into
 
         groups = model.group_rows(cache, s.tokens, s.positions, s.slots)
         return LayerStep(scratch=s, streams=streams, cache=lc, groups=groups, kernels=kernels)
@@ -205,7 +211,7 @@ class LayerBench:
             row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
                    "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
                    "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
-                   "mono_s": None, "mono_k1_s": None, "mono_k2_s": None, "stages": None,
+                   "mono_s": None, "mono_k1_s": None, "mono_k2_s": None, "cosine": None, "stages": None,
                    "launches_in_graph": None}
             try:
                 runner.configure(shape)
@@ -216,6 +222,7 @@ class LayerBench:
             # K1 alone (its own epoch: nothing waits across launches), K2 the rest of the pair
             row["mono_k1_s"] = self.replay_time(lambda: kernels(k2_too=False))
             row["mono_k2_s"] = row["mono_s"] - row["mono_k1_s"]
+            row["cosine"] = self.agreement(inputs, block)
             runner.check()
             launches["mono"] = kernels_launched(kernels, self.device)
             row["kernels_launched"] = dict(launches)
@@ -224,6 +231,17 @@ class LayerBench:
                 row["stages"], row["launches_in_graph"] = self.stage_times(kernels)
             rows.append(row)
         return rows
+
+    def agreement(self, inputs: LayerStep, block) -> float:
+        """Cosine similarity of mono's layer output (the residual streams with the owed FFN output
+        folded in) to the per-op block's on the same step, so that every timed shape is also
+        checked. Each path writes the step's KV before it reads it: the order does not matter."""
+        s = inputs.scratch
+        reference = block(inputs.streams, s.tokens, s.positions, inputs.groups, inputs.cache)
+        cur = inputs.kernels()
+        y, post, comb = s.owed()
+        mono = hc_post(y, s.streams[cur], post, comb)
+        return float(torch.nn.functional.cosine_similarity(mono.double().flatten(), reference.double().flatten(), dim=0))
 
     def replay_time(self, fn) -> float:
         """Seconds of one replay of fn captured in a CUDA graph, the graph replayed
@@ -368,7 +386,8 @@ def measure_all(args, tp: TensorParallel, device=None) -> int:
                 if leader:
                     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
                 say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: per-op graph {us_text(m['per_op_graph_s'])} us, "
-                      f"mono {us_text(mono)} us, floor {floor_s * 1e6:.1f} us", flush=True)
+                      f"mono {us_text(mono)} us, floor {floor_s * 1e6:.1f} us"
+                      + (f", cosine to per-op {m['cosine']:.6f}" if m["cosine"] is not None else ""), flush=True)
                 if m["refused"]:
                     say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
                 if m["stages"]:
