@@ -242,6 +242,7 @@ def test_bench_layer_over_two_ranks(tmp_path):
     assert two["tensor_parallel_size"] == 2 and two["complete"]
     [row] = two["layers"]
     assert row["mono_s"] > 0 and row["per_op_eager_s"] > 0 and row["per_op_graph_s"] is None
+    assert row["cosine"] > 0.9999  # rank 0's output, the ranks' sums included, against the per-op layer's
     assert 0 < row["floor_bytes"] < one["layers"][0]["floor_bytes"]
 
 
