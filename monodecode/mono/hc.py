@@ -116,18 +116,22 @@ def mix_pad(hc: int) -> int:
 @triton.jit
 def _owed_streams(rows, rmask, cols, tile_mask, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr,
                   HC: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr):
-    """hc_post on the task's tile: every stream k at once, [RB, HC, CHUNK] bf16 values as fp32."""
-    k = tl.arange(0, HC)
-    out = tl.load(out_ptr + rows[:, None] * out_stride + cols[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-    post = bf16(tl.load(post_ptr + rows[:, None] * HC + k[None, :], mask=rmask[:, None], other=0.0))
+    """hc_post on the task's tile: every stream k at once, [RB, HC, CHUNK] bf16 values as fp32.
+    Every operand is loaded in the tile's three dimensions (size 1 where it is broadcast), so
+    that no operand changes layout on the way."""
+    r3 = rows[:, None, None]
+    k3 = tl.arange(0, HC)[None, :, None]
+    c3 = cols[None, None, :]
+    m3 = rmask[:, None, None]
+    cm3 = tile_mask[:, None, :]
+    out = tl.load(out_ptr + r3 * out_stride + c3, mask=cm3, other=0.0).to(tl.float32)  # [RB, 1, CHUNK]
+    post = bf16(tl.load(post_ptr + r3 * HC + k3, mask=m3, other=0.0))  # [RB, HC, 1]
     mixed = tl.zeros((RB, HC, CHUNK), dtype=tl.float32)
     for j in tl.static_range(HC):  # stream k receives sum over j of comb[r, j, k] * residual[r, j]
-        res_j = tl.load(res_ptr + rows[:, None] * (HC * d) + j * d + cols[None, :], mask=tile_mask,
-                        other=0.0).to(tl.float32)
-        comb_j = bf16(tl.load(comb_ptr + rows[:, None] * (HC * HC) + j * HC + k[None, :], mask=rmask[:, None],
-                              other=0.0))
-        mixed += comb_j[:, :, None] * res_j[:, None, :]
-    spread = bf16(post[:, :, None] * out[:, None, :])
+        res_j = tl.load(res_ptr + r3 * (HC * d) + j * d + c3, mask=cm3, other=0.0).to(tl.float32)
+        comb_j = bf16(tl.load(comb_ptr + r3 * (HC * HC) + j * HC + k3, mask=m3, other=0.0))
+        mixed += comb_j * res_j
+    spread = bf16(post * out)
     return bf16(spread + bf16(mixed))
 
 
@@ -170,23 +174,23 @@ def fold_task(t, R, d, res_ptr, out_ptr, out_stride, post_ptr, comb_ptr, streams
 
 @triton.jit
 def _mix_sums(part_ptr, n_chunks, HC: tl.constexpr, CB: tl.constexpr):
-    """A row's partials [n_chunks, MIX + 1] summed: (pre [HC], post [HC], comb [HC, HC], sumsq)."""
+    """A row's partials [n_chunks, MIX + 1] summed: (pre [HC], post [HC], comb [HC, HC], sumsq).
+    One tile of all of a row's partials and one sum over the chunks: a single CTA-wide reduction,
+    the parts then picked from the summed row."""
     MIX: tl.constexpr = (2 + HC) * HC
-    i = tl.arange(0, HC)
-    pre = tl.zeros((HC,), dtype=tl.float32)
-    post = tl.zeros((HC,), dtype=tl.float32)
-    comb = tl.zeros((HC, HC), dtype=tl.float32)
-    sumsq = tl.zeros((CB,), dtype=tl.float32)
+    MP: tl.constexpr = triton.next_power_of_2(MIX + 1)
+    m = tl.arange(0, MP)
+    total = tl.zeros((MP,), dtype=tl.float32)
     for c0 in range(0, n_chunks, CB):
         c = c0 + tl.arange(0, CB)
-        cm = c < n_chunks
-        p = part_ptr + c * (MIX + 1)
-        pre += tl.sum(tl.load(p[:, None] + i[None, :], mask=cm[:, None], other=0.0), axis=0)
-        post += tl.sum(tl.load(p[:, None] + HC + i[None, :], mask=cm[:, None], other=0.0), axis=0)
-        comb += tl.sum(tl.load(p[:, None, None] + 2 * HC + i[None, :, None] * HC + i[None, None, :],
-                               mask=cm[:, None, None], other=0.0), axis=0)
-        sumsq += tl.load(p + MIX, mask=cm, other=0.0)
-    return pre, post, comb, tl.sum(sumsq, axis=0)
+        mask = (c < n_chunks)[:, None] & (m < MIX + 1)[None, :]
+        tile = tl.load(part_ptr + c[:, None] * (MIX + 1) + m[None, :], mask=mask, other=0.0)
+        total += tl.sum(tile, axis=0)
+    i = tl.arange(0, HC)
+    pre = tl.gather(total, i, 0)
+    post = tl.gather(total, HC + i, 0)
+    comb = tl.reshape(tl.gather(total, 2 * HC + tl.arange(0, HC * HC), 0), (HC, HC))
+    return pre, post, comb, tl.sum(tl.where(m == MIX, total, 0.0), axis=0)
 
 
 @triton.jit
