@@ -380,7 +380,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
                                          "expert_programs_per_sm=1,expert_warps=4,settle_columns=64", 6),
                                         ("attend_splits=2", 1), ("select_block=16", 6),
-                                        pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
+                                        pytest.param("fold_rows=64,wide_dense_stages=3", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
     two programs a SM and K2 at one, K3 at one of 4 warps (on a GPU: grids of their own, tiles
@@ -391,7 +391,7 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     passes over it), the compressed layers' attend entries split over two tasks a pair (the
     window's task combining them), the CSA layer's top-k over 16 scores at a time (four of its rows
     see 16-24 entries, top 8: one or two blocks a pass): the same result up to fp32 summation order; fold
-    tasks of all 48 rows of a step (`slow`)."""
+    tasks of all 48 rows of a step with the wide builds' dense pipeline 3 deep (`slow`)."""
     g = torch.Generator().manual_seed(21)
     lengths = [70, 81, 9, 95, 1, 66, 20, 5] if spec.startswith("select_block") else [3, 17, 9, 30, 1, 12, 20, 5]
     caches, next_pos = prefilled(decoder, lengths, seed=21)
