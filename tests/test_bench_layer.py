@@ -28,6 +28,7 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
         # K1 timed alone: a part of the layer (K2 and K3, the FFN, the larger part)
         assert 0 < r["mono_k1_s"] < r["mono_s"] and r["mono_k2_s"] > 0
         assert r["cosine"] > 0.9999  # mono's layer output against the per-op block's on the same step
+        assert 0 <= r["worst_row"][0] < r["width"] and 0.999 < r["worst_row"][1] <= 1 + 1e-12  # the least-agreeing row
         launches = r["kernels_launched"]
         if device == "cpu":
             assert launches == {"per_op_eager": None, "per_op_graph": None, "mono": None}

@@ -17,8 +17,8 @@ and each layer, with a random residual as the layer's input:
   an owed FFN output that leaves the residual unchanged (`identity_owed`), as a model's layers
   after the first fold the one before's: so it pays for one FFN fold, as the per-op block does.
   Each shape's output (the residual with the layer's owed FFN output folded in) is also compared
-  with the per-op block's on the same step: `cosine` in the JSON and the printout, so that a
-  timed shape is a checked one.
+  with the per-op block's on the same step: `cosine` in the JSON and the printout (and
+  `worst_row`, the row that agrees least and its cosine), so that a timed shape is a checked one.
 Every graph is timed as the median over `--reps` samples of `REPLAYS_IN_A_ROW` replays in a row
 (divided): each replay starts as the one before ends, as a layer in a step's graph does, so the
 host's launch of the graph, which a step pays once, is not counted in every layer's time.
@@ -211,8 +211,8 @@ class LayerBench:
             row = {"shape": shape.spec(), "per_op_eager_s": per_op, "per_op_graph_s": per_op_graph,
                    "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
                    "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
-                   "mono_s": None, "mono_k1_s": None, "mono_k2_s": None, "cosine": None, "stages": None,
-                   "launches_in_graph": None}
+                   "mono_s": None, "mono_k1_s": None, "mono_k2_s": None, "cosine": None, "worst_row": None,
+                   "stages": None, "launches_in_graph": None}
             try:
                 runner.configure(shape)
             except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
@@ -222,7 +222,7 @@ class LayerBench:
             # K1 alone (its own epoch: nothing waits across launches), K2 the rest of the pair
             row["mono_k1_s"] = self.replay_time(lambda: kernels(k2_too=False))
             row["mono_k2_s"] = row["mono_s"] - row["mono_k1_s"]
-            row["cosine"] = self.agreement(inputs, block)
+            row["cosine"], row["worst_row"] = self.agreement(inputs, block)
             runner.check()
             launches["mono"] = kernels_launched(kernels, self.device)
             row["kernels_launched"] = dict(launches)
@@ -232,16 +232,21 @@ class LayerBench:
             rows.append(row)
         return rows
 
-    def agreement(self, inputs: LayerStep, block) -> float:
+    def agreement(self, inputs: LayerStep, block) -> tuple[float, list]:
         """Cosine similarity of mono's layer output (the residual streams with the owed FFN output
         folded in) to the per-op block's on the same step, so that every timed shape is also
-        checked. Each path writes the step's KV before it reads it: the order does not matter."""
+        checked, and the row that agrees least, [row, its cosine] (which rows disagree says
+        where to look). Each path writes the step's KV before it reads it: the order does not
+        matter."""
         s = inputs.scratch
-        reference = block(inputs.streams, s.tokens, s.positions, inputs.groups, inputs.cache)
+        reference = block(inputs.streams, s.tokens, s.positions, inputs.groups, inputs.cache).double()
         cur = inputs.kernels()
         y, post, comb = s.owed()
-        mono = hc_post(y, s.streams[cur], post, comb)
-        return float(torch.nn.functional.cosine_similarity(mono.double().flatten(), reference.double().flatten(), dim=0))
+        mono = hc_post(y, s.streams[cur], post, comb).double()
+        rows = torch.nn.functional.cosine_similarity(mono.flatten(1), reference.flatten(1), dim=1)
+        worst = int(rows.argmin())
+        whole = torch.nn.functional.cosine_similarity(mono.flatten(), reference.flatten(), dim=0)
+        return float(whole), [worst, float(rows[worst])]
 
     def replay_time(self, fn) -> float:
         """Seconds of one replay of fn captured in a CUDA graph, the graph replayed
@@ -387,7 +392,8 @@ def measure_all(args, tp: TensorParallel, device=None) -> int:
                     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
                 say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: per-op graph {us_text(m['per_op_graph_s'])} us, "
                       f"mono {us_text(mono)} us, floor {floor_s * 1e6:.1f} us"
-                      + (f", cosine to per-op {m['cosine']:.6f}" if m["cosine"] is not None else ""), flush=True)
+                      + (f", cosine to per-op {m['cosine']:.6f} (row {m['worst_row'][0]} the least: "
+                         f"{m['worst_row'][1]:.6f})" if m["cosine"] is not None else ""), flush=True)
                 if m["refused"]:
                     say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
                 if m["stages"]:
