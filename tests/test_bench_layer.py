@@ -29,6 +29,9 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
         assert 0 < r["mono_k1_s"] < r["mono_s"] and r["mono_k2_s"] > 0
         assert r["cosine"] > 0.9999  # mono's layer output against the per-op block's on the same step
         assert 0 <= r["worst_row"][0] < r["width"] and 0.999 < r["worst_row"][1] <= 1 + 1e-12  # the least-agreeing row
+        flips = r["routing_flips"]  # tiny's top-2 of 8 experts: no near-tie in these steps
+        assert flips["rows"] == 0 and flips["margins"] == [] and flips["median_margin"] > 0
+        assert flips["cosine_all_rows"] == pytest.approx(r["cosine"])
         launches = r["kernels_launched"]
         if device == "cpu":
             assert launches == {"per_op_eager": None, "per_op_graph": None, "mono": None}
@@ -60,6 +63,27 @@ def test_bench_layer_times_each_launch_shape(device, tmp_path):
         ("window", 2, "default"), ("window", 2, "block_n=32,expert_block_n=32")]
     assert rows[0]["per_op_eager_s"] == rows[1]["per_op_eager_s"]  # the per-op path is timed once
     assert all(r["mono_s"] > 0 and r["cosine"] > 0.9999 for r in rows)
+
+
+def test_routing_flips_finds_the_rows_whose_picks_differ():
+    """Rows of the kernels' picks (in any order a row) against the per-op path's (sorted): a row
+    with another expert is flipped, a pad row never; under tensor parallelism the per-op ids are
+    made local to the rank's experts first (another rank's pick: -1, as the kernels write it)."""
+    from monodecode.bench.routing import routing_flips
+
+    picks = torch.tensor([[1, 5], [0, 7], [2, 3], [4, 6]])
+    margins = torch.tensor([0.5, 1e-4, 0.25, 2e-5])
+    mono = torch.tensor([[5, 1], [0, 6], [3, 2], [4, 5]], dtype=torch.int32)
+    live = torch.tensor([True, True, True, False])
+    flipped, flips = routing_flips(mono, picks, margins, live)
+    assert flipped.tolist() == [False, True, False, False]
+    assert flips == {"rows": 1, "margins": [pytest.approx(1e-4)], "median_margin": pytest.approx(0.25)}
+    # a rank holding experts 4 .. 7: rows 0 and 1 keep one pick each, row 2 none
+    local = torch.tensor([[-1, 1], [-1, 3], [-1, -1], [-1, -1]], dtype=torch.int32)
+    flipped, flips = routing_flips(local, picks, margins, live, held=range(4, 8))
+    assert flipped.tolist() == [False, False, False, False] and flips["rows"] == 0
+    flipped, _ = routing_flips(local, picks, margins, live, held=range(0, 4))  # as rank 0 sees them
+    assert flipped.tolist() == [False, True, True, False]
 
 
 def test_the_plot_takes_a_shape_timed_twice_and_widths_in_any_order(tmp_path):

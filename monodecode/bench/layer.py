@@ -19,6 +19,10 @@ and each layer, with a random residual as the layer's input:
   Each shape's output (the residual with the layer's owed FFN output folded in) is also compared
   with the per-op block's on the same step: `cosine` in the JSON and the printout (and
   `worst_row`, the row that agrees least and its cosine), so that a timed shape is a checked one.
+  Rows whose expert picks differ between the paths (a near-tie of the router's scores flips on
+  bf16 noise, and the row then differs by a whole expert: `routing.py`) are left out of it and
+  reported as `routing_flips` (how many, the per-op path's routing margins at them, the cosine
+  over all rows).
 Every graph is timed as the median over `--reps` samples of `REPLAYS_IN_A_ROW` replays in a row
 (divided): each replay starts as the one before ends, as a layer in a step's graph does, so the
 host's launch of the graph, which a step pays once, is not counted in every layer's time.
@@ -72,6 +76,7 @@ from ..ranks import join_ranks
 from ..schema import step_bytes, tensor_specs
 from .batched import BatchedLayer
 from .layer_report import KINDS, show, us_text
+from .routing import recorded_routes, routing_flips
 from .timing import copy_bandwidth, graphed, kernels_launched, timed
 
 MAX_REQUESTS = 8
@@ -212,7 +217,7 @@ class LayerBench:
                    "per_op_compiled_s": per_op_compiled, "distinct_experts": experts,
                    "floor_bytes": self.floor_bytes(layer, width, experts, groups), "refused": None,
                    "mono_s": None, "mono_k1_s": None, "mono_k2_s": None, "cosine": None, "worst_row": None,
-                   "stages": None, "launches_in_graph": None}
+                   "routing_flips": None, "stages": None, "launches_in_graph": None}
             try:
                 runner.configure(shape)
             except MonoRefused as refused:  # the runner keeps its previous shape; the next one is tried
@@ -222,7 +227,7 @@ class LayerBench:
             # K1 alone (its own epoch: nothing waits across launches), K2 the rest of the pair
             row["mono_k1_s"] = self.replay_time(lambda: kernels(k2_too=False))
             row["mono_k2_s"] = row["mono_s"] - row["mono_k1_s"]
-            row["cosine"], row["worst_row"] = self.agreement(inputs, block)
+            row.update(self.agreement(inputs, block))
             runner.check()
             launches["mono"] = kernels_launched(kernels, self.device)
             row["kernels_launched"] = dict(launches)
@@ -232,21 +237,30 @@ class LayerBench:
             rows.append(row)
         return rows
 
-    def agreement(self, inputs: LayerStep, block) -> tuple[float, list]:
-        """Cosine similarity of mono's layer output (the residual streams with the owed FFN output
-        folded in) to the per-op block's on the same step, so that every timed shape is also
-        checked, and the row that agrees least, [row, its cosine] (which rows disagree says
-        where to look). Each path writes the step's KV before it reads it: the order does not
-        matter."""
+    def agreement(self, inputs: LayerStep, block) -> dict:
+        """Mono's layer output (the residual streams with the owed FFN output folded in) against
+        the per-op block's on the same step, so that every timed shape is also checked: the
+        cosine similarity over the live rows whose expert picks agree, the row that agrees least
+        there ([row, its cosine]: which rows disagree says where to look), and the rows whose
+        picks differ (`routing.routing_flips`: near-ties that bf16 noise flips, their margins)
+        with the cosine over all rows. Each path writes the step's KV before it reads it: the
+        order does not matter."""
         s = inputs.scratch
-        reference = block(inputs.streams, s.tokens, s.positions, inputs.groups, inputs.cache).double()
+        with recorded_routes(block.moe) as seen:
+            reference = block(inputs.streams, s.tokens, s.positions, inputs.groups, inputs.cache).double()
         cur = inputs.kernels()
         y, post, comb = s.owed()
         mono = hc_post(y, s.streams[cur], post, comb).double()
+        live = s.slots >= 0
+        [(picks, margins)] = seen
+        held = self.tp.part(self.model.config.n_routed_experts) if self.tp.size > 1 else None
+        flipped, flips = routing_flips(s.ids, picks, margins, live, held)
+        kept = live & ~flipped
         rows = torch.nn.functional.cosine_similarity(mono.flatten(1), reference.flatten(1), dim=1)
-        worst = int(rows.argmin())
-        whole = torch.nn.functional.cosine_similarity(mono.flatten(), reference.flatten(), dim=0)
-        return float(whole), [worst, float(rows[worst])]
+        worst = int(torch.where(kept, rows, 2.0).argmin())
+        flips["cosine_all_rows"] = cosine(mono[live], reference[live])
+        return {"cosine": cosine(mono[kept], reference[kept]), "worst_row": [worst, float(rows[worst])],
+                "routing_flips": flips}
 
     def replay_time(self, fn) -> float:
         """Seconds of one replay of fn captured in a CUDA graph, the graph replayed
@@ -299,22 +313,30 @@ class LayerBench:
         return 2 * rows
 
 
+def agreement_text(m: dict) -> str:
+    """The printout's words for `LayerBench.agreement`'s result in row `m` ("" if not checked)."""
+    if m["cosine"] is None:
+        return ""
+    row, worst = m["worst_row"]
+    text = f", cosine to per-op {m['cosine']:.6f} (row {row} the least: {worst:.6f})"
+    flips = m["routing_flips"]
+    if flips["rows"]:
+        margins = ", ".join(f"{x:.2g}" for x in flips["margins"])
+        text += (f"; {flips['rows']} row(s) picked other experts, left out (routing margins {margins}; median "
+                 f"{flips['median_margin']:.2g}; cosine over all rows {flips['cosine_all_rows']:.6f})")
+    return text
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
 def distinct_experts(block, run, held: range) -> int:
     """Distinct routed experts of `held` (a rank's; all of them at one rank) the per-op path picks
     in run() (the floor's expert bytes)."""
-    picked, route = [], block.moe.route
-
-    def recording(x, tokens):
-        ids, weights = route(x, tokens)
-        picked.append(ids)
-        return ids, weights
-
-    block.moe.route = recording
-    try:
+    with recorded_routes(block.moe) as seen:
         run()
-    finally:
-        del block.moe.route  # the instance attribute: back to the class's method
-    ids = torch.cat(picked).unique()
+    ids = torch.cat([picks for picks, _ in seen]).unique()
     return int(((ids >= held.start) & (ids < held.stop)).sum())
 
 
@@ -391,9 +413,7 @@ def measure_all(args, tp: TensorParallel, device=None) -> int:
                 if leader:
                     (out / "bench_layer.json").write_text(json.dumps(report, indent=1))
                 say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: per-op graph {us_text(m['per_op_graph_s'])} us, "
-                      f"mono {us_text(mono)} us, floor {floor_s * 1e6:.1f} us"
-                      + (f", cosine to per-op {m['cosine']:.6f} (row {m['worst_row'][0]} the least: "
-                         f"{m['worst_row'][1]:.6f})" if m["cosine"] is not None else ""), flush=True)
+                    f"mono {us_text(mono)} us, floor {floor_s * 1e6:.1f} us" + agreement_text(m), flush=True)
                 if m["refused"]:
                     say(f"{KINDS[ratio]} layer, {width} rows, {m['shape']}: refused: {m['refused']}")
                 if m["stages"]:

@@ -40,6 +40,7 @@ from ..model import Model
 from ..mono.shape import LaunchShape
 from ..mono.sync import EPOCH, MonoSyncError
 from ..mono.timeline import format_times, stage_times
+from .routing import recorded_routes, routing_flips
 
 RATIOS = (0, 0, 4, 128)
 # tokens already in each slot's cache: slot 3's rows complete an HCA entry (position 127) in the
@@ -94,30 +95,23 @@ def per_op_last_routing(decoder: Decoder, *step_args) -> tuple[torch.Tensor, tor
     moe = decoder.model.blocks[-1].moe
     csa = last_csa_layer(decoder)
     attention = decoder.model.blocks[csa].attention if csa is not None else None
-    seen = {"index": {}}
-
-    def recording_route(x, tokens):
-        ids, weights = type(moe).route(moe, x, tokens)
-        seen["picks"] = ids.sort(dim=-1).values
-        seen["margins"] = moe.margin(x)
-        return ids, weights
+    index = {}
 
     def recording_keys(g, side, cache):
         entries, mask = type(attention)._compressed_keys(attention, g, side, cache)
         for row, kept in zip(g.index.tolist(), mask.cpu()):
-            seen["index"][row] = set(kept.nonzero().flatten().tolist())
+            index[row] = set(kept.nonzero().flatten().tolist())
         return entries, mask
 
-    moe.route = recording_route
     if attention is not None:
         attention._compressed_keys = recording_keys
     try:
-        logits, hidden = decoder.model.step(*step_args, return_hidden=True)
+        with recorded_routes(moe) as routes:
+            logits, hidden = decoder.model.step(*step_args, return_hidden=True)
     finally:
-        del moe.route
         if attention is not None:
             del attention._compressed_keys
-    return logits, hidden, (seen["picks"], seen["margins"]), seen["index"]
+    return logits, hidden, routes[-1], index
 
 
 def last_csa_layer(decoder: Decoder) -> int | None:
@@ -139,17 +133,6 @@ def index_agreement(decoder: Decoder, width: int, reference: dict, live: torch.T
     return {"entries_compared": compared, "entries_differing": differing, "rows_differing": rows}
 
 
-def routing_flips(decoder: Decoder, width: int, reference, live: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Live rows whose last-layer picks differ between the paths (mono's from the step's last K2
-    launch), and the reference's margins at them: a near-tie flips on bf16 noise, and such a row
-    then differs by a whole expert, so it is reported and left out of the agreement below."""
-    picks, margins = reference
-    mono_picks = decoder.mono.scratch[width].ids.sort(dim=-1).values
-    flipped = (mono_picks.long() != picks.long()).any(dim=-1) & live
-    return flipped, {"rows": int(flipped.sum()), "margins": [float(m) for m in margins[flipped]],
-                     "median_margin": float(margins[live].median())}
-
-
 def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
     g = torch.Generator().manual_seed(2)
     results = {}
@@ -160,7 +143,9 @@ def check_agreement(decoder: Decoder, base_cache, widths=tuple(WIDTHS)) -> dict:
         logits, hidden = decoder.step(mono_cache, tokens, positions, slots, return_hidden=True)
         assert decoder.last_path == "mono"
         live = torch.tensor(slots, device=logits.device) >= 0
-        flipped, flips = routing_flips(decoder, width, routing, live)
+        # a near-tie flips on bf16 noise, and such a row then differs by a whole expert: reported
+        # and left out of the last layer's agreement and the logits' (mono's picks: the last K2's)
+        flipped, flips = routing_flips(decoder.mono.scratch[width].ids, *routing, live)
         d, last = decoder.config.hidden_size, len(decoder.model.blocks) - 1
         layers, worst_row = [], []
         for i in range(len(decoder.model.blocks)):
