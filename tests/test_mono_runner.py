@@ -19,6 +19,7 @@ from monodecode.model import Model
 from monodecode.decode import Decoder
 from monodecode.mono import MonoRefused, build
 from monodecode.mono.shape import LaunchShape
+from monodecode.mono.runner import residency_widths
 
 SLOTS, CONTEXT, STEP_ROWS = 8, 96, 8
 # Where a top-k choice nearly ties, a last-bit difference in its input
@@ -505,6 +506,29 @@ def test_the_residency_check_launches_every_kernel_at_the_widest_build(decoder):
     advanced = {name: state.epoch - epochs[name] for name, state in decoder.mono.sync.items()}
     assert advanced == {"k1": 2, "k1c": 1, "k2": 3, "k3": 3}  # k1c: the CSA layer's K1
     assert 48 in decoder.mono.scratch
+    assert residency_widths(decoder.mono.shape) == [48]  # the default shape: the widest build alone
+
+
+def test_deeper_narrow_pipelines_are_checked_at_their_own_widths():
+    """Narrow row blocks pipelined deeper than the wide ones may need more shared memory than the
+    widest build: the residency check launches 16 rows and 1 row too (the launches: the slow
+    twin below)."""
+    assert residency_widths(LaunchShape(dense_stages=6)) == [48, 16, 1]
+    assert residency_widths(LaunchShape(dense_stages=4, wide_dense_stages=4)) == [48]
+    assert residency_widths(LaunchShape(dense_stages=3, wide_dense_stages=4)) == [48]
+
+
+@pytest.mark.slow
+def test_the_residency_check_launches_the_deeper_narrow_builds(decoder):
+    runner, default = decoder.mono, decoder.mono.shape
+    runner.configure(LaunchShape(dense_stages=6), check=False)
+    try:
+        epochs = {name: state.epoch for name, state in runner.sync.items()}
+        runner.check_residency()
+        advanced = {name: state.epoch - epochs[name] for name, state in runner.sync.items()}
+        assert advanced == {"k1": 6, "k1c": 3, "k2": 9, "k3": 9} and {16, 1} <= set(runner.scratch)
+    finally:
+        runner.configure(default, check=False)
 
 
 @pytest.mark.gpu
