@@ -146,7 +146,9 @@ class MonoRunner:
             requests = min(8, width)
             rows = width // requests
             cache = self._residency_cache(requests, rows)
-            s = self._scratch(width)
+            # a private scratch: the runner's own of that width may hold a caller's step
+            # (`bench layer` configures each shape after preparing its step)
+            s = Scratch(self.config, width, self.device)
             s.tokens.zero_()
             s.positions.copy_(torch.arange(rows).repeat(requests))
             s.slots.copy_(torch.arange(requests).repeat_interleave(rows))
