@@ -149,10 +149,6 @@ def test_launch_shapes_parse_and_name_bad_fields():
     assert LaunchShape().expert_registers() == 128  # 2 programs of 8 warps
     assert LaunchShape(expert_warps=4, expert_programs_per_sm=3).expert_registers() == 168
     assert LaunchShape(expert_warps=4, expert_programs_per_sm=1).expert_registers() == 255
-    # the dense pipeline's depth: dense_stages up to 16 rows a build, wide_dense_stages at 32 and 64
-    deep = LaunchShape.parse("dense_stages=6")
-    assert [deep.dense_stages_at(br) for br in (1, 16, 32, 64)] == [6, 6, 4, 4]
-    assert LaunchShape(wide_dense_stages=2).dense_stages_at(64) == 2
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 16])

@@ -19,7 +19,6 @@ from monodecode.model import Model
 from monodecode.decode import Decoder
 from monodecode.mono import MonoRefused, build
 from monodecode.mono.shape import LaunchShape
-from monodecode.mono.runner import residency_widths
 
 SLOTS, CONTEXT, STEP_ROWS = 8, 96, 8
 # Where a top-k choice nearly ties, a last-bit difference in its input
@@ -381,7 +380,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
                                          "expert_programs_per_sm=1,expert_warps=4,settle_columns=64", 6),
                                         ("attend_splits=2", 1), ("select_block=16", 6),
-                                        pytest.param("fold_rows=64,wide_dense_stages=3", 48, marks=pytest.mark.slow)])
+                                        pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
     two programs a SM and K2 at one, K3 at one of 4 warps (on a GPU: grids of their own, tiles
@@ -392,7 +391,7 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     passes over it), the compressed layers' attend entries split over two tasks a pair (the
     window's task combining them), the CSA layer's top-k over 16 scores at a time (four of its rows
     see 16-24 entries, top 8: one or two blocks a pass): the same result up to fp32 summation order; fold
-    tasks of all 48 rows of a step with the wide builds' dense pipeline 3 deep (`slow`)."""
+    tasks of all 48 rows of a step (`slow`)."""
     g = torch.Generator().manual_seed(21)
     lengths = [70, 81, 9, 95, 1, 66, 20, 5] if spec.startswith("select_block") else [3, 17, 9, 30, 1, 12, 20, 5]
     caches, next_pos = prefilled(decoder, lengths, seed=21)
@@ -509,29 +508,6 @@ def test_the_residency_check_launches_every_kernel_at_the_widest_build(decoder):
     advanced = {name: state.epoch - epochs[name] for name, state in decoder.mono.sync.items()}
     assert advanced == {"k1": 2, "k1c": 1, "k2": 3, "k3": 3}  # k1c: the CSA layer's K1
     assert torch.equal(held.rows_in, rows)  # the check ran on a scratch of its own
-    assert residency_widths(decoder.mono.shape) == [48]  # the default shape: the widest build alone
-
-
-def test_deeper_narrow_pipelines_are_checked_at_their_own_widths():
-    """Narrow row blocks pipelined deeper than the wide ones may need more shared memory than the
-    widest build: the residency check launches 16 rows and 1 row too (the launches: the slow
-    twin below)."""
-    assert residency_widths(LaunchShape(dense_stages=6)) == [48, 16, 1]
-    assert residency_widths(LaunchShape(dense_stages=4, wide_dense_stages=4)) == [48]
-    assert residency_widths(LaunchShape(dense_stages=3, wide_dense_stages=4)) == [48]
-
-
-@pytest.mark.slow
-def test_the_residency_check_launches_the_deeper_narrow_builds(decoder):
-    runner, default = decoder.mono, decoder.mono.shape
-    runner.configure(LaunchShape(dense_stages=6), check=False)
-    try:
-        epochs = {name: state.epoch for name, state in runner.sync.items()}
-        runner.check_residency()
-        advanced = {name: state.epoch - epochs[name] for name, state in runner.sync.items()}
-        assert advanced == {"k1": 6, "k1c": 3, "k2": 9, "k3": 9}
-    finally:
-        runner.configure(default, check=False)
 
 
 @pytest.mark.gpu

@@ -173,7 +173,7 @@ class K1Meta(NamedTuple):
     BK_Q: int
     SPLIT_D: int  # GEMV slices of the hidden size and of q_lora
     SPLIT_Q: int
-    DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages_at)
+    DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages)
     BR: int  # rows padded to the dots' block (gemv.row_block)
     D: int  # head_dim
     RD: int  # rope dims of a head
@@ -374,7 +374,7 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
     meta = K1Meta(
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         HAS_OWED=owed is not None, SB=c.fp8_block[0], BN_QKV=bn_qkv, BN_QB=bn_qb, BK_D=bk_d, BK_Q=bk_q,
-        SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages_at(row_block(s.rows)),
+        SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         RATIO=ratio, HALVES=lw.compressor.halves if lw.compressor else 1,
         BN_C=bn_c, BK_C=bk_c, SPLIT_C=split_c, ESB=min(C.SB, ratio) if ratio else C.SB,

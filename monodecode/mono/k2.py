@@ -236,7 +236,7 @@ class K2Meta(NamedTuple):
     SPLIT_I: int
     SPLIT_O: int
     SPLIT_Z: int
-    DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages_at)
+    DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages)
     BR: int
     HASH: bool
     SHARED: bool
@@ -436,7 +436,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
-        SPLIT_Z=split_z, DENSE_STAGES=shape.dense_stages_at(row_block(s.rows)),
+        SPLIT_Z=split_z, DENSE_STAGES=shape.dense_stages,
         BR=row_block(s.rows), HASH=lw.tid2eid is not None, SHARED=lw.shared is not None,
         BE=triton.next_power_of_2(c.n_routed_experts), BTOPK=triton.next_power_of_2(c.num_experts_per_tok),
         BP=max(16, triton.next_power_of_2(row_block(rows) * c.num_experts_per_tok)),  # a build serves a row block

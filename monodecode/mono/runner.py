@@ -23,8 +23,7 @@ rank at construction). The embedding's sum and the logits' gather around the lay
 host collectives (gloo, NCCL), which the runner does not capture: under tensor parallelism a
 step's graph holds its layers only (`run_layers`), the embedding and the head run around it.
 Co-residency: every launch is cooperative (the driver refuses a grid that cannot be co-resident);
-at build, `check_residency` launches each kernel at its widest build once (and its narrow ones where
-they pipeline deeper), so a refusal comes then.
+at build, `check_residency` launches each kernel at its widest build once, so a refusal comes then.
 """
 
 from __future__ import annotations
@@ -137,22 +136,18 @@ class MonoRunner:
     def check_residency(self) -> None:
         """Launch every kernel the layers use at its widest build (MAX_ROWS rows: the most registers
         and shared memory) on a private cache, so that a grid that cannot be co-resident is refused
-        now, at build, with the reason (MonoRefused from `launch`), and not at a serving step. A
-        shape whose narrow row blocks pipeline their dense stages deeper than the wide ones
-        (`LaunchShape.dense_stages_at`) is launched at 16 rows and 1 row too, whose builds may then
-        need more shared memory than the widest. It also compiles those builds. The outputs are
-        discarded."""
-        for width in residency_widths(self.shape):
-            requests = min(8, width)
-            rows = width // requests
-            cache = self._residency_cache(requests, rows)
-            # a private scratch: the runner's own of that width may hold a caller's step
-            # (`bench layer` configures each shape after preparing its step)
-            s = Scratch(self.config, width, self.device)
-            s.tokens.zero_()
-            s.positions.copy_(torch.arange(rows).repeat(requests))
-            s.slots.copy_(torch.arange(requests).repeat_interleave(rows))
-            self.run_rows(s, cache, return_hidden=False)
+        now, at build, with the reason (MonoRefused from `launch`), and not at a serving step. It
+        also compiles those builds. The outputs are discarded."""
+        requests = 8
+        rows = MAX_ROWS // requests
+        cache = self._residency_cache(requests, rows)
+        # a private scratch: the runner's own of this width may hold a caller's step (`bench layer`
+        # configures each shape after preparing its step)
+        s = Scratch(self.config, MAX_ROWS, self.device)
+        s.tokens.zero_()
+        s.positions.copy_(torch.arange(rows).repeat(requests))
+        s.slots.copy_(torch.arange(requests).repeat_interleave(rows))
+        self.run_rows(s, cache, return_hidden=False)
         self.check()  # a host sync
 
     def _residency_cache(self, requests: int, rows: int):
@@ -437,8 +432,3 @@ def _folded(streams: torch.Tensor, owed) -> torch.Tensor:
     y, post, comb = owed
     return hc_post(y, streams, post, comb)
 
-
-def residency_widths(shape: LaunchShape) -> list[int]:
-    """The step widths whose builds `MonoRunner.check_residency` launches under `shape`: the
-    widest, and 16 rows and 1 row where the narrow row blocks pipeline deeper."""
-    return [MAX_ROWS] + ([16, 1] if shape.dense_stages > shape.wide_dense_stages else [])

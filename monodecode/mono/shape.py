@@ -10,11 +10,9 @@ warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into s
 order; 0: each GEMV's slices balance the programs, `gemv.balanced_split`) in K steps of
 `block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
 `gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
-(row blocks of up to 16 rows; `wide_dense_stages` at 32 and 64, whose K steps hold 2-4 times the
-activations: a deeper pipeline there would not fit a SM's shared memory, and the runner checks
-residency at its widest build); expert tasks of `expert_block_n` outputs over K steps of
-`expert_block_k` (a multiple of 128, the fragment order's column group; with 256, tasks of one or
-two rows take the diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task collapsing
+(every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
+multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
+diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task collapsing
 its row in tiles of `settle_columns` columns (0: 512 a warp, the whole row at v4-flash sizes,
 in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`); a compressed
 layer's attend spreading each (row, head block)'s entries over `attend_splits` tasks (0: as many
@@ -43,7 +41,6 @@ class LaunchShape:
     block_k: int = 128
     dense_chunk: int = 0
     dense_stages: int = 4
-    wide_dense_stages: int = 4
     expert_block_n: int = 128
     expert_block_k: int = 256
     expert_programs_per_sm: int = 2
@@ -58,10 +55,6 @@ class LaunchShape:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
         `expert_warps` warps fit a SM's 64 K (in the allocation's steps of 8, at most 255)."""
         return min(255, 65536 // (32 * self.expert_warps * self.expert_programs_per_sm) // 8 * 8)
-
-    def dense_stages_at(self, row_block: int) -> int:
-        """The dense stages' pipeline depth in a build for `row_block` (BR) rows."""
-        return self.dense_stages if row_block <= 16 else self.wide_dense_stages
 
     def spec(self) -> str:
         """The fields that differ from the defaults, as `parse` reads them ("default" if none)."""
