@@ -17,8 +17,8 @@ import torch
 
 @contextmanager
 def recorded_routes(moe):
-    """Inside the block, every `moe.route` call is recorded: yields a list that gets (ids [N, k]
-    sorted, margins [N], `MoE.margin`) for each call."""
+    """While the `with` body runs, every `moe.route` call is recorded: yields a list that gets
+    (ids [N, k] sorted, margins [N], `MoE.margin`) for each call."""
     seen = []
 
     def recording(x, tokens):
