@@ -43,6 +43,10 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds
     narrow = {r["kind"]: r["floor_bytes"] for r in rows if r["width"] == 1}
     assert all(wider[k] > narrow[k] for k in wider)  # more rows read more KV (and experts)
     assert "of floor" in printed
+    table_rows = [line.split() for line in printed.splitlines()
+                  if line.startswith(("window ", "CSA ")) and " layer, " not in line]
+    assert len(table_rows) == len(rows) and "cosine flips" in printed  # the agreement in the table too
+    assert all(float(cells[-4]) > 0.9999 and cells[-3] == "0" for cells in table_rows)
     # the table and PNG again from the JSON alone (a GPU host may have no matplotlib), and of a cut run
     saved = json.loads((tmp_path / "bench_layer.json").read_text())
     saved.update(complete=False, layers=saved["layers"][:2])

@@ -96,7 +96,7 @@ def table(report: dict) -> str:
                  "that reads the most")
     cols = (f"{'kind':<7}{'rows':>5}{'experts':>8}{'floor us':>10}{'per-op us':>12}{'graph us':>12}"
             f"{'compiled':>12}{'of floor':>9}{'mono us':>12}{'K1':>9}{'K2':>9}{'of floor':>9}"
-            f"{'speedup':>9}"
+            f"{'speedup':>9}{'cosine':>10}{'flips':>6}"
             f"{'launches':>14}  shape")
     lines = [head, cols]
     for r in report["layers"]:
@@ -106,12 +106,14 @@ def table(report: dict) -> str:
                      f"{us_text(r['per_op_compiled_s']):>12}"
                      f"{r['per_op_of_floor']:>9.1%}{us_text(r['mono_s']):>12}"
                      f"{us_text(r.get('mono_k1_s')):>9}{us_text(r.get('mono_k2_s')):>9}{versus}"
-                     f"{_launches(r['kernels_launched']):>14}  {r['shape']}")
+                     f"{_agreement(r)}{_launches(r['kernels_launched']):>14}  {r['shape']}")
     lines.append("per-op us: the eager reference (experts looped, dequantized each call); graph us: the batched "
                  "per-op layer in a CUDA graph, compiled: the same under torch.compile; of floor "
                  "and speedup use the fastest per-op; "
                  "mono: the layer's kernels in a CUDA graph, K1 (timed alone) and K2 (the rest: mono - K1, K3 "
-                 "with it); shape: the "
+                 "with it); cosine: mono's layer output against the per-op block's on the same step, over the "
+                 "rows whose expert picks agree; flips: the rows whose picks differ (near-ties; the printout "
+                 "above gives their margins); shape: the "
                  "kernels' launch shape (mono/shape.py LaunchShape); launches: GPU kernels one eager step launches "
                  "(torch profiler), per-op eager / per-op graph [/ per-op compiled] / mono")
     lines += whole_model(report)
@@ -121,6 +123,15 @@ def table(report: dict) -> str:
         lines.append("registers a thread (spilled) at the widest row block: " + "; ".join(
             f"{shape} {kernel} {regs} ({spills})" for shape, kernel, regs, spills in sorted(resources)))
     return "\n".join(lines)
+
+
+def _agreement(row: dict) -> str:
+    """The cosine and flips columns of a row ('-' where not checked: a refused shape, or a report
+    from before the check)."""
+    if row.get("cosine") is None:
+        return f"{'-':>10}{'-':>6}"
+    flips = row.get("routing_flips")
+    return f"{row['cosine']:>10.6f}{flips['rows'] if flips else '-':>6}"
 
 
 def whole_model(report: dict) -> list[str]:
