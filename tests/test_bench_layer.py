@@ -272,6 +272,7 @@ def test_bench_layer_over_two_ranks(tmp_path):
     [row] = two["layers"]
     assert row["mono_s"] > 0 and row["per_op_eager_s"] > 0 and row["per_op_graph_s"] is None
     assert row["cosine"] > 0.9999  # rank 0's output, the ranks' sums included, against the per-op layer's
+    assert row["routing_flips"]["rows"] == 0  # rank 0's picks, local to its experts, read as the per-op path's
     assert 0 < row["floor_bytes"] < one["layers"][0]["floor_bytes"]
 
 
