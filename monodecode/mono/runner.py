@@ -431,4 +431,3 @@ def _folded(streams: torch.Tensor, owed) -> torch.Tensor:
     """The per-op fold (hc_post) of an owed (y, post, comb) into the residual streams."""
     y, post, comb = owed
     return hc_post(y, streams, post, comb)
-
