@@ -29,21 +29,32 @@ def rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def assert_matches_bf16(y, ref, exact, magnitude):
+def fp8_tensor_cores(y) -> bool:
+    """Whether the FP8 GEMV that gave y split x into e4m3 parts for FP8 tensor-core dots (compiled,
+    2-32 rows: `gemv._e4m3_pair`)."""
+    return y.is_cuda and 1 < G.row_block(y.shape[0]) <= G.SPLIT_X_ROWS.value
+
+
+def assert_matches_bf16(y, ref, exact, magnitude, fp8=True):
     """y (the kernel) and ref (bf16 F.linear) both round an fp32 sum of the same exact products
     to bf16; they can differ only where the two accumulation orders straddle a rounding boundary:
     by one bf16 ulp plus the fp32 accumulation error (K <= 256 terms: < 2^-16 of `magnitude`,
     sum |x| |w|). Observed at these sizes, CPU and H200: every element equal (rel L2 0); at
     4096 x 1024 on the H200, 99.98 % equal, rel L2 <= 2e-4, the kernel as close to float64 as
-    the reference (ratio 1.0000)."""
+    the reference (ratio 1.0000). FP8 tensor-core dots (`fp8_tensor_cores`; `fp8`: the weights
+    are FP8) add the tensor core's own accumulation error within a K step: observed on an H100
+    at most 2^-14 of `magnitude` beyond the ulp, >= 93.5 % equal, rel L2 <= 2.1e-3, ratio <= 1.042
+    (the 64-output tiles, whose dots are warp-group FP8 MMAs; narrower tiles get fp16 MMAs and
+    match as in fp32)."""
+    tensor_cores = fp8 and fp8_tensor_cores(y)
     y, ref = y.cpu().double(), ref.cpu().double()
     assert not torch.isnan(y).any()
     assert F.cosine_similarity(y.flatten(), ref.flatten(), dim=0) >= 0.99999
-    assert rel_l2(y, ref) <= 2e-3
+    assert rel_l2(y, ref) <= (3e-3 if tensor_cores else 2e-3)
     ulp = 2.0 ** (torch.frexp(ref.abs().clamp(min=1e-30))[1] - 8)  # one bf16 ulp at ref
-    assert ((y - ref).abs() <= ulp + 2.0**-16 * magnitude).all()
-    assert (y == ref).double().mean() >= 0.95
-    assert rel_l2(y, exact) <= 1.01 * rel_l2(ref, exact) + 1e-6
+    assert ((y - ref).abs() <= ulp + (2.0**-12 if tensor_cores else 2.0**-16) * magnitude).all()
+    assert (y == ref).double().mean() >= (0.9 if tensor_cores else 0.95)
+    assert rel_l2(y, exact) <= (1.06 if tensor_cores else 1.01) * rel_l2(ref, exact) + 1e-6
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -79,6 +90,27 @@ def test_fp8_k_steps_longer_than_a_scale_block(device, rows, sb, bk):
     y = G.gemv(x.to(device), q.to(device), s.to(device), block=(32, bk), poison=True)
     assert_matches_bf16(y, F.linear(x.to(device), w.to(device)), x.double() @ w.double().T,
                         x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize("rows", [6, 24])
+def test_rows_of_very_different_sizes(device, rows):
+    """Rows 2^-20 .. 2^20 in size, one with an entry 300 times its others, one holding an
+    infinity: every finite row matches the per-op product at its own scale (the tensor-core path
+    scales each row of a K step by its own power of two before splitting it into e4m3 parts), and
+    the row with the infinity gives no finite output (as the per-op product does not)."""
+    g = torch.Generator().manual_seed(700 + rows)
+    q, s, w = fp8_weight(g, 256, 512, 128)
+    x = torch.randn(rows, 512, generator=g) * 2.0 ** torch.linspace(-20, 20, rows)[:, None]
+    x[1, 3] *= 300.0
+    x[2, 100] = float("inf")
+    x = x.to(torch.bfloat16)
+    y = G.gemv(x.to(device), q.to(device), s.to(device), poison=True).cpu()
+    assert not torch.isfinite(y[2]).any()
+    for r in (r for r in range(rows) if r != 2):
+        ref = F.linear(x[r:r + 1], w)
+        assert torch.isfinite(y[r]).all()
+        assert F.cosine_similarity(y[r].double(), ref[0].double(), dim=0) >= 0.99999, r
+        assert rel_l2(y[r], ref[0]) <= 3e-3, r
 
 
 @pytest.mark.parametrize("rows", [1, 48])
@@ -187,7 +219,7 @@ def test_strided_x_slice(device, rows):
     w = (torch.randn(80, 128, generator=g) / 11).to(torch.bfloat16)
     y = G.gemv(x, w.to(device), poison=True)
     xd, wd = x.cpu().double(), w.double()
-    assert_matches_bf16(y, F.linear(x, w.to(device)), xd @ wd.T, xd.abs() @ wd.abs().T)
+    assert_matches_bf16(y, F.linear(x, w.to(device)), xd @ wd.T, xd.abs() @ wd.abs().T, fp8=False)
 
 
 def test_every_e4m3_code_decodes_exactly(device):

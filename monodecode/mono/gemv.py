@@ -51,7 +51,10 @@ Contract
   A one-row step is not split (SPLIT 1).
 - Rounding: fp32 accumulation (within a task by the dot, then over the slices in order); y is
   stored as bf16 rounded to nearest even (OUT_BF16, what the reference's bf16 F.linear returns)
-  or as fp32.
+  or as fp32. The FP8 tensor-core dots (FAST, 2-32 rows) of tiles of 64+ outputs (warp-group
+  MMAs) sum a K step's products with less than fp32's precision inside the tensor core (the
+  hardware's FP8 accumulation; each step's partial is fp32 when added to acc): errors up to
+  ~1e-4 of sum |x| |w| seen, well below the bf16 output's rounding.
 
 Python side: `gemv_tasks` (the stage's task count), `split_scratch` (the slice sums and tickets a
 split GEMV needs), `row_block` (BR), `default_blocks` (BN, BK) of a standalone dot task,
@@ -60,9 +63,13 @@ kernels), `check_blocks` (the ValueErrors above: call it at build), `scale_block
 scale tensor's shape) and `gemv`, the standalone launch (grid (1,) under the interpreter).
 
 Decode (constexpr FAST)
-- FAST (NVIDIA): the codes bitcast to float8e4nv and converted to bf16 (exact), x bf16, and a
-  bf16 `tl.dot` with the weight tile as the first operand (swap AB: [BN, BK] x [BK, BR]), since
-  R is small; fp32 accumulation. One row: the codes converted to fp32 the same way, no dot.
+- FAST (NVIDIA): a `tl.dot` with the weight tile as the first operand (swap AB: [BN, BK] x
+  [BK, BR]), since R is small. FP8 at BR <= SPLIT_X_ROWS (2-32 rows): the codes bitcast to
+  float8e4nv and used as they are, x split into two e4m3 tiles and a power of two a row
+  (`_e4m3_pair`: exact for the elements that matter), two FP8 tensor-core dots, their sum scaled
+  in fp32. So no weight is converted in registers: at these widths that conversion, not the
+  memory, set a K step's time. Wider row blocks (and BK > SB): the codes converted to bf16
+  (exact) and a bf16 dot of x. One row: the codes converted to fp32, no dot.
 - Portable (interpreter, AMD): e4m3 decoded from its bits to fp32 (all 256 codes, subnormals
   too; 0x7F / 0xFF are NaN), fp32 `tl.dot` in IEEE precision, and the bf16 output rounded by
   `bf16` (the interpreter's cast truncates). The interpreter computes bf16 dots
@@ -84,6 +91,9 @@ from .sync import arrive
 WFMT_FP8 = 0
 WFMT_BF16 = 1
 DENSE_STAGES = 4  # the standalone stage's pipeline depth (the kernels': LaunchShape.dense_stages)
+# The widest row block (BR) whose FP8 dots take x as two e4m3 parts (`_e4m3_pair`): wider, the
+# split costs more a K step than the bf16 weights it replaces.
+SPLIT_X_ROWS: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
@@ -247,18 +257,42 @@ def _dot_step(acc, nb, k0, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s_ptr, N, K
             acc = tl.dot(_e4m3_value(w.to(tl.int32)) * scale_k, tl.trans(x.to(tl.float32)), acc,
                          input_precision="ieee")
     elif WFMT == 0:
-        if FAST:
-            part = tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)))
-        else:
-            part = tl.dot(_e4m3_value(w.to(tl.int32)), tl.trans(x.to(tl.float32)), input_precision="ieee")
         # One scale for the whole tile: BN and BK divide SB.
-        acc += part * _e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
+        scale = _e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
+        if FAST and BR <= SPLIT_X_ROWS and BK >= 32:  # (an FP8 dot's K is a multiple of 32)
+            hi, lo, down = _e4m3_pair(x)
+            w = w.to(tl.float8e4nv, bitcast=True)
+            acc += (tl.dot(w, tl.trans(hi)) + tl.dot(w, tl.trans(lo))) * (scale * down)[None, :]
+        elif FAST:
+            acc += tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), tl.trans(x.to(tl.bfloat16))) * scale
+        else:
+            acc += tl.dot(_e4m3_value(w.to(tl.int32)), tl.trans(x.to(tl.float32)), input_precision="ieee") * scale
     else:
         if FAST:
             acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def _e4m3_pair(x):
+    """x [BR, BK] (bf16) as two e4m3 tiles and a power of two a row: x = (hi + lo) * down. Each
+    row is scaled so that its largest magnitude lies in [128, 256) (e4m3 reaches 448); hi is that
+    rounded to e4m3 (4 significant bits), lo the remainder rounded to e4m3. A bf16 has 8
+    significant bits, so the remainder has at most 4 and lo is exact down to e4m3's subnormal
+    step: every element within 2^-10 of its row's largest magnitude is split exactly, smaller ones
+    within 2^-17 of it. A row holding an infinity gets down = NaN, one holding a NaN keeps it in hi:
+    all its outputs are NaN."""
+    xs = x.to(tl.float32)
+    e = tl.max(tl.abs(xs), axis=1).to(tl.int32, bitcast=True) >> 23  # the biased exponent of each row's largest
+    e_scaled = tl.maximum(e, 8)  # an all-zero row (the padding) keeps both scales normal numbers
+    up = ((261 - e_scaled) << 23).to(tl.float32, bitcast=True)  # 2^(134 - e): the largest into [2^7, 2^8)
+    down = tl.where(e == 255, float("nan"), ((e_scaled - 7) << 23).to(tl.float32, bitcast=True))  # 1 / up
+    xs = xs * up[:, None]
+    hi = xs.to(tl.float8e4nv)  # rounded to nearest even
+    lo = (xs - hi.to(tl.float32)).to(tl.float8e4nv)  # (the difference is exact in fp32)
+    return hi, lo, down
 
 
 @triton.jit
