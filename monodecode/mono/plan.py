@@ -36,8 +36,9 @@ def task_grid(n_tasks: int) -> tuple[int]:
 
 
 def fast_dots(x: torch.Tensor) -> bool:
-    """Whether kernels on x's device take bf16 tensor-core dots (constexpr FAST): NVIDIA GPUs;
-    elsewhere fp32 operands in IEEE precision (the interpreter's bf16 dot is wrong)."""
+    """Whether kernels on x's device take tensor-core dots of bf16 (and, in the dense GEMVs, FP8)
+    operands (constexpr FAST): NVIDIA GPUs; elsewhere fp32 operands in IEEE precision (the
+    interpreter's bf16 dot is wrong, and it has no fp8)."""
     return x.is_cuda and torch.version.cuda is not None
 
 
