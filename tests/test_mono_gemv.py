@@ -31,7 +31,7 @@ def rel_l2(a, b):
 
 def fp8_tensor_cores(y) -> bool:
     """Whether the FP8 GEMV that gave y split x into e4m3 parts for FP8 tensor-core dots (compiled,
-    2-32 rows: `gemv._e4m3_pair`)."""
+    2-32 rows: `fp8.e4m3_pair`)."""
     return y.is_cuda and 1 < G.row_block(y.shape[0]) <= G.SPLIT_X_ROWS.value
 
 

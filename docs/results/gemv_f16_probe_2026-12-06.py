@@ -16,7 +16,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(here), here]
 from monodecode.mono import gemv as base
 
-BRANCH = """            hi, lo, down = _e4m3_pair(x)
+BRANCH = """            hi, lo, down = e4m3_pair(x)
             w = w.to(tl.float8e4nv, bitcast=True)
             acc += (tl.dot(w, tl.trans(hi)) + tl.dot(w, tl.trans(lo))) * (scale * down)[None, :]
 """

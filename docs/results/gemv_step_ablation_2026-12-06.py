@@ -16,9 +16,9 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(here), here]
 from monodecode.mono import gemv as base
 
-SCALE = """        scale = _e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
+SCALE = """        scale = e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
 """
-STEP = """            hi, lo, down = _e4m3_pair(x)
+STEP = """            hi, lo, down = e4m3_pair(x)
             w = w.to(tl.float8e4nv, bitcast=True)
             acc += (tl.dot(w, tl.trans(hi)) + tl.dot(w, tl.trans(lo))) * (scale * down)[None, :]
 """
@@ -30,7 +30,7 @@ REWRITES = {
             w = w.to(tl.float8e4nv, bitcast=True)
             acc += (tl.dot(w, tl.trans(hi)) + tl.dot(w, tl.trans(lo))) * scale
 """)],
-    "onedot": [(STEP, """            hi, lo, down = _e4m3_pair(x)
+    "onedot": [(STEP, """            hi, lo, down = e4m3_pair(x)
             w = w.to(tl.float8e4nv, bitcast=True)
             acc += tl.dot(w, tl.trans(hi)) * (scale * down)[None, :]
 """)],

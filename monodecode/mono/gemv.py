@@ -66,7 +66,7 @@ Decode (constexpr FAST)
 - FAST (NVIDIA): a `tl.dot` with the weight tile as the first operand (swap AB: [BN, BK] x
   [BK, BR]), since R is small. FP8 at BR <= SPLIT_X_ROWS (2-32 rows): the codes bitcast to
   float8e4nv and used as they are, x split into two e4m3 tiles and a power of two a row
-  (`_e4m3_pair`: exact for the elements that matter), two FP8 tensor-core dots, their sum scaled
+  (`fp8.e4m3_pair`: exact for the elements that matter), two FP8 tensor-core dots, their sum scaled
   in fp32. So no weight is converted in registers: at these widths that conversion, not the
   memory, set a K step's time. Wider row blocks (and BK > SB): the codes converted to bf16
   (exact) and a bf16 dot of x. One row: the codes converted to fp32, no dot.
@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 
 from .experts import swiglu_value
+from .fp8 import e4m3_pair, e4m3_value, e8m0_value
 from .plan import fast_dots, interpreted
 from .rounding import bf16
 from .sync import arrive
@@ -91,29 +92,9 @@ from .sync import arrive
 WFMT_FP8 = 0
 WFMT_BF16 = 1
 DENSE_STAGES = 4  # the standalone stage's pipeline depth (the kernels': LaunchShape.dense_stages)
-# The widest row block (BR) whose FP8 dots take x as two e4m3 parts (`_e4m3_pair`): wider, the
+# The widest row block (BR) whose FP8 dots take x as two e4m3 parts (`fp8.e4m3_pair`): wider, the
 # split costs more a K step than the bf16 weights it replaces.
 SPLIT_X_ROWS: tl.constexpr = tl.constexpr(32)
-
-
-@triton.jit
-def _e4m3_value(code):
-    """e4m3fn codes (int32, 0..255) -> their values (fp32), from the bits: exact for all codes."""
-    exponent = (code >> 3) & 15
-    mantissa = code & 7
-    # Normal: the fp32 with the same mantissa (its 3 top bits) and exponent e - 7 + 127.
-    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # m/8 * 2^-6
-    value = tl.where((code & 0x80) != 0, -magnitude, magnitude)
-    return tl.where((code & 0x7F) == 0x7F, float("nan"), value)
-
-
-@triton.jit
-def _e8m0_value(code):
-    """An E8M0 scale code (int32) -> 2^(code - 127) (fp32) from its bits; code 0 is the fp32
-    subnormal 2^-127, 255 NaN (as `formats.e8m0_to_float`)."""
-    bits = tl.where(code == 0, 0x00400000, code << 23)
-    return tl.where(code == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -161,11 +142,11 @@ def _single_row_tasks(start, grid, n_tasks, x_ptr, up_ptr, limit, w_ptr, s_ptr, 
         x = _load_x(x_ptr, up_ptr, xoff + k0 + rk, None, limit, FAST, SWIGLU).to(tl.float32)
         if WFMT == 0:
             scale_row = s_ptr + (nb * BN // SB) * tl.cdiv(K, SB)  # BN divides SB: one block row
-            x = x * _e8m0_value(tl.load(scale_row + (k0 + rk) // SB).to(tl.int32))
+            x = x * e8m0_value(tl.load(scale_row + (k0 + rk) // SB).to(tl.int32))
             if FAST:
                 w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
-                w = _e4m3_value(w.to(tl.int32))
+                w = e4m3_value(w.to(tl.int32))
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if k0 + BK == K:
             _store(y_ptr + n, acc, n < N, OUT_BF16, FAST)
@@ -249,50 +230,30 @@ def _dot_step(acc, nb, k0, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s_ptr, N, K
         # two: exact while the product is a normal number, as the per-op path's bf16 dequantized
         # weights are). BN divides SB, so a tile spans one block row.
         codes = tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + rk // SB)
-        scale_k = _e8m0_value(codes.to(tl.int32))[None, :]
+        scale_k = e8m0_value(codes.to(tl.int32))[None, :]
         if FAST:
             w = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale_k.to(tl.bfloat16)
             acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
         else:
-            acc = tl.dot(_e4m3_value(w.to(tl.int32)) * scale_k, tl.trans(x.to(tl.float32)), acc,
+            acc = tl.dot(e4m3_value(w.to(tl.int32)) * scale_k, tl.trans(x.to(tl.float32)), acc,
                          input_precision="ieee")
     elif WFMT == 0:
         # One scale for the whole tile: BN and BK divide SB.
-        scale = _e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
+        scale = e8m0_value(tl.load(s_ptr + (nb * BN // SB) * tl.cdiv(K, SB) + k0 // SB).to(tl.int32))
         if FAST and BR <= SPLIT_X_ROWS and BK >= 32:  # (an FP8 dot's K is a multiple of 32)
-            hi, lo, down = _e4m3_pair(x)
+            hi, lo, down = e4m3_pair(x)
             w = w.to(tl.float8e4nv, bitcast=True)
             acc += (tl.dot(w, tl.trans(hi)) + tl.dot(w, tl.trans(lo))) * (scale * down)[None, :]
         elif FAST:
             acc += tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), tl.trans(x.to(tl.bfloat16))) * scale
         else:
-            acc += tl.dot(_e4m3_value(w.to(tl.int32)), tl.trans(x.to(tl.float32)), input_precision="ieee") * scale
+            acc += tl.dot(e4m3_value(w.to(tl.int32)), tl.trans(x.to(tl.float32)), input_precision="ieee") * scale
     else:
         if FAST:
             acc = tl.dot(w, tl.trans(x.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _e4m3_pair(x):
-    """x [BR, BK] (bf16) as two e4m3 tiles and a power of two a row: x = (hi + lo) * down. Each
-    row is scaled so that its largest magnitude lies in [128, 256) (e4m3 reaches 448); hi is that
-    rounded to e4m3 (4 significant bits), lo the remainder rounded to e4m3. A bf16 has 8
-    significant bits, so the remainder has at most 4 and lo is exact down to e4m3's subnormal
-    step: every element within 2^-10 of its row's largest magnitude is split exactly, smaller ones
-    within 2^-17 of it. A row holding an infinity gets down = NaN, one holding a NaN keeps it in hi:
-    all its outputs are NaN."""
-    xs = x.to(tl.float32)
-    e = tl.max(tl.abs(xs), axis=1).to(tl.int32, bitcast=True) >> 23  # the biased exponent of each row's largest
-    e_scaled = tl.maximum(e, 8)  # an all-zero row (the padding) keeps both scales normal numbers
-    up = ((261 - e_scaled) << 23).to(tl.float32, bitcast=True)  # 2^(134 - e): the largest into [2^7, 2^8)
-    down = tl.where(e == 255, float("nan"), ((e_scaled - 7) << 23).to(tl.float32, bitcast=True))  # 1 / up
-    xs = xs * up[:, None]
-    hi = xs.to(tl.float8e4nv)  # rounded to nearest even
-    lo = (xs - hi.to(tl.float32)).to(tl.float8e4nv)  # (the difference is exact in fp32)
-    return hi, lo, down
 
 
 @triton.jit
