@@ -43,6 +43,29 @@ def test_scores_match_the_indexer(device, entry_block):
         torch.testing.assert_close(out[r, :visible], ref[:visible], rtol=1e-5, atol=1e-5)
 
 
+def test_scores_skip_the_rows_that_keep_every_visible_entry(device):
+    """With a top-k (K1's scores stage), a row of at most k visible entries keeps them all
+    whatever their scores, so none of its scores is written (NaN stays); the others' are what
+    the scores without a top-k are. Rows at k - 1, k and k + 1 visible entries, and a pad row."""
+    config = preset("tiny")
+    HI, DI = config.index_n_heads, config.index_head_dim
+    g = torch.Generator().manual_seed(5)
+    k, E = 25, 60
+    slots = torch.tensor([0, 1, 2, -1, 3])
+    positions = torch.tensor([4 * 60 - 1, 4 * 25 - 1, 4 * 26 - 1, 0, 4 * 24 - 1])  # 60, 25, 26, -, 24 visible
+    keys = torch.randn(4, E, DI, generator=g).to(torch.bfloat16)
+    q_raw = (2 * torch.randn(5, HI, DI, generator=g)).to(torch.bfloat16)
+    weights_raw = torch.randn(5, HI, generator=g).to(torch.bfloat16)
+    freqs = layer_frequencies(config, compressed=True)
+    args = [t.to(device) for t in (q_raw, weights_raw, positions, slots, freqs, keys)]
+    every, skipping = (K.scores(*args, topk=topk).cpu() for topk in (0, k))
+    for r, scored in enumerate([True, False, True, False, False]):
+        if scored:
+            assert torch.equal(skipping[r], every[r]), r
+        else:
+            assert skipping[r].isnan().all(), r
+
+
 def test_the_launch_refuses_shapes_that_do_not_fit(device):
     with pytest.raises(ValueError, match="do not fit"):
         K.scores(torch.zeros(2, 16, 32, dtype=torch.bfloat16, device=device), torch.zeros(2, 8, dtype=torch.bfloat16, device=device),
@@ -69,7 +92,7 @@ def test_select_takes_each_rows_top_k(device, block):
     for r, v in enumerate(visible):
         n = min(k, v)
         assert (out[r, n:] == -1).all(), r
-        if r == 3:
+        if r == 3 or v <= k:  # all tied, or every visible entry kept: in entry order
             assert out[r, :n].tolist() == list(range(n))
         elif n:
             assert set(out[r, :n].tolist()) == set(scores[r].topk(n).indices.tolist()), r

@@ -13,6 +13,8 @@ slot -1 a pad row; the layer's index cache holds E entries a slot):
   output) in fp32 times HI^-0.5 (`Indexer.queries`' order), the dot in fp32 (FAST: bf16
   operands, which q and k are, fp32 accumulation).
 - A block wholly past the row's visible entries writes -inf and reads nothing else.
+- TOPK > 0 (K1's): a row that keeps every visible entry (visible <= TOPK, below 4 TOPK cached
+  tokens) has no scores written at all: its selection does not depend on them (`select_task`).
 - Up to fp32 summation order (the dot's and the sum over heads').
 """
 
@@ -41,19 +43,38 @@ def score_tasks_of(R, E, KE: tl.constexpr):
 
 
 @triton.jit
+def needs_scores(visible, TOPK: tl.constexpr):
+    """Whether a row with `visible` entries needs its scores to select TOPK of them (TOPK 0: always)."""
+    if TOPK == 0:
+        return visible >= 0
+    else:
+        return visible > TOPK
+
+
+@triton.jit
 def score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI,
                RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
-               FAST: tl.constexpr):
+               FAST: tl.constexpr, TOPK: tl.constexpr):
     """Scores of task t's row and block of entries (the module docstring)."""
     blocks = tl.cdiv(n_entries, KE)
     row = t // blocks
-    e = (t % blocks) * KE + tl.arange(0, KE)
+    visible = visible_entries(row, positions_ptr, slots_ptr, RATIO)
+    if needs_scores(visible, TOPK):
+        _score_block(row, (t % blocks) * KE, visible, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr,
+                     keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, BH, DI, KE, FAST)
+
+
+@triton.jit
+def _score_block(row, e0, visible, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries,
+                 scores_ptr, HI, RD, scale, weights_scale, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
+                 FAST: tl.constexpr):
+    """scores[row, e0 .. e0 + KE] (the module docstring)."""
+    e = e0 + tl.arange(0, KE)
     slot = tl.load(slots_ptr + row)
     position = tl.load(positions_ptr + row)
-    visible = visible_entries(row, positions_ptr, slots_ptr, RATIO)
     live = e < visible
     scores = tl.full((KE,), float("-inf"), tl.float32)
-    if (t % blocks) * KE < visible:
+    if e0 < visible:
         h = tl.arange(0, BH)
         hmask = h < HI
         c, pair = pair_offsets(DI)
@@ -75,17 +96,19 @@ def score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, k
 @triton.jit
 def _scores(n_tasks, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr,
             HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
-            FAST: tl.constexpr):
+            FAST: tl.constexpr, TOPK: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr,
-                   HI, RD, scale, weights_scale, RATIO, BH, DI, KE, FAST)
+                   HI, RD, scale, weights_scale, RATIO, BH, DI, KE, FAST, TOPK)
 
 
 def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-           freqs: torch.Tensor, keys: torch.Tensor, ratio: int = 4, entry_block: int = KE) -> torch.Tensor:
+           freqs: torch.Tensor, keys: torch.Tensor, ratio: int = 4, entry_block: int = KE,
+           topk: int = 0) -> torch.Tensor:
     """The standalone launch: q_raw [R, HI, DI] bf16 (the indexer's wq_b output, before its RoPE),
     weights_raw bf16 [R, HI] (the `weights_proj` GEMV's output), positions / slots int64 [R], freqs
-    fp32 [RD / 2], keys the index entries bf16 [S, E, DI] -> scores fp32 [R, E]."""
+    fp32 [RD / 2], keys the index entries bf16 [S, E, DI] -> scores fp32 [R, E]; with `topk`, the
+    rows with at most that many visible entries are left as they were (NaN here)."""
     R, HI, DI = q_raw.shape
     S, E, _ = keys.shape
     if keys.shape[2] != DI or weights_raw.shape != (R, HI) or positions.shape != (R,) or slots.shape != (R,):
@@ -100,7 +123,7 @@ def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tens
                                 freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
                                 float(HI ** -0.5),
                                 RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block,
-                                FAST=fast_dots(q_raw))
+                                FAST=fast_dots(q_raw), TOPK=topk)
     return out
 
 
@@ -122,6 +145,16 @@ def _ordered(scores):
 def select_task(row, scores_ptr, n_entries, selected_ptr, visible, K: tl.constexpr, BE: tl.constexpr):
     """selected[row, :K]: the row's top-min(K, visible) entry ids by score (ties at the k-th
     largest score broken by entry order), then -1. `visible`: the row's visible entries."""
+    if needs_scores(visible, K):
+        _radix_select(row, scores_ptr, n_entries, selected_ptr, visible, K, BE)
+    else:  # every visible entry is kept, in entry order, whatever its score (none read)
+        ids = tl.arange(0, K)
+        tl.store(selected_ptr + row * K + ids, tl.where(ids < visible, ids, -1).to(tl.int64))
+
+
+@triton.jit
+def _radix_select(row, scores_ptr, n_entries, selected_ptr, visible, K: tl.constexpr, BE: tl.constexpr):
+    """`select_task` of a row with more than K visible entries (the comment above)."""
     need = tl.minimum(visible, K)
     prefix = tl.zeros((), tl.uint32)  # the digits fixed so far, in place
     for shift in tl.static_range(24, -8, -8):

@@ -29,9 +29,12 @@ Stages (R rows; task counts)                                    reads -> writes
   (CSA/HCA) emit_task          + R (CSA: + 2R)                 a source ring -> the entry a row
                                                                completes (compress.py)
 5 (CSA) scores  score_task     R ceil(E/KE)                    index.q, index.weights, the index
-                                                               entries -> index.scores (indexer.py)
+                                                               entries -> index.scores (indexer.py;
+                                                               none for a row that keeps all its
+                                                               entries: at most TOPK visible)
 6 (CSA) top-k   select_row     R                               index.scores -> index.selected (TOPK
-                                                               entry ids a row, then -1)
+                                                               entry ids a row, then -1; a row that
+                                                               keeps all its entries: 0 .. visible - 1)
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and `streams` is `residual`. K2 reads q_raw, the ring and the attention site's post/comb,
 after this launch ends (stream order), and on a compressed layer (RATIO > 0) the compressed
@@ -267,7 +270,7 @@ def _k1(a, m):
         barrier(a.sync, epoch, 4, m.B, m.TIMELINE, m.FAST)
         for t in range(pid, I.score_tasks_of(a.rows, a.index_entries, m.KE), grid):
             I.score_task(t, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries, a.index_entries, ix.scores,
-                         m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI, m.KE, m.FAST)
+                         m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI, m.KE, m.FAST, m.TOPK)
         barrier(a.sync, epoch, 5, m.B, m.TIMELINE, m.FAST)
         for row in range(pid, a.rows, grid):
             I.select_row(row, ix.scores, a.index_entries, ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
