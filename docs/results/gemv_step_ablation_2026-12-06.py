@@ -72,7 +72,7 @@ def timed(fn, reps=20, rounds=7):
     return sorted(ts)[len(ts) // 2]
 
 
-def run(name, R):
+def run(name, R, stages=(4,)):
     N, K = SHAPES[name]
     copies = max(2, (200 << 20) // (N * K))
     ws = [torch.randint(0, 0x7F, (N, K), dtype=torch.uint8, device=dev) for _ in range(copies)]
@@ -85,13 +85,14 @@ def run(name, R):
     tickets = torch.zeros(max(tick_n, 1), dtype=torch.int32, device=dev)
     steps = triton.cdiv(triton.cdiv(N, 128) * split, G) * (K // 128 // split)
     out = [f"{name:5s} R={R:2d} split={split} busiest {steps} steps"]
-    for vname, mod in VARIANTS.items():
+    for vname, mod, st in [(v, m, st) for v, m in VARIANTS.items() for st in stages if st == 4 or v == "step"]:
+        vname = vname if st == 4 else f"{vname}@{st}"
         it = iter(range(10**9))
 
         def launch():
             mod._gemv_stage[(G,)](x, K, R, ws[next(it) % copies], s, y, N, N, K, 0, sums, tickets, x, 0.0, WFMT=0,
                                   SB=128, BN=128, BK=128, SPLIT=split, BR=base.row_block(R), OUT_BF16=True,
-                                  FAST=True, STAGES=4, SWIGLU=False, num_warps=8)
+                                  FAST=True, STAGES=st, SWIGLU=False, num_warps=8)
         try:
             t = timed(launch)
             out.append(f"{vname} {t:5.1f} us ({t / steps:.2f} a step)")
@@ -104,4 +105,4 @@ a = torch.empty(1 << 28, dtype=torch.uint8, device=dev); b = torch.empty_like(a)
 print(f"{torch.cuda.get_device_name()} copy {2 * a.numel() / timed(lambda: b.copy_(a), reps=5) / 1e6:.2f} TB/s")
 for R in (6, 16):
     for name in SHAPES:
-        run(name, R)
+        run(name, R, stages=(2, 3, 4, 6, 8))
