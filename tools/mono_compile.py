@@ -7,8 +7,8 @@ Triton's CPU interpreter accepts code that compiled Triton refuses (a non-conste
 kernel, for one), so the CPU tests alone can pass kernels that do not build. This runs one mono
 step at each width (default 1 and 48) with the launches recorded instead of run, then compiles
 each distinct recorded launch with `triton.compile` for sm_90 (and the first K1, K2 and K3 with the
-timeline's stamps), and prints one line a kernel: shared memory, and registers and spills from
-ptxas -v.
+timeline's stamps), and prints one line a kernel: shared memory, registers and spills from
+ptxas -v, and the size of its machine code.
 - `--dims tiny` (default): a three-layer tiny model (a window, a hash-routed CSA and a
   bias-routed HCA layer), seconds.
 - `--dims v4-flash`: three layers at v4-flash sizes (a hash-routed window, CSA and HCA layer,
@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import re
 import subprocess
+import struct
 import sys
 import tempfile
 
@@ -179,7 +180,22 @@ def build(index: int, dump: str | None) -> str:
         with open(os.path.join(dump, name + ".cubin"), "wb") as f:
             f.write(compiled.asm["cubin"])
     return (f"{kernel.__name__}{' (timeline)' if timeline else ''}: built for sm_90, {compiled.metadata.shared} "
-            f"bytes of shared memory; {registers(compiled.asm['ptx'])}")
+            f"bytes of shared memory; {registers(compiled.asm['ptx'])}; "
+            f"{code_bytes(compiled.asm['cubin'], kernel.__name__) // 1024} KB of code")
+
+
+def code_bytes(cubin: bytes, name: str) -> int:
+    """The size of the kernel's machine code (its ELF section `.text.<name>`): what a SM's instruction
+    caches must hold, fetched again on every launch (a persistent kernel runs each stage's code
+    once or a few times a launch)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    strings = headers[shstrndx][4]
+    for sh_name, _, _, _, _, size in headers:
+        if cubin[strings + sh_name:cubin.index(b"\0", strings + sh_name)] == f".text.{name}".encode():
+            return size
+    raise ValueError(f"no .text.{name} in the cubin")
 
 
 def main(argv=None) -> int:
