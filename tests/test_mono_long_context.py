@@ -10,8 +10,7 @@ import torch
 
 from monodecode.bench.layer import fill_cache
 # tests/ is on the path (rootdir conftest); `decoder` is the runner tests' fixture, used here too
-from test_mono_runner import (CSA, LAST, Choices, agreement, assert_compressed_caches_agree, assert_few_flips,
-                              assert_rows_agree, decoder, flips)  # noqa: F401
+from test_mono_runner import compare_step, decoder  # noqa: F401
 
 CONTEXT = 66_015  # the next position, 66,015, completes a block of 4 and of 16 positions
 STEP = [(0, 2), (5, 1)]  # (slot, rows): positions CONTEXT, CONTEXT + 1, ... a slot
@@ -24,31 +23,12 @@ def test_a_step_past_65536_positions_matches_the_per_op_path(decoder):
     positions = [CONTEXT + i for _, n in STEP for i in range(n)] + [0]
     slots = [slot for slot, n in STEP for _ in range(n)] + [-1]
     tokens = torch.randint(0, decoder.config.vocab_size, (len(slots),), generator=g).tolist()
-    with Choices(decoder) as choices:
-        ref, ref_hidden = decoder.model.step(ref_cache, tokens, positions, slots, return_hidden=True)
-        ref_choices = choices.take(len(slots))
-        out, hidden = decoder.step(mono_cache, tokens, positions, slots, return_hidden=True)
-        out_choices = choices.take(len(slots))
-    assert decoder.last_path == "mono"
-    live = torch.tensor(slots) >= 0
+    ref_choices = compare_step(decoder, ref_cache, mono_cache, tokens, positions, slots)
     kept = [len(ref_choices["index"][r][0]) for r in range(len(slots)) if slots[r] >= 0]
     assert kept == [decoder.config.index_topk] * len(kept), kept  # the top-k really selects
-    index_flips, routing_flips = flips(out_choices, ref_choices, live)
-    assert_few_flips(index_flips | routing_flips, live)
-    d = decoder.config.hidden_size
-    for layer in range(3):  # each layer's residual (mean over the hc streams): window, CSA, HCA
-        cols = slice(layer * d, (layer + 1) * d)
-        rows = live & ~(index_flips & (layer >= CSA)) & ~(routing_flips & (layer >= LAST))
-        assert_rows_agree(hidden[:, cols].cpu(), ref_hidden[:, cols].cpu(), rows, f"layer {layer}")
-    assert_rows_agree(out.cpu(), ref.cpu(), live & ~index_flips & ~routing_flips, "logits")
     stepped = torch.zeros(len(mono_cache.layers[0].window.pos), dtype=torch.bool)
     stepped[[slot for slot, _ in STEP]] = True
     for ratio, layer in zip(decoder.mono.ratios, mono_cache.layers):
         if ratio:  # the entry the step's first row of each request completed, and no other
             emitted = layer.entries[:, (CONTEXT + 1) // ratio - 1].abs().sum(-1).cpu() > 0
             assert torch.equal(emitted, stepped), (ratio, emitted)
-    for layer, (a, b) in enumerate(zip(mono_cache.layers, ref_cache.layers)):
-        assert torch.equal(a.window.pos, b.window.pos), f"layer {layer}: ring positions differ"
-        cos, rel = agreement(a.window.data["kv"].float().cpu(), b.window.data["kv"].float().cpu())
-        assert cos >= 0.9999 and rel <= 1e-2, (layer, cos, rel)
-        assert_compressed_caches_agree(a, b, layer)

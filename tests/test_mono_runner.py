@@ -196,11 +196,19 @@ def test_a_step_matches_the_per_op_path(decoder, width):
     groups, pads = STEPS[width]
     tokens, positions, slots = step_rows(g, decoder.config.vocab_size, next_pos, groups, pads)
     assert len(tokens) == width
+    compare_step(decoder, ref_cache, mono_cache, tokens, positions, slots)
+
+
+def compare_step(decoder, ref_cache, mono_cache, tokens, positions, slots) -> dict:
+    """One step on each path (per-op on ref_cache, the kernels on mono_cache, equal before it) and
+    everything that must agree after it: few flips and each a near-tie, each layer's residual and
+    the logits over the rows no flip reaches, the rings and compressed caches. Returns the per-op
+    step's choices."""
     with Choices(decoder) as choices:
         ref, ref_hidden = decoder.model.step(ref_cache, tokens, positions, slots, return_hidden=True)
-        ref_choices = choices.take(width)
+        ref_choices = choices.take(len(slots))
         out, hidden = decoder.step(mono_cache, tokens, positions, slots, return_hidden=True)
-        out_choices = choices.take(width)
+        out_choices = choices.take(len(slots))
     assert decoder.last_path == "mono"
     live = torch.tensor(slots) >= 0
     index_flips, routing_flips = flips(out_choices, ref_choices, live)
@@ -216,6 +224,7 @@ def test_a_step_matches_the_per_op_path(decoder, width):
         cos, rel = agreement(a.window.data["kv"].float().cpu(), b.window.data["kv"].float().cpu())
         assert cos >= 0.9999 and rel <= 1e-2, (layer, cos, rel)
         assert_compressed_caches_agree(a, b, layer)
+    return ref_choices
 
 
 def assert_compressed_caches_agree(a, b, layer):
