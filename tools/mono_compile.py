@@ -40,8 +40,8 @@ import functools
 import multiprocessing
 import os
 import re
-import subprocess
 import struct
+import subprocess
 import sys
 import tempfile
 
