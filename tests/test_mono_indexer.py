@@ -76,7 +76,8 @@ def test_the_launch_refuses_shapes_that_do_not_fit(device):
 @pytest.mark.parametrize("block", [16, 256])
 def test_select_takes_each_rows_top_k(device, block):
     """The radix select: each row's top min(k, visible) entries as a set equal to torch.topk's
-    (random scores: no ties), then -1; scores of both signs and wide range; a row whose visible
+    (random scores: no ties), in entry order, then -1 (blocks of 16: a row's selection spread
+    over 19 blocks, its ties over two); scores of both signs and wide range; a row whose visible
     entries are fewer than k; a pad row; and a row of equal scores (ties: the first k in entry
     order)."""
     g = torch.Generator().manual_seed(block)
@@ -96,6 +97,7 @@ def test_select_takes_each_rows_top_k(device, block):
             assert out[r, :n].tolist() == list(range(n))
         elif n:
             assert set(out[r, :n].tolist()) == set(scores[r].topk(n).indices.tolist()), r
+            assert out[r, :n].tolist() == sorted(out[r, :n].tolist()), r  # in entry order
 
 
 def test_select_at_long_context(device):

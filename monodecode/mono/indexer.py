@@ -1,6 +1,6 @@
 """CSA's lightning indexer inside the kernels: the scores of each row's visible index entries, as
 tasks (`model/compressor.py`'s `Indexer.scores` is the reference), and the top-k selection over
-them (`select_task`, a radix select a row; below).
+them (a radix select in six stages of tasks, each a row's block of entries; below).
 
 Contract (HI index heads of DI channels, the last RD rotated; rows r < R at positions p, slots s,
 slot -1 a pad row; the layer's index cache holds E entries a slot):
@@ -14,7 +14,15 @@ slot -1 a pad row; the layer's index cache holds E entries a slot):
   operands, which q and k are, fp32 accumulation).
 - A block wholly past the row's visible entries writes -inf and reads nothing else.
 - TOPK > 0 (K1's): a row that keeps every visible entry (visible <= TOPK, below 4 TOPK cached
-  tokens) has no scores written at all: its selection does not depend on them (`select_task`).
+  tokens) has no scores written at all: its selection does not depend on them
+  (`select_write_task`).
+- The selection (`select_stage` 0 .. 5, a grid barrier or a launch between stages; tasks (row,
+  block of BE entries) over the step's most visible entries): selected[row, :TOPK] (int64) holds
+  a selecting row's TOPK entries of largest score (ties at the k-th largest broken by entry
+  order), in entry order; a row that keeps every visible entry has them in order, then -1 (a pad
+  row: all -1). Scratch: int32 [R, 5, 256], a row's four digit histograms (0 before stage 0:
+  `clear_select_hist`) and the k-th key's digits as each stage fixes them, and the block counts
+  (`select_counts`).
 - Up to fp32 summation order (the dot's and the sum over heads').
 """
 
@@ -28,7 +36,8 @@ from .attention_math import pair_offsets, rope, visible_entries
 from .plan import fast_dots, task_grid
 
 KE = 64  # entries of a score task
-SELECT_BLOCK = 256  # entries a selection pass loads at once (K1's: LaunchShape.select_block)
+SELECT_BLOCK = 256  # entries a selection task takes (K1's: LaunchShape.select_block)
+MIN_SELECT_BLOCK = 16
 MAX_SELECT_BLOCK = 4096  # scores a pass holds at once: 16 a thread of K1's 8 warps, with their keys
 
 
@@ -128,10 +137,20 @@ def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tens
 
 
 # --- the top-k selection -----------------------------------------------------------------------------
-# A radix select a row: the scores' fp32 bits mapped to unsigned keys in the same order, then four
-# passes of 8-bit digits from the top, each a histogram of the digit among the keys that match the
-# digits fixed so far, find the k-th largest key; a last pass writes the entries above it and, in
-# entry order, as many equal to it as the k still need.
+# A radix select spread over the programs: the scores' fp32 bits mapped to unsigned keys in the
+# same order; four passes of 8-bit digits from the top, each a stage of tasks (row, block of BE
+# entries) that add the histogram of their block's digit, among the keys that match the digits
+# fixed so far, into the row's histogram of that digit (int32 atomics: totals that do not depend
+# on the order). A pass's tasks fix the digit before theirs from its histogram and the digits the
+# pass before kept (`_kth_key`), its row's first task keeping them in turn, so that no task reads
+# a chain of histograms. Then every task counts its block's keys above the k-th largest key and
+# equal to it (a stage), and writes its ids at the offset its row's earlier blocks' counts give (a
+# stage): the entries above the k-th key and, in entry order, as many equal to it as needed, in
+# entry order, as a one-program walk would. So a row's selection costs six short stages whatever
+# its length, and grid barriers (or launches) between them.
+SELECT_LEVELS: tl.constexpr = tl.constexpr(4)  # 8-bit digits of a 32-bit key
+SELECT_STAGES: tl.constexpr = tl.constexpr(SELECT_LEVELS + 2)  # the digit passes, the counts, the writes
+HIST_ROWS: tl.constexpr = tl.constexpr(SELECT_LEVELS + 1)  # a row's: a histogram a digit, then the kept digits
 
 
 @triton.jit
@@ -142,73 +161,181 @@ def _ordered(scores):
 
 
 @triton.jit
-def select_task(row, scores_ptr, n_entries, selected_ptr, visible, K: tl.constexpr, BE: tl.constexpr):
-    """selected[row, :K]: the row's top-min(K, visible) entry ids by score (ties at the k-th
-    largest score broken by entry order), then -1. `visible`: the row's visible entries."""
-    if needs_scores(visible, K):
-        _radix_select(row, scores_ptr, n_entries, selected_ptr, visible, K, BE)
-    else:  # every visible entry is kept, in entry order, whatever its score (none read)
-        ids = tl.arange(0, K)
-        tl.store(selected_ptr + row * K + ids, tl.where(ids < visible, ids, -1).to(tl.int64))
+def select_span(R, n_entries, positions_ptr, slots_ptr, RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+    """(blocks of BE entries a row's selection tasks cover: those of the step's most visible
+    entries; whether any row of the step selects, i.e. sees more than K entries). Every program
+    computes the same, so a step in which no row selects can pass the selection's barriers by."""
+    most = tl.zeros((), tl.int64)
+    for r0 in range(0, R, 64):
+        r = r0 + tl.arange(0, 64)
+        slot = tl.load(slots_ptr + r, mask=r < R, other=-1)
+        seen = tl.where(slot >= 0, (tl.load(positions_ptr + r, mask=r < R, other=0) + 1) // RATIO, 0)
+        most = tl.maximum(most, tl.max(tl.minimum(seen, n_entries), 0))
+    return tl.cdiv(most, BE), most > K
 
 
 @triton.jit
-def _radix_select(row, scores_ptr, n_entries, selected_ptr, visible, K: tl.constexpr, BE: tl.constexpr):
-    """`select_task` of a row with more than K visible entries (the comment above)."""
-    need = tl.minimum(visible, K)
-    prefix = tl.zeros((), tl.uint32)  # the digits fixed so far, in place
-    for shift in tl.static_range(24, -8, -8):
-        high_mask = ((0xFFFFFFFF << (shift + 8)) & 0xFFFFFFFF) if shift < 24 else 0
-        hist = tl.zeros((256,), tl.int32)
-        for e0 in range(0, visible, BE):
-            e = e0 + tl.arange(0, BE)
-            keys = _ordered(tl.load(scores_ptr + row * n_entries + e, mask=e < visible, other=0.0))
-            match = (e < visible) & ((keys & high_mask) == (prefix & high_mask))
-            hist += tl.histogram(tl.where(match, (keys >> shift) & 255, 0).to(tl.int32), 256,
-                                 mask=match)
-        above = tl.cumsum(tl.flip(hist, 0), 0)  # keys matching, with this digit >= 255 - i
-        digit = 255 - tl.argmax((above >= need).to(tl.int32), 0)
-        need -= tl.sum(tl.where(tl.arange(0, 256) > digit, hist, 0), 0)
-        prefix = prefix | (digit.to(tl.uint32) << shift)
-    # the k-th largest key is `prefix`; `need` of the keys equal to it are taken, in entry order
-    taken = tl.zeros((), tl.int32)
-    ties = tl.zeros((), tl.int32)
-    for e0 in range(0, visible, BE):
-        e = e0 + tl.arange(0, BE)
-        live = e < visible
-        keys = _ordered(tl.load(scores_ptr + row * n_entries + e, mask=live, other=0.0))
-        tie = live & (keys == prefix)
-        tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
-        take = live & ((keys > prefix) | (tie & (tie_rank < need)))
-        slot = taken + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(selected_ptr + row * K + slot, e.to(tl.int64), mask=take & (slot < K))
-        taken += tl.sum(take.to(tl.int32), 0)
-        ties += tl.sum(tie.to(tl.int32), 0)
-    rest = taken + tl.arange(0, K)
-    tl.store(selected_ptr + row * K + rest, tl.full((K,), -1, tl.int64), mask=rest < K)
-
-
-@triton.jit
-def select_row(row, scores_ptr, n_entries, selected_ptr, positions_ptr, slots_ptr, RATIO: tl.constexpr,
-               K: tl.constexpr, BE: tl.constexpr):
-    """`select_task` of a row, its visible entries from its position (none for a pad row)."""
+def _row_block(t, blocks, n_entries, positions_ptr, slots_ptr, RATIO: tl.constexpr, BE: tl.constexpr):
+    """Task t's (row, entries [BE] of its block, live [BE], the row's visible entries)."""
+    row = t // blocks
     visible = tl.minimum(visible_entries(row, positions_ptr, slots_ptr, RATIO), n_entries)
-    select_task(row, scores_ptr, n_entries, selected_ptr, visible, K, BE)
+    e = (t % blocks) * BE + tl.arange(0, BE)
+    return row, e, e < visible, visible
 
 
 @triton.jit
-def _select(R, scores_ptr, n_entries, selected_ptr, positions_ptr, slots_ptr, RATIO: tl.constexpr,
-            K: tl.constexpr, BE: tl.constexpr):
-    for row in range(tl.program_id(0), R, tl.num_programs(0)):
-        select_row(row, scores_ptr, n_entries, selected_ptr, positions_ptr, slots_ptr, RATIO, K, BE)
+def _keys(scores_ptr, row, n_entries, e, live):
+    return _ordered(tl.load(scores_ptr + row * n_entries + e, mask=live, other=0.0))
+
+
+@triton.jit
+def _kept_key(hist_ptr, row, LEVELS: tl.constexpr):
+    """(the top LEVELS digits of the row's k-th largest key, in place; how many keys that match them
+    the k still need), as the stage that fixed them kept them (`_keep_key`; LEVELS >= 1)."""
+    kept = hist_ptr + (row * HIST_ROWS + SELECT_LEVELS) * 256 + 2 * LEVELS
+    return tl.load(kept, cache_modifier=".cg").to(tl.uint32, bitcast=True), tl.load(kept + 1, cache_modifier=".cg")
+
+
+@triton.jit
+def _keep_key(hist_ptr, row, prefix, need, LEVELS: tl.constexpr):
+    kept = hist_ptr + (row * HIST_ROWS + SELECT_LEVELS) * 256 + 2 * LEVELS
+    tl.store(kept, prefix.to(tl.int32, bitcast=True))
+    tl.store(kept + 1, need)
+
+
+@triton.jit
+def _kth_key(hist_ptr, row, K: tl.constexpr, LEVELS: tl.constexpr):
+    """`_kept_key` of LEVELS digits from the kept LEVELS - 1 and the histogram of digit LEVELS - 1:
+    two loads at once, not a chain of LEVELS histograms."""
+    prefix = tl.zeros((), tl.uint32)
+    need = tl.zeros((), tl.int32) + K
+    if LEVELS > 1:
+        prefix, need = _kept_key(hist_ptr, row, LEVELS - 1)
+    if LEVELS > 0:
+        bins = tl.arange(0, 256)
+        hist = tl.load(hist_ptr + (row * HIST_ROWS + LEVELS - 1) * 256 + bins, cache_modifier=".cg")
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # keys matching, with this digit >= i
+        digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1  # the largest digit with enough keys at or above it
+        need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+        prefix = prefix | (digit.to(tl.uint32) << (32 - 8 * LEVELS))
+    return prefix, need
+
+
+@triton.jit
+def select_pass_task(t, blocks, scores_ptr, n_entries, hist_ptr, positions_ptr, slots_ptr, RATIO: tl.constexpr,
+                     K: tl.constexpr, BE: tl.constexpr, LEVEL: tl.constexpr):
+    """Digit pass LEVEL of task t (row t // blocks, its block t % blocks): the histogram of digit
+    LEVEL among the block's keys that match the digits fixed before it, added into hist[row, LEVEL]."""
+    row, e, live, visible = _row_block(t, blocks, n_entries, positions_ptr, slots_ptr, RATIO, BE)
+    if needs_scores(visible, K) and (t % blocks) * BE < visible:
+        prefix, need = _kth_key(hist_ptr, row, K, LEVEL)
+        if LEVEL > 0 and t % blocks == 0:
+            _keep_key(hist_ptr, row, prefix, need, LEVEL)
+        keys = _keys(scores_ptr, row, n_entries, e, live)
+        SHIFT: tl.constexpr = 24 - 8 * LEVEL
+        match = live
+        if LEVEL > 0:
+            match = match & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist = tl.histogram(tl.where(match, (keys >> SHIFT) & 255, 0).to(tl.int32), 256, mask=match)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_ptr + (row * HIST_ROWS + LEVEL) * 256 + bins, hist, mask=hist > 0, sem="relaxed",
+                      scope="gpu")
+
+
+@triton.jit
+def select_count_task(t, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr, positions_ptr, slots_ptr,
+                      RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+    """counts[row, block] = (its keys above the row's k-th key, its keys equal to it)."""
+    row, e, live, visible = _row_block(t, blocks, n_entries, positions_ptr, slots_ptr, RATIO, BE)
+    if needs_scores(visible, K) and (t % blocks) * BE < visible:
+        kth, need = _kth_key(hist_ptr, row, K, SELECT_LEVELS)
+        if t % blocks == 0:
+            _keep_key(hist_ptr, row, kth, need, SELECT_LEVELS)
+        keys = _keys(scores_ptr, row, n_entries, e, live)
+        at = counts_ptr + (row * blocks + t % blocks) * 2
+        tl.store(at, tl.sum((live & (keys > kth)).to(tl.int32), 0))
+        tl.store(at + 1, tl.sum((live & (keys == kth)).to(tl.int32), 0))
+
+
+@triton.jit
+def select_write_task(t, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr, selected_ptr, positions_ptr, slots_ptr,
+                      RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+    """selected[row, :K] (int64): a selecting row's block writes its ids at the slots after its
+    earlier blocks' (the keys above the k-th and, in entry order, the ties the k still need); a
+    row that keeps every visible entry writes them in order, then -1 (its first block's task)."""
+    row, e, live, visible = _row_block(t, blocks, n_entries, positions_ptr, slots_ptr, RATIO, BE)
+    block = t % blocks
+    if not needs_scores(visible, K):
+        if block == 0:  # every visible entry is kept, in entry order, whatever its score (none read)
+            ids = tl.arange(0, K)
+            tl.store(selected_ptr + row * K + ids, tl.where(ids < visible, ids, -1).to(tl.int64))
+    elif block * BE < visible:
+        kth, need = _kept_key(hist_ptr, row, SELECT_LEVELS)
+        above, ties = tl.zeros((), tl.int32), tl.zeros((), tl.int32)  # in the row's earlier blocks
+        for b0 in range(0, block, BE):
+            b = b0 + tl.arange(0, BE)
+            at = counts_ptr + (row * blocks + b) * 2
+            above += tl.sum(tl.load(at, mask=b < block, other=0, cache_modifier=".cg"), 0)
+            ties += tl.sum(tl.load(at + 1, mask=b < block, other=0, cache_modifier=".cg"), 0)
+        keys = _keys(scores_ptr, row, n_entries, e, live)
+        tie = live & (keys == kth)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = live & ((keys > kth) | (tie & (tie_rank < need)))
+        slot = above + tl.minimum(ties, need) + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(selected_ptr + row * K + slot, e.to(tl.int64), mask=take & (slot < K))
+
+
+@triton.jit
+def select_stage(pid, grid, STAGE: tl.constexpr, R, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr,
+                 selected_ptr, positions_ptr, slots_ptr, RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+    """Program pid's tasks of selection stage STAGE (0 .. 3 the digit passes, 4 the counts, 5 the
+    writes) over `select_span`'s blocks. The histograms must be 0 before stage 0 (`clear_select_hist`)."""
+    blocks = tl.maximum(blocks, 1)  # a step of pad rows still writes its -1s
+    for t in range(pid, R * blocks, grid):
+        if STAGE < SELECT_LEVELS:
+            select_pass_task(t, blocks, scores_ptr, n_entries, hist_ptr, positions_ptr, slots_ptr, RATIO, K, BE,
+                             STAGE)
+        elif STAGE == SELECT_LEVELS:
+            select_count_task(t, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr, positions_ptr, slots_ptr,
+                              RATIO, K, BE)
+        else:
+            select_write_task(t, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr, selected_ptr, positions_ptr,
+                              slots_ptr, RATIO, K, BE)
+
+
+@triton.jit
+def clear_select_hist(pid, grid, R, hist_ptr):
+    """The step's digit histograms (int32 [R, 5, 256]'s first four of a row) set to 0, a row a task."""
+    for row in range(pid, R, grid):
+        for level in tl.static_range(SELECT_LEVELS):
+            tl.store(hist_ptr + (row * HIST_ROWS + level) * 256 + tl.arange(0, 256), tl.zeros((256,), tl.int32))
+
+
+@triton.jit
+def _select(STAGE: tl.constexpr, R, scores_ptr, n_entries, hist_ptr, counts_ptr, selected_ptr, positions_ptr,
+            slots_ptr, RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+    blocks, _ = select_span(R, n_entries, positions_ptr, slots_ptr, RATIO, K, BE)
+    select_stage(tl.program_id(0), tl.num_programs(0), STAGE, R, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr,
+                 selected_ptr, positions_ptr, slots_ptr, RATIO, K, BE)
+
+
+def select_counts(R: int, n_entries: int, block: int) -> int:
+    """int32 values a step's selection keeps for its block counts (two a block of a row)."""
+    return 2 * R * max(triton.cdiv(n_entries, block), 1)
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k: int, ratio: int = 4,
            block: int = SELECT_BLOCK) -> torch.Tensor:
     """The standalone launch: scores fp32 [R, E] (from `scores`) -> selected int64 [R, k], each
-    row's top-min(k, visible) entry ids, then -1 (a pad row: all -1)."""
+    row's top-min(k, visible) entry ids, then -1 (a pad row: all -1). One launch a stage (the
+    launches' order is the stages' barrier)."""
     R, E = scores.shape
     assert k & (k - 1) == 0 and block & (block - 1) == 0 and scores.is_contiguous()
     out = torch.full((R, k), -7, dtype=torch.int64, device=scores.device)  # poison: every slot is written
-    _select[task_grid(R)](R, scores, E, out, positions.contiguous(), slots.contiguous(), RATIO=ratio, K=k, BE=block)
+    hist = torch.zeros((R, HIST_ROWS, 256), dtype=torch.int32, device=scores.device)
+    counts = torch.full((select_counts(R, E, block),), -7, dtype=torch.int32, device=scores.device)
+    positions, slots = positions.contiguous(), slots.contiguous()
+    for stage in range(SELECT_STAGES):
+        _select[task_grid(R * max(triton.cdiv(E, block), 1))](stage, R, scores, E, hist, counts, out, positions,
+                                                                slots, RATIO=ratio, K=k, BE=block)
     return out

@@ -32,17 +32,27 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                entries -> index.scores (indexer.py;
                                                                none for a row that keeps all its
                                                                entries: at most TOPK visible)
-6 (CSA) top-k   select_row     R                               index.scores -> index.selected (TOPK
-                                                               entry ids a row, then -1; a row that
-                                                               keeps all its entries: 0 .. visible - 1)
+6-9 (CSA) top-k digits  select_pass_task  R B               index.scores -> index.hist: the digits
+                                                               of each selecting row's k-th largest
+                                                               score (B = ceil(the step's most visible
+                                                               entries / BE); indexer.py)
+10 (CSA) top-k counts   select_count_task  R B             -> index.counts: a block's keys above
+                                                               and at the k-th
+11 (CSA) top-k writes   select_write_task  R B             -> index.selected (TOPK entry ids a row, in
+                                                               entry order, then -1; a row that keeps
+                                                               all its entries: 0 .. visible - 1)
 Without owed output (layer 0: the embedding is the settled residual) stage 0 only computes the
 partials and `streams` is `residual`. K2 reads q_raw, the ring and the attention site's post/comb,
 after this launch ends (stream order), and on a compressed layer (RATIO > 0) the compressed
 entries, on a CSA layer those of its selection. A window, an HCA and a CSA layer are three builds
-(RATIO, INDEXED compile-time constants); a CSA layer's K1 has two barriers more, and since a
+(RATIO, INDEXED compile-time constants); a CSA layer's K1 has seven barriers more, and since a
 barrier's target counts a family's barriers a launch (sync.py), it is a sync family of its own,
-"k1c" (`stage_names`).
-Waits: a grid barrier after each stage but the last; an expired wait names the stage.
+"k1c" (`stage_names`). Its first stage also clears the top-k's digit histograms.
+Waits: a grid barrier after each stage but the last; an expired wait names the stage. In a step
+where no row selects (every row sees at most TOPK entries) the programs pass the barriers
+before the top-k's digit passes, counts and writes without waiting (`pass_barrier`: all of them
+alike, as every program reads the same positions) and run only the writes (of rows that keep
+every entry).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes; the
 compressor's, compress.py; the indexer's, indexer.py).
 Scratch: `Scratch` of the step's width (on a compressed layer also its projections; on a CSA
@@ -73,11 +83,12 @@ from . import compress as C
 from . import hc as HC
 from . import indexer as I
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
-from .sync import SyncArgs, barrier, begin_launch, end_launch
+from .sync import SyncArgs, barrier, begin_launch, end_launch, pass_barrier
 from .weights import Fp8Matrix, compressor_halves
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
-INDEXED_STAGES = STAGES + ["k1 index scores", "k1 index top-k"]  # a CSA layer's K1: its own family, "k1c"
+INDEXED_STAGES = STAGES + ["k1 index scores"] + [f"k1 top-k digit {i + 1}" for i in range(I.SELECT_LEVELS)] + [
+    "k1 top-k counts", "k1 top-k writes"]  # a CSA layer's K1: its own family, "k1c"
 
 
 def stage_names(family: str) -> list[str]:
@@ -111,6 +122,8 @@ class IndexArgs(NamedTuple):
     wq_b: Fp8Matrix  # [HI DI, q_lora]
     q: torch.Tensor  # [R, HI DI] bf16: wq_b(qr), before its RoPE
     scores: torch.Tensor  # fp32 [R, K1Args.index_entries]
+    hist: torch.Tensor  # int32 [R, 5, 256]: the top-k's digit histograms (cleared by stage 0), kept digits
+    counts: torch.Tensor  # int32: the top-k's block counts (indexer.select_counts)
     selected: torch.Tensor  # int64 [R, TOPK]: entry ids, then -1
     weights_scale: float  # HI^-0.5
     score_scale: float  # DI^-0.5
@@ -217,6 +230,8 @@ def _k1(a, m):
     for t in range(pid, tl.cdiv(a.rows, m.RB) * tl.cdiv(a.d, m.CHUNK), grid):
         HC.fold_task(t, a.rows, a.d, a.residual, a.owed_y, a.d, a.owed_post, a.owed_comb, a.streams, a.hc_fn,
                      a.partials, m.HC, m.MIXP, m.RB, m.CHUNK, m.HAS_OWED)
+    if m.INDEXED:
+        I.clear_select_hist(pid, grid, a.rows, a.index.hist)
     barrier(a.sync, epoch, 0, m.B, m.TIMELINE, m.FAST)
 
     for t in range(pid, 2 * a.rows, grid):  # hc.settle_tasks: a collapse and a mix task a row
@@ -267,13 +282,19 @@ def _k1(a, m):
                 _emit(t - a.rows, a, a.index.comp, a.index_span, a.index_entries, m.DI, m.RD, m.RATIO, m.HALVES, m.ESB)
     if m.INDEXED:
         ix = a.index
+        blocks, selects = I.select_span(a.rows, a.index_entries, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
         barrier(a.sync, epoch, 4, m.B, m.TIMELINE, m.FAST)
         for t in range(pid, I.score_tasks_of(a.rows, a.index_entries, m.KE), grid):
             I.score_task(t, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries, a.index_entries, ix.scores,
                          m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI, m.KE, m.FAST, m.TOPK)
-        barrier(a.sync, epoch, 5, m.B, m.TIMELINE, m.FAST)
-        for row in range(pid, a.rows, grid):
-            I.select_row(row, ix.scores, a.index_entries, ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
+        for stage in tl.static_range(I.SELECT_STAGES):
+            if selects:
+                barrier(a.sync, epoch, 5 + stage, m.B, m.TIMELINE, m.FAST)
+            else:
+                pass_barrier(a.sync, 5 + stage, m.TIMELINE)
+            if selects or stage == I.SELECT_STAGES - 1:  # the writes: also a row's that keeps every entry
+                I.select_stage(pid, grid, stage, a.rows, blocks, ix.scores, a.index_entries, ix.hist, ix.counts,
+                               ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
     end_launch(a.sync, epoch, m.B, m.TIMELINE)
 
 
@@ -421,7 +442,8 @@ def _indexer(lw, cache, s, c) -> IndexArgs:
                        s.index_source_gate)
     if ix is None:
         kv = cache.window.data["kv"]
-        return IndexArgs(comp, kv, s.index_weights, Fp8Matrix(kv, kv), s.index_q, s.partials, s.selected, 1.0, 1.0)
-    return IndexArgs(comp, ix.weights_proj, s.index_weights, ix.wq_b, s.index_q,
-                     s.scores(_entries(ix.compressor, cache, "index_entries")),
-                     s.selected, c.index_n_heads ** -0.5, c.index_head_dim ** -0.5)
+        return IndexArgs(comp, kv, s.index_weights, Fp8Matrix(kv, kv), s.index_q, s.partials, s.select_hist,
+                         s.select_hist, s.selected, 1.0, 1.0)
+    n_entries = _entries(ix.compressor, cache, "index_entries")
+    return IndexArgs(comp, ix.weights_proj, s.index_weights, ix.wq_b, s.index_q, s.scores(n_entries), s.select_hist,
+                     s.select_counts(n_entries), s.selected, c.index_n_heads ** -0.5, c.index_head_dim ** -0.5)

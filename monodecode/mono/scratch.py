@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from . import attention as A
 from . import hc as HC
+from . import indexer as I
 
 
 class Scratch:
@@ -62,6 +63,8 @@ class Scratch:
         self.index_source_kv, self.index_source_gate = bf16(r, 2 * di), bf16(r, 2 * di)
         self.index_weights, self.index_q = bf16(r, hi), bf16(r, hi * di)
         self.index_scores: dict[int, torch.Tensor] = {}
+        self.index_counts: dict[int, torch.Tensor] = {}
+        self.select_hist = torch.zeros((r, I.HIST_ROWS, 256), dtype=torch.int32, device=device)
         self.selected = torch.full((r, c.index_topk), -1, dtype=torch.int64, device=device)  # K1 -> K2
         self.device = torch.device(device)
         # MoE
@@ -111,6 +114,12 @@ class Scratch:
         """The index scores of a CSA layer whose cache holds `n_entries` entries a slot (fp32
         [rows, n_entries]), one buffer a size, made at its first use (as `park`)."""
         return self._first_use(self.index_scores, n_entries, "index scores", (self.rows, max(n_entries, 1)))
+
+    def select_counts(self, n_entries: int) -> torch.Tensor:
+        """The top-k's block counts for a CSA layer whose cache holds `n_entries` entries a slot
+        (int32, `indexer.select_counts` at the smallest block), one buffer a size (as `park`)."""
+        values = I.select_counts(self.rows, n_entries, I.MIN_SELECT_BLOCK)
+        return self._first_use(self.index_counts, n_entries, "top-k block counts", (values,)).view(torch.int32)
 
     def _first_use(self, buffers: dict, key: int, what: str, shape: tuple[int, ...]) -> torch.Tensor:
         """buffers[key], an fp32 tensor of `shape` made now if it is not there yet: at a width's eager

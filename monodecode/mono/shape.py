@@ -20,8 +20,8 @@ as fill the programs, `attend_entries.entry_splits`; else that many, a power of 
 interpreter's one program needs to run the split tasks at all); a window layer's attend spreading
 each pair's output chunks over `attend_parts` tasks (0: as many as fill the programs,
 `attention.output_parts`; else that many, a power of two up to head_dim / 64); a CSA layer's
-top-k selection loading `select_block` of a row's scores at once in each of its passes (a power
-of two; `indexer.select_task`).
+top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (a
+power of two; `indexer.select_stage`).
 The defaults are the fastest shapes measured (docs/notes/; on the H200; `attend_parts` at 1-6 and
 48 rows on an H100, on the H200 at 16 rows only; `select_block` not yet timed at long context).
 """

@@ -206,6 +206,16 @@ def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr, LEADER: tl.con
 
 
 @triton.jit
+def pass_barrier(sync, k, TIMELINE: tl.constexpr):
+    """Barrier k passed by without waiting: this program's arrival counted (so that the launch's
+    later barriers' targets hold) and stamped as arrival and release. Only where every program
+    of the launch passes barrier k so, and no stage after it reads what the stage before wrote."""
+    stamp(sync.timeline, 2 * k + 1, TIMELINE)
+    signal(sync.words + _BARRIER)
+    stamp(sync.timeline, 2 * k + 2, TIMELINE)
+
+
+@triton.jit
 def clock_ns():
     """The GPU's global timer (ns; NVIDIA PTX, so compiled only when a timeline is asked for)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
