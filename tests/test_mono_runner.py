@@ -455,14 +455,16 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
 
 
 def test_an_expired_wait_in_the_csa_layers_k1_names_its_stage(decoder):
-    """The CSA layer's K1 is a sync family of its own (two stages more): an expired wait at its
-    barrier 5 (recorded by the kernel as 6) names the index scores, the stage it waited on."""
+    """The CSA layer's K1 is a sync family of its own (seven stages more): an expired wait at its
+    barrier 5 (recorded by the kernel as 6) names the index scores, the stage it waited on, and
+    one at barrier 10 the top-k's counts."""
     from monodecode.mono.sync import ERROR, MonoSyncError
 
-    decoder.mono.sync["k1c"].words[ERROR] = 6
-    with pytest.raises(MonoSyncError, match="k1 index scores"):
-        decoder.mono.check()
-    assert int(decoder.mono.sync["k1c"].words[ERROR]) == 0  # the counters start over
+    for recorded, stage in ((6, "k1 index scores"), (11, "k1 top-k counts")):
+        decoder.mono.sync["k1c"].words[ERROR] = recorded
+        with pytest.raises(MonoSyncError, match=stage):
+            decoder.mono.check()
+        assert int(decoder.mono.sync["k1c"].words[ERROR]) == 0  # the counters start over
 
 
 def test_an_expired_wait_for_attend_splits_raises_and_the_next_step_runs(decoder):

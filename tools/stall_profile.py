@@ -15,9 +15,10 @@ each profiled kernel's SASS with its samples (`ncu --import ... --page source --
     python tools/stall_profile.py summary SOURCE.csv
 
 sums the samples by stage. A stage of a persistent kernel is its code up to a grid barrier's
-signal (`sync.signal`'s release increment: the only `REDG.E.ADD.STRONG.GPU` the kernels have), so
-a kernel with B signals has B + 1 stages, named from its family's stages (K1 5, a CSA layer's
-K1 7, K2 7, K3 4; the kernels in launch order).
+signal (`sync.signal`'s release increment, a `REDG.E.ADD.STRONG.GPU`), so a kernel with B signals
+has B + 1 stages, named from its family's stages (K1 5, a CSA layer's K1 12, K2 7, K3 4; the
+kernels in launch order). A CSA / HCA layer's K2 also signals inside attend (its entry splits, at
+their pair's ticket), so its stages come out numbered, attend's first three of them.
 Per stage: its share of the kernel's samples; of them, the wait at the grid barrier before it
 (the code from the previous stage's signal to the first CTA barrier after it, where a program's
 warps wait while one of them polls: a stage that few programs work in shows mostly as the next
@@ -47,7 +48,7 @@ PROFILED = "profiled"  # the NVTX range of the launches to sample
 
 def stage_names(kernel: int, count: int) -> list[str]:
     """The names of the `count` stages of profiled kernel `kernel` (in launch order: K1, K2, K3,
-    then again): its family's whose stage count matches (a CSA layer's K1 has two stages more),
+    then again): its family's whose stage count matches (a CSA layer's K1 has seven stages more),
     else numbered."""
     from monodecode.mono import k1, k2
     families = ([k1.stage_names("k1"), k1.stage_names("k1c")], [k2.stage_names("k2")], [k2.stage_names("k3")])

@@ -201,7 +201,7 @@ class K1Meta(NamedTuple):
     SPLIT_C: int
     ESB: int  # the emission's slots a block (compress.SB)
     COMPRESSORS: int  # 0 (window), 1 (HCA), 2 (CSA: the layer's and the indexer's)
-    INDEXED: bool  # a CSA layer: the indexer's GEMVs, emissions, scores and top-k (two stages more)
+    INDEXED: bool  # a CSA layer: the indexer's GEMVs, emissions, scores and top-k (seven stages more)
     B: int  # the launch's grid barriers (len(stage_names) - 1)
     BN_I: int  # the indexer compressor's GEMVs' blocks
     BK_I: int

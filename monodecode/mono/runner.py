@@ -57,7 +57,7 @@ log = logging.getLogger("monodecode.mono")
 
 def kernel_grids(shape: LaunchShape, sms: int) -> dict[str, int]:
     """Programs a launch of each kernel family takes on `sms` SMs with `shape`: K1 (`k1c`: a CSA
-    layer's, two stages more), K2 and K3 (the routed experts)."""
+    layer's, seven stages more), K2 and K3 (the routed experts)."""
     return {"k1": sms * shape.k1_programs_per_sm, "k1c": sms * shape.k1_programs_per_sm,
             "k2": sms * shape.k2_programs_per_sm, "k3": sms * shape.expert_programs_per_sm}
 
