@@ -189,16 +189,22 @@ def _keys(scores_ptr, row, n_entries, e, live):
 
 
 @triton.jit
+def _kept_at(hist_ptr, row, LEVELS: tl.constexpr):
+    """Where the row's pair for LEVELS fixed digits lies: its histograms' last row, cells 2 LEVELS, +1."""
+    return hist_ptr + (row * HIST_ROWS + SELECT_LEVELS) * 256 + 2 * LEVELS
+
+
+@triton.jit
 def _kept_key(hist_ptr, row, LEVELS: tl.constexpr):
     """(the top LEVELS digits of the row's k-th largest key, in place; how many keys that match them
     the k still need), as the stage that fixed them kept them (`_keep_key`; LEVELS >= 1)."""
-    kept = hist_ptr + (row * HIST_ROWS + SELECT_LEVELS) * 256 + 2 * LEVELS
+    kept = _kept_at(hist_ptr, row, LEVELS)
     return tl.load(kept, cache_modifier=".cg").to(tl.uint32, bitcast=True), tl.load(kept + 1, cache_modifier=".cg")
 
 
 @triton.jit
 def _keep_key(hist_ptr, row, prefix, need, LEVELS: tl.constexpr):
-    kept = hist_ptr + (row * HIST_ROWS + SELECT_LEVELS) * 256 + 2 * LEVELS
+    kept = _kept_at(hist_ptr, row, LEVELS)
     tl.store(kept, prefix.to(tl.int32, bitcast=True))
     tl.store(kept + 1, need)
 
