@@ -50,8 +50,8 @@ barrier's target counts a family's barriers a launch (sync.py), it is a sync fam
 "k1c" (`stage_names`). Its first stage also clears the top-k's digit histograms.
 Waits: a grid barrier after each stage but the last; an expired wait names the stage. In a step
 where no row selects (every row sees at most TOPK entries) the programs pass the barriers
-before the top-k's digit passes, counts and writes without waiting (`pass_barrier`: all of them
-alike, as every program reads the same positions) and run only the writes (of rows that keep
+before the top-k's digit passes, counts and writes without waiting (`pass_barriers`: all of them
+alike, as every program reads the same positions; one relaxed increment counts the six) and run only the writes (of rows that keep
 every entry).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes; the
 compressor's, compress.py; the indexer's, indexer.py).
@@ -83,7 +83,7 @@ from . import compress as C
 from . import hc as HC
 from . import indexer as I
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
-from .sync import SyncArgs, barrier, begin_launch, end_launch, pass_barrier
+from .sync import SyncArgs, barrier, begin_launch, end_launch, pass_barriers
 from .weights import Fp8Matrix, compressor_halves
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
@@ -290,8 +290,8 @@ def _k1(a, m):
         for stage in tl.static_range(I.SELECT_STAGES):
             if selects:
                 barrier(a.sync, epoch, 5 + stage, m.B, m.TIMELINE, m.FAST)
-            else:
-                pass_barrier(a.sync, 5 + stage, m.TIMELINE)
+            elif stage == 0:
+                pass_barriers(a.sync, 5, I.SELECT_STAGES, m.TIMELINE)
             if selects or stage == I.SELECT_STAGES - 1:  # the writes: also a row's that keeps every entry
                 I.select_stage(pid, grid, stage, a.rows, blocks, ix.scores, a.index_entries, ix.hist, ix.counts,
                                ix.selected, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)

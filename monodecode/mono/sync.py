@@ -206,13 +206,15 @@ def barrier(sync, epoch, k, num_barriers, TIMELINE: tl.constexpr, LEADER: tl.con
 
 
 @triton.jit
-def pass_barrier(sync, k, TIMELINE: tl.constexpr):
-    """Barrier k passed by without waiting: this program's arrival counted (so that the launch's
-    later barriers' targets hold) and stamped as arrival and release. Only where every program
-    of the launch passes barrier k so, and no stage after it reads what the stage before wrote."""
-    stamp(sync.timeline, 2 * k + 1, TIMELINE)
-    signal(sync.words + _BARRIER)
-    stamp(sync.timeline, 2 * k + 2, TIMELINE)
+def pass_barriers(sync, FIRST: tl.constexpr, COUNT: tl.constexpr, TIMELINE: tl.constexpr):
+    """Barriers FIRST .. FIRST + COUNT - 1 passed by without waiting: this program's COUNT arrivals
+    counted by one relaxed increment (the launch's later barriers' targets hold, and their release
+    publishes what came before) and each stamped as arrival and release. Only where every program
+    of the launch passes them so, and no stage between them reads what one before it wrote."""
+    for k in tl.static_range(FIRST, FIRST + COUNT):
+        stamp(sync.timeline, 2 * k + 1, TIMELINE)
+        stamp(sync.timeline, 2 * k + 2, TIMELINE)
+    tl.atomic_add(sync.words + _BARRIER, COUNT, sem="relaxed", scope="gpu")
 
 
 @triton.jit
