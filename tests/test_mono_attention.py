@@ -350,22 +350,65 @@ def test_attend_over_selected_entries(device, rows, splits):
     assert (o[slots < 0] == 0).all()
 
 
-def test_expired_split_wait_raises_and_keeps_tickets(device):
-    """A window task whose entry splits never reach its ticket (tickets far below zero) gives up
-    after its polls: the launch ends, MonoSyncError names attend, and every ticket ends where it
-    began (the splits' signals and the window task's take-back cancel)."""
+@pytest.mark.parametrize("parts", [1, 2])
+def test_expired_split_wait_raises_and_keeps_tickets(device, parts):
+    """Window tasks whose entry splits never reach their ticket (tickets far below zero) give up
+    after their polls: the launch ends, MonoSyncError names attend, and every ticket ends where
+    it began (the splits' signals and the last window task's take-back cancel), the arrivals of
+    `parts` window tasks a pair back at 0."""
     from monodecode.mono.sync import MonoSyncError
     config, attn, positions, slots, groups, cache, _ = setup(device, 5, seed=700)
     g = torch.Generator().manual_seed(700)
     D, n_heads = config.head_dim, config.num_attention_heads
     entries = torch.randn(NUM_SLOTS, (int(positions.max()) + 1) // 128 + 3, D, generator=g).to(torch.bfloat16)
     q_raw = (3 * torch.randn(5, n_heads, D, generator=g)).to(torch.bfloat16).to(device)
-    tickets = torch.full((A.attend_tasks(5, n_heads),), -1000, dtype=torch.int32, device=device)
+    pairs = A.attend_tasks(5, n_heads)
+    tickets = torch.zeros(2 * pairs, dtype=torch.int32, device=device)
+    tickets[:pairs] = -1000
     with pytest.raises(MonoSyncError, match="'attend'"):
         A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
                  config.sliding_window, config.rms_norm_eps, entries=entries.to(device), ratio=128, entry_block=16,
-                 splits=2, tickets=tickets, max_polls=64)
-    assert (tickets == -1000).all()
+                 splits=2, parts=parts, d_chunk=16, tickets=tickets, max_polls=64)
+    assert (tickets[:pairs] == -1000).all() and (tickets[pairs:] == 0).all()
+
+
+@pytest.mark.parametrize("rows,splits,parts", [(1, 2, 4), (5, 0, 2), (5, 4, 2)])
+def test_compressed_output_parts_equal_one_task(device, rows, splits, parts):
+    """A compressed layer's pair spread over `parts` window tasks (each waiting for the entry
+    splits, or with splits 0 parking every entry's logits itself) gives bit for bit what one
+    window task gives, and the last of them takes the tickets back to 0: a second launch on
+    the same tickets gives the same again."""
+    config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=800 + rows + parts)
+    g = torch.Generator().manual_seed(800 + rows)
+    D, n_heads = config.head_dim, config.num_attention_heads
+    entries = torch.randn(NUM_SLOTS, (int(positions.max()) + 1) // 128 + 3, D, generator=g).to(torch.bfloat16)
+    q_raw = (3 * torch.randn(rows, n_heads, D, generator=g)).to(torch.bfloat16).to(device)
+    for grp in groups:  # the step's rows in the ring, as stage 1 writes them
+        cache.window.write(grp.slot, grp.positions,
+                           {"kv": torch.randn(len(grp.index), D, generator=g).to(torch.bfloat16).to(device)})
+    args = (q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device),
+            config.sliding_window, config.rms_norm_eps)
+    options = dict(entries=entries.to(device), ratio=128, entry_block=16, splits=splits, d_chunk=16, poison=True)
+    one = A.attend(*args, **options)
+    tickets = torch.zeros(2 * A.attend_tasks(rows, n_heads), dtype=torch.int32, device=device)
+    for _ in range(2):
+        spread = A.attend(*args, parts=parts, tickets=tickets, **options)
+        assert torch.equal(spread, one)
+        assert (tickets == 0).all()
+
+
+def test_compressed_layout_fills_one_round():
+    """A compressed layer's (splits, parts): parts as `output_parts` gives for half the programs,
+    splits filling what they leave: (splits + parts) tasks a pair within the programs."""
+    for rows in range(1, 49):
+        for entries in (4, 512, 1024):
+            splits, parts = A.compressed_layout(rows, 64, 512, entries, 132)
+            assert parts == A.output_parts(rows, 64, 512, 66)
+            assert splits == AE.entry_splits(rows, 64, entries, 132, parts)
+            assert rows * 4 * (splits + parts) <= 132 or (splits, parts) == (0, 1)
+    assert A.compressed_layout(1, 64, 512, 512, 132) == (8, 8)
+    assert A.compressed_layout(6, 64, 512, 512, 132) == (2, 2)
+    assert A.compressed_layout(1, 64, 512, 512, 132, parts=2) == (8, 2)
 
 
 def test_entry_splits_fill_one_round():

@@ -2,19 +2,21 @@
 entry blocks a row attends, their logits parked for one softmax with the window's, and the entry
 splits that spread them over more tasks.
 
-Entry splits (SPLITS > 0, a power of two; `attention.attend_tasks(R, H, HB, SPLITS)` tasks): a pair
-(row, head block) has SPLITS + 1 tasks, t = pair (SPLITS + 1) + part. Part s < SPLITS takes
-the entry blocks s, s + SPLITS, ... (parking their logits in its own park), stores the heads'
-max logit m_s, their mass sum exp(logit - m_s) and partial output probs @ entries (fp32 [HB,
-D], undivided) into `partials` (`split_partials` values: every pair's outputs, then every
-pair's [SPLITS, 2, HB] stats), then signals the pair's ticket (int32, 0 between launches; a
-split with no block stores m_s = -inf, mass 0 and no output). Part SPLITS, the window's task,
-waits until the ticket reaches SPLITS (bounded: `max_polls`, an expired wait records STAGE + 1
-in the error word of `sync_ptr` and the task goes on), subtracts SPLITS, and scales each
-split's mass and output by exp(m_s - m) for the common max m of the window, the splits and
-the sink. Waits go only to lower-numbered tasks, which never wait: no cycle, and under the
-interpreter (tasks in order) every wait is already met. Fp32 summation order differs from the
-unsplit task's only.
+Entry splits (SPLITS > 0, a power of two; `attention.attend_tasks(R, H, HB, SPLITS, PARTS)`
+tasks): a pair (row, head block) has SPLITS + PARTS tasks, t = pair (SPLITS + PARTS) + part. Part
+s < SPLITS takes the entry blocks s, s + SPLITS, ... (parking their logits in its own park),
+stores the heads' max logit m_s, their mass sum exp(logit - m_s) and partial output probs @
+entries (fp32 [HB, D], undivided) into `partials` (`split_partials` values: every pair's outputs,
+then every pair's [SPLITS, 2, HB] stats), then signals the pair's ticket (a split with no block
+stores m_s = -inf, mass 0 and no output). Parts SPLITS .. SPLITS + PARTS - 1, the window's tasks
+(each its share of the output chunks), wait until the ticket reaches SPLITS (bounded:
+`max_polls`, an expired wait records STAGE + 1 in the error word of `sync_ptr` and the task goes
+on) and scale each split's mass and output by exp(m_s - m) for the common max m of the window,
+the splits and the sink. Tickets (int32 [2, pairs], 0 between launches): a pair's splits' signals,
+then its window tasks' arrivals after their output; the last of the PARTS to arrive takes both
+back down (`release_splits`), so no window task finds its ticket lowered while it waits. Waits
+go only to lower-numbered tasks, which never wait: no cycle, and under the interpreter (tasks in
+order) every wait is already met. Fp32 summation order differs from the unsplit task's only.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ KE = 64  # compressed entries of a block: the N side of q . k
 MAX_SPLITS = 8  # entry splits a (row, head block) pair: the window task holds [SPLITS, HB, BD] of their outputs
 
 
-def entry_splits(R: int, H: int, entries: int, programs: int, HB: int = HB, KE: int = KE) -> int:
+def entry_splits(R: int, H: int, entries: int, programs: int, parts: int = 1, HB: int = HB, KE: int = KE) -> int:
     """Entry splits a pair of a compressed layer's attend (`entries`: the most a row attends, its
-    blocks of KE the work to spread) for a launch of `programs` programs: as many as leave every
-    pair's tasks one round of the programs, a power of two, at most MAX_SPLITS and no more than
-    the blocks; 0 (the window's task takes the entries itself) when the pairs fill the programs."""
+    blocks of KE the work to spread; `parts` window tasks a pair) for a launch of `programs`
+    programs: as many as leave every pair's tasks one round of the programs, a power of two, at
+    most MAX_SPLITS and no more than the blocks; 0 (the window's tasks take the entries
+    themselves) when the pairs' window tasks fill the programs."""
     pairs = R * triton.cdiv(H, HB)
-    fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // pairs - 1)
+    fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // pairs - parts)
     return 0 if fit < 1 else power_of_two_at_most(fit)
 
 
@@ -154,15 +157,27 @@ def entry_split(part, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_pt
 @triton.jit
 def await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE: tl.constexpr, SPLITS: tl.constexpr,
                  LEADER: tl.constexpr):
-    """The window task's wait for its pair's SPLITS entry splits (bounded: an expired wait records
-    STAGE in the error word and the task goes on with what is there), then the ticket taken back
-    down by SPLITS, so it is 0 between launches even after a wait gave up (every signal comes)."""
-    ticket = tickets_ptr + pair
+    """A window task's wait for its pair's SPLITS entry splits (bounded: an expired wait records
+    STAGE in the error word and the task goes on with what is there)."""
     if LEADER:
-        leader_wait(ticket, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
+        leader_wait(tickets_ptr + pair, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
     else:
-        wait_at_least(ticket, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
-    tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
+        wait_at_least(tickets_ptr + pair, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
+
+
+@triton.jit
+def release_splits(pair, n_pairs, tickets_ptr, SPLITS: tl.constexpr, PARTS: tl.constexpr):
+    """A window task's arrival once its output is written: the last of the pair's PARTS takes the
+    ticket back down by SPLITS and the arrivals by PARTS, so both are 0 between launches even
+    after a wait gave up (every signal and arrival comes)."""
+    ticket = tickets_ptr + pair
+    if PARTS == 1:
+        tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
+    else:
+        arrivals = tickets_ptr + n_pairs + pair
+        if tl.atomic_add(arrivals, 1, sem="relaxed", scope="gpu") == PARTS - 1:
+            tl.atomic_add(arrivals, -PARTS, sem="relaxed", scope="gpu")
+            tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
 
 
 @triton.jit

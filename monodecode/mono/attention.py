@@ -55,10 +55,12 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   ids first (the top-k stage's contract), so it attends the first min(TOPK, (p + 1) // RATIO).
   Entry splits (SPLITS > 0): a pair's compressed entries spread over SPLITS more tasks, whose
   partial softmaxes the window's task waits for and combines (`attend_entries.py`).
-  Output parts (PARTS > 1, a window layer only): a pair's D / BD output chunks spread over PARTS
-  window tasks, t = pair PARTS + part, part p writing chunks p C / PARTS .. (p + 1) C / PARTS - 1
-  of the C; each computes the pair's whole softmax, so each chunk is what one task would write,
-  bit for bit, and no task waits.
+  Output parts (PARTS > 1): a pair's D / BD output chunks spread over PARTS window tasks,
+  t = pair (SPLITS + PARTS) + SPLITS + p, part p writing chunks p C / PARTS .. (p + 1) C / PARTS - 1
+  of the C; each computes the pair's whole softmax (on a compressed layer each waits for the
+  pair's entry splits, or parks all its entries' logits itself), so each chunk is what one task
+  would write, bit for bit. A task's chunks run one after another, each a chain of loads and
+  dots, so the parts shorten the stage more than the logits they compute again lengthen it.
 - Ring layout (`PositionRing`): kv [S, ring_size, D] bf16 and pos [S, ring_size] int64, both
   contiguous. Stage order: norm_rope_kv, then the wq_b GEMV that reads qr, then attend; attend
   reads what both wrote, so grid barriers (or the end of a launch) must separate them.
@@ -83,7 +85,8 @@ import triton
 import triton.language as tl
 
 from .attend_entries import (KE, MAX_SPLITS, attended_entries, await_splits, entries_out, entry_split,
-                             park_entry_logits, parked_mass, split_partials, split_stats, splits_out)
+                             entry_splits, park_entry_logits, parked_mass, release_splits, split_partials,
+                             split_stats, splits_out)
 from .attention_math import (HB, heads_inverse_rms, key_chunk, pair_offsets, power_of_two_at_most, rms_norm, rope,
                              scaled_logits)
 from .plan import fast_dots, interpreted, task_grid
@@ -108,6 +111,14 @@ def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = 
     pair's tasks one round of the programs, a power of two, at most D / BD (1: one task a pair)."""
     fit = min(D // BD, programs // (R * triton.cdiv(H, HB)))
     return 1 if fit < 1 else power_of_two_at_most(fit)
+
+
+def compressed_layout(R: int, H: int, D: int, entries: int, programs: int, parts: int = 0) -> tuple[int, int]:
+    """(entry splits, output parts) a pair of a compressed layer's attend (`entries`: the most a
+    row attends): the output parts `parts` or (0) as many as fill up to half of the programs
+    (`output_parts`), the entry splits what is left of one round (`attend_entries.entry_splits`)."""
+    parts = parts or output_parts(R, H, D, programs // 2)
+    return entry_splits(R, H, entries, programs, parts), parts
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------
@@ -187,7 +198,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                 KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr,
                 STAGE: tl.constexpr):
     """Task t of (row, head block) pairs, SPLITS + PARTS a pair: entry splits 0 .. SPLITS - 1, then
-    the window's tasks, PARTS of them (SPLITS 0 then), each of which writes its share of
+    the window's tasks, PARTS of them, each of which writes its share of
     o[row, block heads] (output chunks (part - SPLITS) C / PARTS .., of the C = D / BD) from the
     raw heads (normalised and rotated as they are loaded), the whole window in two passes over
     D (module docstring); RATIO > 0: and the row's compressed entries (every visible one, TOPK 0,
@@ -265,6 +276,8 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
             _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_rows, valid, o_ptr, rows, hmask,
                           park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales, D, RD, HB,
                           BD, FAST, True, RATIO, KE, TOPK, SPLITS)
+        if RATIO > 0 and SPLITS > 0:
+            release_splits(pair, n_rows * n_blocks, tickets_ptr, SPLITS, PARTS)
 
 
 # --- standalone launches --------------------------------------------------------------------------
@@ -350,10 +363,10 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     `window` counting the block. `poison` fills o with NaN first. num_stages 3 pipelines the chunk
     loads (faster than 2 on the H200). A compressed layer (`ratio`) can spread its entries over
     `splits` tasks a pair (a power of two): its window tasks then wait on them, so the launch is
-    cooperative, at most a program a SM, through `tickets` (int32, a pair's each, 0 between launches;
+    cooperative, at most a program a SM, through `tickets` (int32 [2, pairs], 0 between launches;
     made here if None) and a wait of `max_polls` polls, which raises MonoSyncError if it expires.
-    A window layer (`ratio` 0) can spread a pair's output chunks over `parts` tasks (a power of two
-    dividing D / d_chunk; `output_parts`)."""
+    A pair's output chunks can spread over `parts` tasks (a power of two dividing D / d_chunk;
+    `output_parts`, `compressed_layout`)."""
     q = q_raw
     R, H, D = q.shape
     assert block >= 0 and (block == 0 or (R % block == 0 and window > block)), \
@@ -365,8 +378,8 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     assert D % chunk == 0 and chunk & (chunk - 1) == 0, "D must be a multiple of a power-of-two chunk"
     assert splits == 0 or (ratio and splits & (splits - 1) == 0 and splits <= MAX_SPLITS), \
         f"entry splits ({splits}): a power of two up to {MAX_SPLITS}, on a compressed layer"
-    assert parts == 1 or (not ratio and parts & (parts - 1) == 0 and parts <= D // chunk), \
-        f"output parts ({parts}): a power of two up to D / d_chunk = {D // chunk}, on a window layer"
+    assert parts & (parts - 1) == 0 and 1 <= parts <= D // chunk, \
+        f"output parts ({parts}): a power of two up to D / d_chunk = {D // chunk}"
     ring_kv, ring_pos = _check_ring(ring, D)
     assert ring_kv.numel() < 2**31, "the ring is addressed with int32 offsets"
     o = _empty((R, H, D), q, poison)
@@ -383,8 +396,8 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
         assert ratio and selected.shape[0] == R and selected.dtype == torch.int64 and selected.is_contiguous()
     pairs = attend_tasks(R, H, heads_per_task)
     if tickets is None:
-        tickets = torch.zeros(pairs, dtype=torch.int32, device=q.device)
-    assert tickets.dtype == torch.int32 and tickets.numel() >= pairs
+        tickets = torch.zeros(2 * pairs, dtype=torch.int32, device=q.device)
+    assert tickets.dtype == torch.int32 and tickets.numel() >= 2 * pairs
     partials = torch.empty(max(split_partials(R, H, D, splits, heads_per_task), 1), dtype=torch.float32,
                            device=q.device)
     sync = SyncState(q.device, ["attend"])

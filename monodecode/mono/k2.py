@@ -15,10 +15,10 @@ K2:
                                                       entries (HCA) or those K1 selected (CSA,
                                                       TOPK > 0; logits parked in `park`; SPLITS
                                                       entry splits a pair, their partials
-                                                      combined by the pair's window task), sinks
-                                                      -> o (inverse RoPE; zero for pad rows); on a
-                                                      window layer a pair's output chunks over
-                                                      PARTS tasks, each with the whole softmax
+                                                      combined by the pair's window tasks), sinks
+                                                      -> o (inverse RoPE; zero for pad rows); a
+                                                      pair's output chunks over PARTS window
+                                                      tasks, each with the whole softmax
 1 wo_a      gemv_stage, grouped    ceil(G*o_lora/BN_OA) * SPLIT_O   o -> z
 2 wo_b      gemv_stage             ceil(d/BN_OB) * SPLIT_Z  z -> attn_out
 3 fold      hc.fold_task           as in K1           residual, attn_out, the attention site's
@@ -50,7 +50,8 @@ names the stage it waited on (`stage_names`). Inside stage 6 the route tasks cou
 `Scratch.route_ticket`, 0 between launches), and the last one groups the picks: it waits on
 nothing, it only finds out that it is last. Inside stage 0 a compressed layer's window tasks
 wait (bounded, naming attend) at their pair's ticket (`Scratch.attend_tickets`, 0 between
-launches) for the SPLITS entry splits numbered before them, which wait on nothing.
+launches) for the SPLITS entry splits numbered before them, which wait on nothing; the last of
+a pair's PARTS window tasks to finish takes the ticket back down (`attend_entries.release_splits`).
 Rounding points: those of each stage module (bf16 where the per-op path rounds; fp32 mixes,
 router scores and accumulations; each pick's expert output rounded to bf16).
 Scratch: the runner's peer memory under tensor parallelism (`FfnArgs.attn_sums`, `out_sums`);
@@ -139,7 +140,7 @@ class K2Attention(NamedTuple):
     park_stride: int
     selected: torch.Tensor  # a CSA layer's entries a row attends (int64 [R, TOPK], -1: none; K1's top-k)
     partials: torch.Tensor  # the entry splits' outputs and stats for their window tasks (fp32; SPLITS > 0)
-    tickets: torch.Tensor  # int32, a (row, head block) pair's each, 0 between launches: its entry splits' signals
+    tickets: torch.Tensor  # int32 [2, pairs], 0 between launches: entry splits' signals, window tasks' arrivals
 
 
 class FfnArgs(NamedTuple):
@@ -213,7 +214,7 @@ class K2Meta(NamedTuple):
     RATIO: int  # a compressed layer's compression ratio (its entries attended), 0 for a window layer
     TOPK: int  # a CSA layer's entries a row attends (its selection list), 0: every visible one (HCA)
     SPLITS: int  # a compressed layer's entry splits a pair (attend_entries.entry_splits), 0: the window task's own
-    PARTS: int  # a window layer's output parts a pair (attention.output_parts), 1 on a compressed layer
+    PARTS: int  # window tasks a pair, each its share of the output chunks (attention.output_parts)
     HC: int
     MIXP: int
     RB: int
@@ -399,11 +400,10 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     shape, ex = runner.shape, lw.experts
     window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
     ring = cache.window
-    splits = _entry_splits(lw, cache, rows, c.num_attention_heads, c.index_topk, runner.grids["k2"],
-                           shape.attend_splits)
-    parts = 1 if lw.compressor else (shape.attend_parts or A.output_parts(rows, c.num_attention_heads, hd,
-                                                                          runner.grids["k2"]))
-    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk, splits)
+    splits, parts = _attend_layout(lw, cache, rows, c.num_attention_heads, hd, c.index_topk, runner.grids["k2"],
+                                   shape)
+    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk, splits,
+                                                     parts)
     attn = K2Attention(
         q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
         freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
@@ -453,15 +453,18 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     return 1 - cur
 
 
-def _entry_splits(lw, cache, rows: int, heads: int, topk: int, programs: int, fixed: int) -> int:
-    """Attend's entry splits a pair on this layer: 0 on a window layer, else `fixed`
-    (LaunchShape.attend_splits) or as many as fill the programs (attend_entries.entry_splits)."""
+def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, programs: int, shape) -> tuple[int, int]:
+    """Attend's (entry splits, output parts) a pair on this layer, each the launch shape's
+    (`attend_splits`, `attend_parts`) or, at 0, as many as fill the programs: a window layer's
+    parts `attention.output_parts`, a compressed layer's both `attention.compressed_layout`."""
     if lw.compressor is None:
-        return 0
-    return fixed or AE.entry_splits(rows, heads, topk if lw.indexer else cache.entries.shape[1], programs)
+        return 0, shape.attend_parts or A.output_parts(rows, heads, hd, programs)
+    entries = topk if lw.indexer else cache.entries.shape[1]
+    splits, parts = A.compressed_layout(rows, heads, hd, entries, programs, shape.attend_parts)
+    return shape.attend_splits or splits, parts
 
 
-def _entries(lw, cache, s, heads: int, topk: int, splits: int):
+def _entries(lw, cache, s, heads: int, topk: int, splits: int, parts: int):
     """(entries, n_entries, park, park_stride) of K2Attention: a compressed layer's entries and
     its attend tasks' park (HB x the entries a row can attend, all of them on an HCA layer, `topk`
     on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their place
@@ -471,5 +474,5 @@ def _entries(lw, cache, s, heads: int, topk: int, splits: int):
         return kv, 0, kv, 0
     n_entries = cache.entries.shape[1]
     stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, AE.KE) * AE.KE
-    park = s.park(A.attend_tasks(s.rows, heads, splits=splits), stride)
+    park = s.park(A.attend_tasks(s.rows, heads, splits=splits, parts=parts), stride)
     return (cache.entries if n_entries else kv), n_entries, park, stride

@@ -56,7 +56,8 @@ class Scratch:
         self.source_kv, self.source_gate = bf16(r, 2 * hd), bf16(r, 2 * hd)
         self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats
         self.split_partials: dict[int, torch.Tensor] = {}  # attend's entry splits' outputs, by floats
-        self.attend_tickets = torch.zeros(A.attend_tasks(r, heads), dtype=torch.int32, device=device)  # 0 between launches
+        # attend's entry splits' signals, then its window tasks' arrivals, a pair's each; 0 between launches
+        self.attend_tickets = torch.zeros(2 * A.attend_tasks(r, heads), dtype=torch.int32, device=device)
         # a CSA layer's indexer: its compressor's projections, the weights_proj and wq_b outputs;
         # the scores (`scores`, one buffer a cache's entries a slot) and the selection
         di, hi = c.index_head_dim, c.index_n_heads

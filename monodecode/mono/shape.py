@@ -16,10 +16,11 @@ diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task 
 its row in tiles of `settle_columns` columns (0: 512 a warp, the whole row at v4-flash sizes,
 in registers; fewer: a second pass over the row, less code) (`hc.seam_blocks`); a compressed
 layer's attend spreading each (row, head block)'s entries over `attend_splits` tasks (0: as many
-as fill the programs, `attend_entries.entry_splits`; else that many, a power of two: what the
-interpreter's one program needs to run the split tasks at all); a window layer's attend spreading
-each pair's output chunks over `attend_parts` tasks (0: as many as fill the programs,
-`attention.output_parts`; else that many, a power of two up to head_dim / 64); a CSA layer's
+as fill what the output parts leave of the programs, `attention.compressed_layout`; else that
+many, a power of two: what the interpreter's one program needs to run the split tasks at all);
+the attend spreading each pair's output chunks over `attend_parts` tasks (0: as many as fill the
+programs, on a compressed layer half of them, `attention.output_parts`; else that many, a power
+of two up to head_dim / 64); a CSA layer's
 top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (a
 power of two; `indexer.select_stage`).
 The defaults are the fastest shapes measured (docs/notes/; on the H200; `attend_parts` at 1-6 and
