@@ -51,8 +51,8 @@ barrier's target counts a family's barriers a launch (sync.py), it is a sync fam
 Waits: a grid barrier after each stage but the last; an expired wait names the stage. In a step
 where no row selects (every row sees at most TOPK entries) the programs pass the barriers
 before the top-k's digit passes, counts and writes without waiting (`pass_barriers`: all of them
-alike, as every program reads the same positions; one relaxed increment counts the six) and run only the writes (of rows that keep
-every entry).
+alike, as every program reads the same positions; one relaxed increment counts the six) and run
+only the writes (of rows that keep every entry).
 Rounding points: the per-op path's (bf16 after each projection, norm and RoPE; fp32 mixes; the
 compressor's, compress.py; the indexer's, indexer.py).
 Scratch: `Scratch` of the step's width (on a compressed layer also its projections; on a CSA
