@@ -64,22 +64,25 @@ def test_ab_summary_takes_each_trees_fastest_run_and_shows_the_control(tmp_path)
 
 
 def test_stall_profile_sums_each_kernels_samples_by_the_stages_between_barrier_signals(tmp_path):
-    """Samples by stage, the wait at the grid barrier before a stage apart, and the stall
-    reasons of the rest."""
+    """Samples by stage (a stage ends at a release increment: one after a MEMBAR; a relaxed one
+    ends nothing), the wait at the grid barrier before a stage apart, and the stall reasons of
+    the rest."""
     header = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
               '"stall_long_sb","stall_barrier","stall_long_sb (Not Issued)"')
-    signal = "REDG.E.ADD.STRONG.GPU desc[UR4][R2.64], R5"
+    red = "REDG.E.ADD.STRONG.GPU desc[UR4][R2.64], R5"
+    fence, signal = "MEMBAR.ALL.GPU", "ERRBAR"  # a release increment: MEMBAR, ERRBAR, then `red`
     poll = "LDG.E.STRONG.SYS R4, desc[UR4][R2.64]"
     cta, deferred = "BAR.SYNC.DEFER_BLOCKING 0x0", "IMAD R4, R5, R6, RZ"
     # K1: 4 barrier signals, 5 stages; stage 2 (settle) spends 30 of 100 samples, 20 of them in the
     # wait (10 polling, 4 at the CTA barrier that ends it, 6 where the other warps' blocking at it
     # shows), 10 its own; the stages after it have no CTA barrier, so all of theirs are the wait
-    k1 = [("FFMA R1, R2, R3, R1", 20), (signal, 0), (poll, 10), (cta, 4), (deferred, 6), ("MUFU.EX2 R1, R2", 10),
-          (signal, 0),
-          ("HMMA.16816.F32.BF16 R4, R8, R12, R4", 40), (signal, 0), ("STG.E [R2.64], R4", 5), (signal, 0),
+    released = [(fence, 0), (signal, 0), (red, 0)]
+    k1 = [("FFMA R1, R2, R3, R1", 12), (red, 0), ("FFMA R1, R2, R3, R1", 8), *released, (poll, 10), (cta, 4),
+          (deferred, 6), ("MUFU.EX2 R1, R2", 10), *released,
+          ("HMMA.16816.F32.BF16 R4, R8, R12, R4", 40), *released, ("STG.E [R2.64], R4", 5), *released,
           ("LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", 5)]
     # a kernel of 2 stages has no family: its stages are numbered
-    other = [("IMAD R1, R2, R3, RZ", 3), (signal, 0), ("EXIT", 1)]
+    other = [("IMAD R1, R2, R3, RZ", 3), *released, ("EXIT", 1)]
     lines = []
     for table in (k1, other):
         lines.append(header)

@@ -15,10 +15,12 @@ each profiled kernel's SASS with its samples (`ncu --import ... --page source --
     python tools/stall_profile.py summary SOURCE.csv
 
 sums the samples by stage. A stage of a persistent kernel is its code up to a grid barrier's
-signal (`sync.signal`'s release increment, a `REDG.E.ADD.STRONG.GPU`), so a kernel with B signals
-has B + 1 stages, named from its family's stages (K1 5, a CSA layer's K1 12, K2 7, K3 4; the
-kernels in launch order). A CSA / HCA layer's K2 also signals inside attend (its entry splits, at
-their pair's ticket), so its stages come out numbered, attend's first three of them.
+signal (`sync.signal`'s release increment: a `REDG.E.ADD.STRONG.GPU` right after the release's
+`MEMBAR.ALL.GPU`; the relaxed increments of histograms, tickets and passed barriers have no
+fence and split nothing), so a kernel with B signals has B + 1 stages, named from its family's
+stages (K1 5, a CSA layer's K1 12, K2 7, K3 4; the kernels in launch order). A CSA / HCA layer's
+K2 also signals inside attend (its entry splits, at their pair's ticket), so its stages come out
+numbered, attend's first two of them.
 Per stage: its share of the kernel's samples; of them, the wait at the grid barrier before it
 (the code from the previous stage's signal to the first CTA barrier after it, where a program's
 warps wait while one of them polls: a stage that few programs work in shows mostly as the next
@@ -38,6 +40,8 @@ from collections import Counter
 from pathlib import Path
 
 SIGNAL = re.compile(r"\bREDG\.E\.ADD\.STRONG\.GPU\b")
+RELEASE = re.compile(r"\bMEMBAR\.ALL\.GPU\b")
+FENCED = 4  # instructions after a release's MEMBAR (ERRBAR, CGAERRBAR) within which its increment comes
 SYNC = re.compile(r"\.STRONG\.|\bATOMG\b|\bATOM\b")
 CTA_BARRIER = re.compile(r"\bBAR\.SYNC\b")
 DEFERRED = 16  # instructions after the wait's CTA barrier where its blocking may show
@@ -118,6 +122,7 @@ def by_stage(rows: list[dict]) -> list[dict]:
     it), and on to the first instruction after that barrier with `barrier` samples, where the
     deferred blocking of the warps that did not poll lands (at most DEFERRED instructions on)."""
     stages = [_stage(waiting=False)]
+    fenced = 0  # instructions left in which an increment is a release's
     for row in sorted(rows, key=lambda r: r["address"]):
         stage = stages[-1]
         stage["samples"] += row["samples"]
@@ -131,8 +136,9 @@ def by_stage(rows: list[dict]) -> list[dict]:
             stage["left"] = 0 if row["reasons"].get("barrier") else stage["left"] - 1
         else:
             stage["reasons"].update(row["reasons"])
-        if SIGNAL.search(row["source"]):
+        if SIGNAL.search(row["source"]) and fenced:
             stages.append(_stage(waiting=True))
+        fenced = FENCED if RELEASE.search(row["source"]) else max(fenced - 1, 0)
     return stages
 
 
