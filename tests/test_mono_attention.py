@@ -372,12 +372,13 @@ def test_expired_split_wait_raises_and_keeps_tickets(device, parts):
     assert (tickets[:pairs] == -1000).all() and (tickets[pairs:] == 0).all()
 
 
-@pytest.mark.parametrize("rows,splits,parts", [(1, 2, 4), (5, 0, 2), (5, 4, 2)])
-def test_compressed_output_parts_equal_one_task(device, rows, splits, parts):
+@pytest.mark.parametrize("rows,splits,parts,split_parts", [(1, 2, 4, 2), (5, 0, 2, 1), (5, 4, 2, 4)])
+def test_compressed_output_parts_equal_one_task(device, rows, splits, parts, split_parts):
     """A compressed layer's pair spread over `parts` window tasks (each waiting for the entry
-    splits, or with splits 0 parking every entry's logits itself) gives bit for bit what one
-    window task gives, and the last of them takes the tickets back to 0: a second launch on
-    the same tickets gives the same again."""
+    splits, or with splits 0 parking every entry's logits itself) and each split's channels over
+    `split_parts` tasks gives bit for bit what one task a split and one window task give, and the
+    last window task takes the tickets back to 0: a second launch on the same tickets gives the
+    same again."""
     config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=800 + rows + parts)
     g = torch.Generator().manual_seed(800 + rows)
     D, n_heads = config.head_dim, config.num_attention_heads
@@ -392,23 +393,26 @@ def test_compressed_output_parts_equal_one_task(device, rows, splits, parts):
     one = A.attend(*args, **options)
     tickets = torch.zeros(2 * A.attend_tasks(rows, n_heads), dtype=torch.int32, device=device)
     for _ in range(2):
-        spread = A.attend(*args, parts=parts, tickets=tickets, **options)
+        spread = A.attend(*args, parts=parts, split_parts=split_parts, tickets=tickets, **options)
         assert torch.equal(spread, one)
         assert (tickets == 0).all()
 
 
 def test_compressed_layout_fills_one_round():
-    """A compressed layer's (splits, parts): parts as `output_parts` gives for half the programs,
-    splits filling what they leave: (splits + parts) tasks a pair within the programs."""
+    """A compressed layer's (splits, parts, split parts): parts as `output_parts` gives for half
+    the programs, splits filling what they leave, each split's channels over as many tasks as
+    still fit: (splits x split parts + parts) tasks a pair within the programs."""
     for rows in range(1, 49):
         for entries in (4, 512, 1024):
-            splits, parts = A.compressed_layout(rows, 64, 512, entries, 132)
+            splits, parts, split_parts = A.compressed_layout(rows, 64, 512, entries, 132)
             assert parts == A.output_parts(rows, 64, 512, 66)
             assert splits == AE.entry_splits(rows, 64, entries, 132, parts)
-            assert rows * 4 * (splits + parts) <= 132 or (splits, parts) == (0, 1)
-    assert A.compressed_layout(1, 64, 512, 512, 132) == (8, 8)
-    assert A.compressed_layout(6, 64, 512, 512, 132) == (2, 2)
-    assert A.compressed_layout(1, 64, 512, 512, 132, parts=2) == (8, 2)
+            assert split_parts & (split_parts - 1) == 0 and 1 <= split_parts <= 512 // A.BD
+            assert rows * 4 * (splits * split_parts + parts) <= 132 or (splits, parts) == (0, 1)
+            assert split_parts == 512 // A.BD or splits == 0 or rows * 4 * (2 * splits * split_parts + parts) > 132
+    assert A.compressed_layout(1, 64, 512, 512, 132) == (8, 8, 2)
+    assert A.compressed_layout(6, 64, 512, 512, 132) == (2, 2, 1)
+    assert A.compressed_layout(1, 64, 512, 512, 132, parts=2) == (8, 2, 2)
 
 
 def test_entry_splits_fill_one_round():

@@ -2,14 +2,16 @@
 entry blocks a row attends, their logits parked for one softmax with the window's, and the entry
 splits that spread them over more tasks.
 
-Entry splits (SPLITS > 0, a power of two; `attention.attend_tasks(R, H, HB, SPLITS, PARTS)`
-tasks): a pair (row, head block) has SPLITS + PARTS tasks, t = pair (SPLITS + PARTS) + part. Part
-s < SPLITS takes the entry blocks s, s + SPLITS, ... (parking their logits in its own park),
-stores the heads' max logit m_s, their mass sum exp(logit - m_s) and partial output probs @
-entries (fp32 [HB, D], undivided) into `partials` (`split_partials` values: every pair's outputs,
-then every pair's [SPLITS, 2, HB] stats), then signals the pair's ticket (a split with no block
-stores m_s = -inf, mass 0 and no output). Parts SPLITS .. SPLITS + PARTS - 1, the window's tasks
-(each its share of the output chunks), wait until the ticket reaches SPLITS (bounded:
+Entry splits (SPLITS > 0, a power of two; `attention.attend_tasks(R, H, HB, SPLITS, PARTS,
+SPLIT_PARTS)` tasks): a pair (row, head block) has S = SPLITS x SPLIT_PARTS split tasks and PARTS
+window tasks, t = pair (S + PARTS) + part. Split s < SPLITS (its SPLIT_PARTS tasks, parts s
+SPLIT_PARTS ..) takes the entry blocks s, s + SPLITS, ... (each task parking their logits in its
+own park), stores the heads' max logit m_s, their mass sum exp(logit - m_s) and partial output
+probs @ entries (fp32 [HB, D], undivided; each task its share of the channels, as the window's
+tasks share theirs) into `partials` (`split_partials` values: every pair's outputs, then every
+pair's [SPLITS, 2, HB] stats), then each task signals the pair's ticket (a split with no block
+stores m_s = -inf, mass 0 and no output). Parts S .. S + PARTS - 1, the window's tasks (each its
+share of the output chunks), wait until the ticket reaches S (bounded:
 `max_polls`, an expired wait records STAGE + 1 in the error word of `sync_ptr` and the task goes
 on) and scale each split's mass and output by exp(m_s - m) for the common max m of the window,
 the splits and the sink. Tickets (int32 [2, pairs], 0 between launches): a pair's splits' signals,
@@ -127,20 +129,24 @@ def split_stats(partials_ptr, pair, n_pairs, D: tl.constexpr, HB: tl.constexpr, 
 
 
 @triton.jit
-def entry_split(part, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries,
+def entry_split(task, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries,
                 visible, sel, scale, park, partials_ptr, tickets_ptr, D: tl.constexpr, RD, HB: tl.constexpr,
                 BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr,
-                SPLITS: tl.constexpr):
-    """Entry split `part` of a pair: over its entry blocks (part, part + SPLITS, ...) the heads'
-    max logit m, their mass sum exp(logit - m) and their partial output probs @ entries (fp32,
-    not divided), stored for the pair's window task; then a signal at the pair's ticket. With no
-    block: m = -inf, mass 0, no output stored."""
+                SPLITS: tl.constexpr, SPLIT_PARTS: tl.constexpr):
+    """Split task `task` of a pair: entry split part = task // SPLIT_PARTS, over its entry blocks
+    (part, part + SPLITS, ...) the heads' max logit m, their mass sum exp(logit - m) and their
+    partial output probs @ entries (fp32, not divided) in its share of the channels (task %
+    SPLIT_PARTS of SPLIT_PARTS), stored for the pair's window tasks; then a signal at the pair's
+    ticket. Each of a split's tasks stores the same m and mass. With no block: m = -inf, mass 0,
+    no output stored."""
     if SPLITS > 0:
+        part = task // SPLIT_PARTS
+        first = (task % SPLIT_PARTS) * (D // SPLIT_PARTS)
         outs, stats = split_stats(partials_ptr, pair, n_pairs, D, HB, SPLITS)
         m = park_entry_logits(q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr, slot, n_entries, visible,
                               sel, scale, park, part, SPLITS, D, RD, HB, BD, KE, FAST, TOPK)
         if part * KE < visible:
-            for d0 in range(0, D, BD):
+            for d0 in range(first, first + D // SPLIT_PARTS, BD):
                 d = d0 + tl.arange(0, BD)
                 out = entries_out(park, visible, m, part, SPLITS, d, entries_ptr, slot, n_entries, sel, D, HB, BD,
                                   KE, FAST, TOPK)
@@ -155,29 +161,29 @@ def entry_split(part, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_pt
 
 
 @triton.jit
-def await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE: tl.constexpr, SPLITS: tl.constexpr,
+def await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE: tl.constexpr, SIGNALS: tl.constexpr,
                  LEADER: tl.constexpr):
-    """A window task's wait for its pair's SPLITS entry splits (bounded: an expired wait records
+    """A window task's wait for its pair's SIGNALS split tasks (bounded: an expired wait records
     STAGE in the error word and the task goes on with what is there)."""
     if LEADER:
-        leader_wait(tickets_ptr + pair, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
+        leader_wait(tickets_ptr + pair, SIGNALS, sync_ptr + _ERROR, STAGE, max_polls)
     else:
-        wait_at_least(tickets_ptr + pair, SPLITS, sync_ptr + _ERROR, STAGE, max_polls)
+        wait_at_least(tickets_ptr + pair, SIGNALS, sync_ptr + _ERROR, STAGE, max_polls)
 
 
 @triton.jit
-def release_splits(pair, n_pairs, tickets_ptr, SPLITS: tl.constexpr, PARTS: tl.constexpr):
+def release_splits(pair, n_pairs, tickets_ptr, SIGNALS: tl.constexpr, PARTS: tl.constexpr):
     """A window task's arrival once its output is written: the last of the pair's PARTS takes the
-    ticket back down by SPLITS and the arrivals by PARTS, so both are 0 between launches even
-    after a wait gave up (every signal and arrival comes)."""
+    ticket back down by SIGNALS (its split tasks') and the arrivals by PARTS, so both are 0
+    between launches even after a wait gave up (every signal and arrival comes)."""
     ticket = tickets_ptr + pair
     if PARTS == 1:
-        tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
+        tl.atomic_add(ticket, -SIGNALS, sem="relaxed", scope="gpu")
     else:
         arrivals = tickets_ptr + n_pairs + pair
         if tl.atomic_add(arrivals, 1, sem="relaxed", scope="gpu") == PARTS - 1:
             tl.atomic_add(arrivals, -PARTS, sem="relaxed", scope="gpu")
-            tl.atomic_add(ticket, -SPLITS, sem="relaxed", scope="gpu")
+            tl.atomic_add(ticket, -SIGNALS, sem="relaxed", scope="gpu")
 
 
 @triton.jit

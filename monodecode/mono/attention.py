@@ -53,10 +53,11 @@ freqs fp32 [RD / 2] (`layer_frequencies(config, compressed=False)`); positions a
   softmax over [window; entries]; each output chunk adds probs @ entries before dividing by the
   mass. A window layer (RATIO 0) compiles none of it. A CSA row's selection list holds its live
   ids first (the top-k stage's contract), so it attends the first min(TOPK, (p + 1) // RATIO).
-  Entry splits (SPLITS > 0): a pair's compressed entries spread over SPLITS more tasks, whose
-  partial softmaxes the window's task waits for and combines (`attend_entries.py`).
+  Entry splits (SPLITS > 0): a pair's compressed entries spread over SPLITS more tasks, each
+  split's channels over SPLIT_PARTS tasks, whose partial softmaxes the window's tasks wait for
+  and combine (`attend_entries.py`).
   Output parts (PARTS > 1): a pair's D / BD output chunks spread over PARTS window tasks,
-  t = pair (SPLITS + PARTS) + SPLITS + p, part p writing chunks p C / PARTS .. (p + 1) C / PARTS - 1
+  t = pair (S + PARTS) + S + p (S = SPLITS SPLIT_PARTS), part p writing chunks p C / PARTS .. (p + 1) C / PARTS - 1
   of the C; each computes the pair's whole softmax (on a compressed layer each waits for the
   pair's entry splits, or parks all its entries' logits itself), so each chunk is what one task
   would write, bit for bit. A task's chunks run one after another, each a chain of loads and
@@ -101,8 +102,8 @@ def norm_rope_kv_tasks(R: int) -> int:
     return 2 * R
 
 
-def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0, parts: int = 1) -> int:
-    return R * triton.cdiv(H, HB) * (splits + parts)
+def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0, parts: int = 1, split_parts: int = 1) -> int:
+    return R * triton.cdiv(H, HB) * (splits * split_parts + parts)
 
 
 def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = BD) -> int:
@@ -113,12 +114,17 @@ def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = 
     return 1 if fit < 1 else power_of_two_at_most(fit)
 
 
-def compressed_layout(R: int, H: int, D: int, entries: int, programs: int, parts: int = 0) -> tuple[int, int]:
-    """(entry splits, output parts) a pair of a compressed layer's attend (`entries`: the most a
-    row attends): the output parts `parts` or (0) as many as fill up to half of the programs
-    (`output_parts`), the entry splits what is left of one round (`attend_entries.entry_splits`)."""
+def compressed_layout(R: int, H: int, D: int, entries: int, programs: int, parts: int = 0,
+                      BD: int = BD) -> tuple[int, int, int]:
+    """(entry splits, output parts, split parts) a pair of a compressed layer's attend (`entries`:
+    the most a row attends): the output parts `parts` or (0) as many as fill up to half of the
+    programs (`output_parts`), the entry splits what is left of one round
+    (`attend_entries.entry_splits`), and each split's channels over as many tasks (a power of two,
+    at most D / BD) as still leave the pairs' tasks one round."""
     parts = parts or output_parts(R, H, D, programs // 2)
-    return entry_splits(R, H, entries, programs, parts), parts
+    splits = entry_splits(R, H, entries, programs, parts)
+    fit = 0 if splits == 0 else min(D // BD, (programs // (R * triton.cdiv(H, HB)) - parts) // splits)
+    return splits, parts, 1 if fit < 1 else power_of_two_at_most(fit)
 
 
 # --- stage 1: q_norm, kv_norm + rope + ring write ---------------------------------------------------
@@ -196,18 +202,19 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                 selected_ptr, n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB: tl.constexpr,
                 KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RATIO: tl.constexpr,
                 KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr,
-                STAGE: tl.constexpr):
-    """Task t of (row, head block) pairs, SPLITS + PARTS a pair: entry splits 0 .. SPLITS - 1, then
-    the window's tasks, PARTS of them, each of which writes its share of
-    o[row, block heads] (output chunks (part - SPLITS) C / PARTS .., of the C = D / BD) from the
+                SPLIT_PARTS: tl.constexpr, STAGE: tl.constexpr):
+    """Task t of (row, head block) pairs, S + PARTS a pair: S = SPLITS x SPLIT_PARTS split tasks
+    (`attend_entries.entry_split`), then the window's tasks, PARTS of them, each of which writes its
+    share of o[row, block heads] (output chunks (part - S) C / PARTS .., of the C = D / BD) from the
     raw heads (normalised and rotated as they are loaded), the whole window in two passes over
     D (module docstring); RATIO > 0: and the row's compressed entries (every visible one, TOPK 0,
     or the TOPK its indexer selected), its own (SPLITS 0) or the entry splits' (waited for at the
     pair's ticket)."""
     n_blocks = tl.cdiv(H, HB)
-    pair = t // (SPLITS + PARTS)
-    part = t - pair * (SPLITS + PARTS)
-    first = (part - SPLITS) * (D // PARTS)  # the window task's output channels: first .. first + D / PARTS
+    S: tl.constexpr = SPLITS * SPLIT_PARTS
+    pair = t // (S + PARTS)
+    part = t - pair * (S + PARTS)
+    first = (part - S) * (D // PARTS)  # the window task's output channels: first .. first + D / PARTS
     last = first + D // PARTS
     row = pair // n_blocks
     heads = (pair % n_blocks) * HB + tl.arange(0, HB)
@@ -216,14 +223,14 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
     slot = tl.load(slots_ptr + row)
     park = park_ptr + t * park_stride
     sel = selected_ptr + row * TOPK
-    if part < SPLITS:
+    if part < S:
         if slot >= 0:
             inv = heads_inverse_rms(q_ptr, rows, hmask, eps, D, HB, BD)
             position = tl.load(positions_ptr + row)
             visible = attended_entries(row, positions_ptr, slots_ptr, RATIO, TOPK)
             entry_split(part, pair, n_rows * n_blocks, q_ptr, rows, hmask, inv, position, freqs_ptr, entries_ptr,
                         slot, n_entries, visible, sel, scale, park, partials_ptr, tickets_ptr, D, RD, HB, BD, KE,
-                        FAST, TOPK, SPLITS)
+                        FAST, TOPK, SPLITS, SPLIT_PARTS)
     elif slot < 0:
         for d0 in range(first, last, BD):
             d = d0 + tl.arange(0, BD)
@@ -244,7 +251,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
         if RATIO > 0:
             visible = attended_entries(row, positions_ptr, slots_ptr, RATIO, TOPK)
             if SPLITS > 0:
-                await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE, SPLITS, FAST)
+                await_splits(pair, tickets_ptr, sync_ptr, max_polls, STAGE, S, FAST)
                 split_outs, stats = split_stats(partials_ptr, pair, n_rows * n_blocks, D, HB, SPLITS)
                 at = stats + tl.arange(0, SPLITS)[:, None] * 2 * HB + tl.arange(0, HB)[None, :]
                 split_m = tl.load(at)
@@ -277,7 +284,7 @@ def attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos
                           park, visible, m, entries_ptr, slot, n_entries, sel, split_outs, split_scales, D, RD, HB,
                           BD, FAST, True, RATIO, KE, TOPK, SPLITS)
         if RATIO > 0 and SPLITS > 0:
-            release_splits(pair, n_rows * n_blocks, tickets_ptr, SPLITS, PARTS)
+            release_splits(pair, n_rows * n_blocks, tickets_ptr, S, PARTS)
 
 
 # --- standalone launches --------------------------------------------------------------------------
@@ -296,12 +303,13 @@ def _attend(n_tasks, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_p
             freqs_ptr, H, D: tl.constexpr, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride,
             selected_ptr, n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB: tl.constexpr,
             KW: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, RATIO: tl.constexpr,
-            KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr):
+            KE: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr,
+            SPLIT_PARTS: tl.constexpr):
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
         attend_task(t, q_ptr, o_ptr, positions_ptr, slots_ptr, ring_kv_ptr, ring_pos_ptr, ring_size, sink_ptr,
                     freqs_ptr, H, D, RD, W, scale, eps, entries_ptr, n_entries, park_ptr, park_stride, selected_ptr,
                     n_rows, partials_ptr, tickets_ptr, sync_ptr, max_polls, HB, KW, BD, BLOCK, FAST, RATIO, KE, TOPK,
-                    SPLITS, PARTS, 0)
+                    SPLITS, PARTS, SPLIT_PARTS, 0)
 
 
 def _empty(shape, like: torch.Tensor, poison: bool) -> torch.Tensor:
@@ -354,7 +362,8 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
            freqs: torch.Tensor, window: int, eps: float, *, block: int = 0, heads_per_task: int = HB,
            d_chunk: int = BD, num_warps: int = 4, num_stages: int = 3, poison: bool = False,
            entries: torch.Tensor | None = None, ratio: int = 0, entry_block: int = KE,
-           selected: torch.Tensor | None = None, splits: int = 0, parts: int = 1, tickets: torch.Tensor | None = None,
+           selected: torch.Tensor | None = None, splits: int = 0, parts: int = 1, split_parts: int = 1,
+           tickets: torch.Tensor | None = None,
            max_polls: int = DEFAULT_MAX_POLLS) -> torch.Tensor:
     """q_raw [R, H, D] bf16 (the wq_b GEMV's heads, before their norm and rope), ring the layer's
     window `PositionRing` (the step's rows already written), positions / slots int64 [R], sink fp32
@@ -365,8 +374,8 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
     `splits` tasks a pair (a power of two): its window tasks then wait on them, so the launch is
     cooperative, at most a program a SM, through `tickets` (int32 [2, pairs], 0 between launches;
     made here if None) and a wait of `max_polls` polls, which raises MonoSyncError if it expires.
-    A pair's output chunks can spread over `parts` tasks (a power of two dividing D / d_chunk;
-    `output_parts`, `compressed_layout`)."""
+    A pair's output chunks can spread over `parts` tasks and each entry split's over `split_parts`
+    (powers of two dividing D / d_chunk; `output_parts`, `compressed_layout`)."""
     q = q_raw
     R, H, D = q.shape
     assert block >= 0 and (block == 0 or (R % block == 0 and window > block)), \
@@ -380,10 +389,12 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
         f"entry splits ({splits}): a power of two up to {MAX_SPLITS}, on a compressed layer"
     assert parts & (parts - 1) == 0 and 1 <= parts <= D // chunk, \
         f"output parts ({parts}): a power of two up to D / d_chunk = {D // chunk}"
+    assert split_parts & (split_parts - 1) == 0 and 1 <= split_parts <= D // chunk, \
+        f"split parts ({split_parts}): a power of two up to D / d_chunk = {D // chunk}"
     ring_kv, ring_pos = _check_ring(ring, D)
     assert ring_kv.numel() < 2**31, "the ring is addressed with int32 offsets"
     o = _empty((R, H, D), q, poison)
-    n_tasks = attend_tasks(R, H, heads_per_task, splits, parts)
+    n_tasks = attend_tasks(R, H, heads_per_task, splits, parts, split_parts)
     if ratio:  # a compressed layer: the visible entries too (a task's logits parked in `park`)
         assert entries is not None and entries.dtype == torch.bfloat16 and entries.is_contiguous()
         assert entries.shape[0] == ring_kv.shape[0] and entries.shape[2] == D and block == 0
@@ -412,6 +423,6 @@ def attend(q_raw: torch.Tensor, ring, positions: torch.Tensor, slots: torch.Tens
                   positions if selected is None else selected, R, partials, tickets, sync.words, int(max_polls),
                   HB=heads_per_task, KW=window_keys(window), BD=chunk, BLOCK=block,
                   FAST=fast_dots(q), RATIO=ratio, KE=entry_block, TOPK=topk, SPLITS=splits, PARTS=parts,
-                  num_warps=num_warps, num_stages=num_stages, **options)
+                  SPLIT_PARTS=split_parts, num_warps=num_warps, num_stages=num_stages, **options)
     sync.check()
     return o

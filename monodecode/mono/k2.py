@@ -11,7 +11,8 @@ K3 runs two programs a SM, twice the expert weight loads in flight.
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
 0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on a
-                                   * (SPLITS + PARTS) compressed layer (RATIO > 0) its visible
+                                   * (SPLITS SPLIT_PARTS compressed layer (RATIO > 0) its visible
+                                   + PARTS)
                                                       entries (HCA) or those K1 selected (CSA,
                                                       TOPK > 0; logits parked in `park`; SPLITS
                                                       entry splits a pair, their partials
@@ -215,6 +216,7 @@ class K2Meta(NamedTuple):
     TOPK: int  # a CSA layer's entries a row attends (its selection list), 0: every visible one (HCA)
     SPLITS: int  # a compressed layer's entry splits a pair (attend_entries.entry_splits), 0: the window task's own
     PARTS: int  # window tasks a pair, each its share of the output chunks (attention.output_parts)
+    SPLIT_PARTS: int  # tasks an entry split, each its share of the split's channels (attention.compressed_layout)
     HC: int
     MIXP: int
     RB: int
@@ -349,11 +351,11 @@ def _k2(a, f, m):
 @triton.jit
 def _attention_stages(a, f, m, epoch, NB: tl.constexpr, pid, grid):
     """Stages 0..2 (attend, wo_a, wo_b); barriers 0 and 1 of NB."""
-    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS + m.PARTS), grid):
+    for t in range(pid, f.rows * tl.cdiv(a.heads, m.HB) * (m.SPLITS * m.SPLIT_PARTS + m.PARTS), grid):
         A.attend_task(t, a.q_raw, a.o, f.positions, f.slots, a.ring_kv, a.ring_pos, a.ring_size, a.sink,
                       a.freqs, a.heads, m.D, m.RD, a.window, a.scale, a.norm_eps, a.entries, a.n_entries, a.park,
                       a.park_stride, a.selected, f.rows, a.partials, a.tickets, f.sync.words, f.sync.max_polls, m.HB,
-                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, m.PARTS, 0)
+                      m.KW, m.BDA, m.BLOCK, m.FAST, m.RATIO, AE.KE, m.TOPK, m.SPLITS, m.PARTS, m.SPLIT_PARTS, 0)
     barrier(f.sync, epoch, 0, NB, m.TIMELINE, m.FAST)
     z_width = a.o_groups * a.o_lora
     gemv_stage(pid, grid, 0, a.o, a.heads * m.D, f.rows, a.wo_a.codes, a.wo_a.scales, a.z, z_width, z_width,
@@ -400,10 +402,11 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     shape, ex = runner.shape, lw.experts
     window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
     ring = cache.window
-    splits, parts = _attend_layout(lw, cache, rows, c.num_attention_heads, hd, c.index_topk, runner.grids["k2"],
-                                   shape)
-    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk, splits,
-                                                     parts)
+    splits, parts, split_parts = _attend_layout(lw, cache, rows, c.num_attention_heads, hd, c.index_topk,
+                                                runner.grids["k2"], shape)
+    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk,
+                                                     A.attend_tasks(rows, c.num_attention_heads, splits=splits,
+                                                                    parts=parts, split_parts=split_parts))
     attn = K2Attention(
         q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
         freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
@@ -432,7 +435,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     meta = K2Meta(
         WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
-        TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits, PARTS=parts,
+        TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits, PARTS=parts, SPLIT_PARTS=split_parts,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
         SB=c.fp8_block[0], BN_OA=bn_oa, BN_OB=bn_ob, BN_G=bn_g, BN_SH=bn_sh, BN_S2=bn_s2, BK_G=bk_g, BK_D=bk_d,
         BK_I=bk_i, BK_O=bk_o, BK_Z=bk_z, SPLIT_G=split_g, SPLIT_D=split_d, SPLIT_I=split_i, SPLIT_O=split_o,
@@ -453,18 +456,22 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     return 1 - cur
 
 
-def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, programs: int, shape) -> tuple[int, int]:
-    """Attend's (entry splits, output parts) a pair on this layer, each the launch shape's
-    (`attend_splits`, `attend_parts`) or, at 0, as many as fill the programs: a window layer's
-    parts `attention.output_parts`, a compressed layer's both `attention.compressed_layout`."""
+def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, programs: int,
+                   shape) -> tuple[int, int, int]:
+    """Attend's (entry splits, output parts, split parts) a pair on this layer: splits and parts
+    the launch shape's (`attend_splits`, `attend_parts`) or, at 0, as many as fill the programs:
+    a window layer's parts `attention.output_parts`, a compressed layer's all three
+    `attention.compressed_layout` (split parts 1 where the shape fixes the splits)."""
     if lw.compressor is None:
-        return 0, shape.attend_parts or A.output_parts(rows, heads, hd, programs)
+        return 0, shape.attend_parts or A.output_parts(rows, heads, hd, programs), 1
     entries = topk if lw.indexer else cache.entries.shape[1]
-    splits, parts = A.compressed_layout(rows, heads, hd, entries, programs, shape.attend_parts)
-    return shape.attend_splits or splits, parts
+    splits, parts, split_parts = A.compressed_layout(rows, heads, hd, entries, programs, shape.attend_parts)
+    if shape.attend_splits:
+        return shape.attend_splits, parts, 1
+    return splits, parts, split_parts
 
 
-def _entries(lw, cache, s, heads: int, topk: int, splits: int, parts: int):
+def _entries(lw, cache, s, heads: int, topk: int, tasks: int):
     """(entries, n_entries, park, park_stride) of K2Attention: a compressed layer's entries and
     its attend tasks' park (HB x the entries a row can attend, all of them on an HCA layer, `topk`
     on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their place
@@ -474,5 +481,5 @@ def _entries(lw, cache, s, heads: int, topk: int, splits: int, parts: int):
         return kv, 0, kv, 0
     n_entries = cache.entries.shape[1]
     stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, AE.KE) * AE.KE
-    park = s.park(A.attend_tasks(s.rows, heads, splits=splits, parts=parts), stride)
+    park = s.park(tasks, stride)
     return (cache.entries if n_entries else kv), n_entries, park, stride
