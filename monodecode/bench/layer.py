@@ -154,7 +154,7 @@ class LayerBench:
         self.model, self.runner, self.base_cache, self.tp = model, decoder.mono, cache, model.tp
         self.context, self.reps, self.device = context, reps, model.device
         self.specs = tensor_specs(model.config)
-        self.batched: dict[int, BatchedLayer] = {}  # experts prepared once a layer
+        self.batched: dict[int, BatchedLayer] = {}  # the measured layer's experts, prepared once
         self.compile_mode = compile_mode
 
     def step(self, layer: int, width: int, g: torch.Generator) -> LayerStep:
@@ -199,7 +199,10 @@ class LayerBench:
                                                      self.device)}
         per_op_graph = per_op_compiled = None
         if self.tp.size == 1:  # the batched layer is one process's (its sums are no collectives)
-            batched = self.batched.setdefault(layer, BatchedLayer(block))
+            if layer not in self.batched:  # one layer's at a time: each holds its experts dequantized
+                self.batched.clear()
+                self.batched[layer] = BatchedLayer(block)
+            batched = self.batched[layer]
             launches["per_op_graph"] = kernels_launched(lambda: batched(streams, s.tokens, s.positions, s.slots, lc),
                                                         self.device)
             per_op_graph = self.replay_time(lambda: batched(streams, s.tokens, s.positions, s.slots, lc))
