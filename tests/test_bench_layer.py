@@ -1,24 +1,39 @@
 """`monodecode bench layer` end to end at tiny sizes (on the CPU the kernels are interpreted): the
 code paths and the report, not the times."""
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
 
+from monodecode.bench import layer as bench_layer
 from monodecode.cli import main
 from monodecode.model import Model
 
 
 @pytest.mark.parametrize("kinds", [pytest.param(["window", "CSA", "HCA"], marks=pytest.mark.slow), ["window", "CSA"]],
                          ids=["every_kind", "window_and_CSA"])
-def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, kinds):
-    """Every kind is `slow`; by default a window and a CSA layer."""
+def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, monkeypatch, kinds):
+    """Every kind is `slow`; by default a window and a CSA layer. Each layer's batched per-op layer
+    (its experts dequantized: ~13 GB at v4-flash) is built once, the one before it let go first."""
+    built = []
+
+    class BuiltOnce(bench_layer.BatchedLayer):
+        def __init__(self, block):
+            gc.collect()
+            assert all(ref() is None for ref in built), "an earlier layer's batched layer is still held"
+            super().__init__(block)
+            built.append(weakref.ref(self))
+
+    monkeypatch.setattr(bench_layer, "BatchedLayer", BuiltOnce)
     assert main(["bench", "layer", "--preset", "tiny", "--device", device, "--widths", "1,3", "--kinds", ",".join(kinds),
                  "--context", "20", "--reps", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_layer.json").read_text())
     rows = report["layers"]
     assert report["complete"]  # False in the file while rows are still coming
+    assert len(built) == len(kinds)  # once a layer, whatever its widths
     printed = capsys.readouterr().out
     assert "window layer, 3 rows, default: per-op graph" in printed  # each row shown as it comes
     assert [(r["kind"], r["width"]) for r in rows] == [(kind, width) for kind in kinds for width in (1, 3)]
