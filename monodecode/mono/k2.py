@@ -11,12 +11,12 @@ K3 runs two programs a SM, twice the expert weight loads in flight.
 Stages (R rows, P = R * k picks; task counts)                    reads -> writes
 K2:
 0 attend    attention.attend_task  R * ceil(H/HB)     q_raw (normalised, RoPE), the KV ring, on a
-                                   * (SPLITS SPLIT_PARTS compressed layer (RATIO > 0) its visible
-                                   + PARTS)
-                                                      entries (HCA) or those K1 selected (CSA,
-                                                      TOPK > 0; logits parked in `park`; SPLITS
-                                                      entry splits a pair, their partials
-                                                      combined by the pair's window tasks), sinks
+                                   * (SPLITS x        compressed layer (RATIO > 0) its visible
+                                   SPLIT_PARTS        entries (HCA) or those K1 selected (CSA,
+                                   + PARTS)           TOPK > 0; logits parked in `park`; SPLITS
+                                                      entry splits a pair, each over SPLIT_PARTS
+                                                      tasks, their partials combined by the
+                                                      pair's window tasks), sinks
                                                       -> o (inverse RoPE; zero for pad rows); a
                                                       pair's output chunks over PARTS window
                                                       tasks, each with the whole softmax
