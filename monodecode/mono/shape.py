@@ -24,7 +24,7 @@ of two up to head_dim / 64); a CSA layer's
 top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (a
 power of two; `indexer.select_stage`).
 The defaults are the fastest shapes measured (docs/notes/; on the H200; `attend_parts` at 1-6 and
-48 rows on an H100, on the H200 at 16 rows only, a compressed layer's (splits, parts) at 1 and 6
+48 rows on an H100, on the H200 at 16 rows only, a compressed layer's (splits, parts, split parts) at 1 and 6
 rows on an H100 only; `select_block` not yet timed at long context).
 """
 
