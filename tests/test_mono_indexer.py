@@ -11,8 +11,10 @@ from monodecode.model.rope import apply_rope, layer_frequencies
 from monodecode.mono import indexer as K
 
 
-@pytest.mark.parametrize("entry_block", [16, 64])
-def test_scores_match_the_indexer(device, entry_block):
+@pytest.mark.parametrize("entry_block, programs", [(16, None), (64, None), (16, 24), (16, 8)])
+def test_scores_match_the_indexer(device, entry_block, programs):
+    """programs: the tasks laid out for that many (8 rows of 8 blocks of 16 entries: a block a
+    task, runs of 3, 3 and 2 blocks, a row's 8 blocks in one task)."""
     config = preset("tiny")
     HI, DI = config.index_n_heads, config.index_head_dim
     g = torch.Generator().manual_seed(entry_block)
@@ -30,7 +32,7 @@ def test_scores_match_the_indexer(device, entry_block):
     weights_raw = torch.randn(8, HI, generator=g).to(torch.bfloat16)  # the weights_proj GEMV's output
     weights = weights_raw.float() * HI ** -0.5  # as Indexer.queries scales it
     out = K.scores(q_raw.to(device), weights_raw.to(device), positions.to(device), slots.to(device), freqs.to(device),
-                   keys.to(device), ratio=4, entry_block=entry_block).cpu()
+                   keys.to(device), ratio=4, entry_block=entry_block, programs=programs).cpu()
     q = apply_rope(q_raw, positions, freqs)
     for r, (slot, p) in enumerate(zip(slots.tolist(), positions.tolist())):
         if slot < 0:

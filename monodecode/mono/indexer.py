@@ -4,15 +4,20 @@ them (a radix select in six stages of tasks, each a row's block of entries; belo
 
 Contract (HI index heads of DI channels, the last RD rotated; rows r < R at positions p, slots s,
 slot -1 a pad row; the layer's index cache holds E entries a slot):
-- `score_tasks(R, E, KE)` = R ceil(E / KE): task t (row t // blocks, entries block (t % blocks) KE
-  .. + KE) writes scores[row, block] (fp32 [R, E]): -inf for an entry the row cannot see
-  (w >= (p + 1) // ratio, and every entry of a pad row); else the sum over heads h of
-  weights[row, h] * relu(q[row, h] . k[s, w]) * DI^-0.5, where q = rope(q_raw[row, h]) at p (the
-  RoPE in fp32, rounded to bf16: the reference's bf16 `apply_rope`), k the index entries bf16
-  [S, E, DI], weights[row, h] = weights_raw[row, h] (bf16 [R, HI], the `weights_proj` GEMV's
-  output) in fp32 times HI^-0.5 (`Indexer.queries`' order), the dot in fp32 (FAST: bf16
-  operands, which q and k are, fp32 accumulation).
-- A block wholly past the row's visible entries writes -inf and reads nothing else.
+- `score_stage` over the first `span` entries of every row (K1: the step's most visible,
+  `visible_span`; the standalone launch: all E), in tasks of a row's run of consecutive blocks of
+  KE entries (`score_layout`: as many blocks a task as leave every row's tasks one round of the
+  programs), writes scores[row, e] (fp32 [R, E]) for the entries of the span's blocks (e < E):
+  -inf for an entry the row cannot see (w >= (p + 1) // ratio, and every entry of a pad row);
+  else the sum over heads h of weights[row, h] * relu(q[row, h] . k[s, w]) * DI^-0.5, where q =
+  rope(q_raw[row, h]) at p (the RoPE in fp32, rounded to bf16: the reference's bf16
+  `apply_rope`; once a task), k the index entries bf16 [S, E, DI], weights[row, h] =
+  weights_raw[row, h] (bf16 [R, HI], the `weights_proj` GEMV's output) in fp32 times HI^-0.5
+  (`Indexer.queries`' order), the dot in fp32 (FAST: bf16 operands, which q and k are, fp32
+  accumulation). A task's blocks are one loop, which the launch's software pipelining
+  (num_stages) turns into async copies of the next blocks' keys while one block is scored.
+- A block wholly past the row's visible entries writes -inf and reads nothing else; entries
+  past the span's blocks are not written (the selection reads a row's visible ones only).
 - TOPK > 0 (K1's): a row that keeps every visible entry (visible <= TOPK, below 4 TOPK cached
   tokens) has no scores written at all: its selection does not depend on them
   (`select_write_task`).
@@ -35,20 +40,10 @@ import triton.language as tl
 from .attention_math import pair_offsets, rope, visible_entries
 from .plan import fast_dots, task_grid
 
-KE = 64  # entries of a score task
+KE = 64  # entries of a score block: the N side of its dot
 SELECT_BLOCK = 256  # entries a selection task takes (K1's: LaunchShape.select_block)
 MIN_SELECT_BLOCK = 16
 MAX_SELECT_BLOCK = 4096  # scores a pass holds at once: 16 a thread of K1's 8 warps, with their keys
-
-
-def score_tasks(R: int, E: int, KE: int = KE) -> int:
-    return R * triton.cdiv(E, KE)
-
-
-@triton.jit
-def score_tasks_of(R, E, KE: tl.constexpr):
-    """`score_tasks` inside a kernel."""
-    return R * tl.cdiv(E, KE)
 
 
 @triton.jit
@@ -61,63 +56,95 @@ def needs_scores(visible, TOPK: tl.constexpr):
 
 
 @triton.jit
-def score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI,
-               RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
-               FAST: tl.constexpr, TOPK: tl.constexpr):
-    """Scores of task t's row and block of entries (the module docstring)."""
-    blocks = tl.cdiv(n_entries, KE)
-    row = t // blocks
+def score_layout(R, span, programs, KE: tl.constexpr):
+    """(entry blocks of KE a score task takes, tasks a row) over the first `span` entries of R rows:
+    a row's blocks spread over as many tasks as leave every row's tasks one round of `programs`
+    (at least one task a row)."""
+    blocks = tl.cdiv(span, KE)
+    per_task = tl.maximum(tl.cdiv(blocks, tl.maximum(programs // R, 1)), 1)
+    return per_task, tl.cdiv(blocks, per_task)
+
+
+@triton.jit
+def score_stage(pid, grid, programs, R, span, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr,
+                n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr,
+                DI: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+    """Program pid's (of `grid`) score tasks over the first `span` entries, laid out for `programs`
+    programs (`score_layout`)."""
+    per_task, tasks_a_row = score_layout(R, span, programs, KE)
+    for t in range(pid, R * tasks_a_row, grid):
+        score_task(t // tasks_a_row, (t % tasks_a_row) * per_task, per_task, q_raw_ptr, weights_ptr, positions_ptr,
+                   slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO, BH, DI,
+                   KE, FAST, TOPK)
+
+
+@triton.jit
+def score_task(row, first, count, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries,
+               scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr,
+               KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+    """scores[row] over its entry blocks first .. first + count - 1 (the module docstring): the
+    row's queries rotated once, then block by block."""
     visible = visible_entries(row, positions_ptr, slots_ptr, RATIO)
     if needs_scores(visible, TOPK):
-        _score_block(row, (t % blocks) * KE, visible, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr,
-                     keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, BH, DI, KE, FAST)
+        end = tl.minimum(first + count, tl.cdiv(n_entries, KE)) * KE  # past the task's last block
+        seen = tl.minimum(visible, end)
+        if first * KE < seen:
+            slot = tl.load(slots_ptr + row)
+            h = tl.arange(0, BH)
+            c, pair = pair_offsets(DI)
+            q = tl.load(q_raw_ptr + (row * HI + h)[:, None, None] * DI + c[None, :, :], mask=(h < HI)[:, None, None],
+                        other=0.0).to(tl.float32)
+            q = tl.reshape(rope(q, pair[None, :], tl.load(positions_ptr + row), freqs_ptr, (DI - RD) // 2, RD // 2,
+                                False), (BH, DI))
+            if FAST:  # the dots' operand, once
+                q = q.to(tl.bfloat16)
+            weights = tl.load(weights_ptr + row * HI + h, mask=h < HI, other=0.0).to(tl.float32) * weights_scale
+            for e0 in range(first * KE, seen, KE):
+                e = e0 + tl.arange(0, KE)
+                scored = _block_scores(q, _block_keys(keys_ptr, slot, n_entries, e0, seen, DI, KE), weights, scale, FAST)
+                tl.store(scores_ptr + row * n_entries + e, tl.where(e < seen, scored, float("-inf")),
+                         mask=e < n_entries)
+        for e0 in range(tl.maximum(tl.cdiv(seen, KE), first) * KE, end, KE):  # wholly past the visible ones
+            e = e0 + tl.arange(0, KE)
+            tl.store(scores_ptr + row * n_entries + e, tl.full((KE,), float("-inf"), tl.float32), mask=e < n_entries)
 
 
 @triton.jit
-def _score_block(row, e0, visible, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries,
-                 scores_ptr, HI, RD, scale, weights_scale, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
-                 FAST: tl.constexpr):
-    """scores[row, e0 .. e0 + KE] (the module docstring)."""
+def _block_keys(keys_ptr, slot, n_entries, e0, seen, DI: tl.constexpr, KE: tl.constexpr):
+    """The slot's index entries e0 .. e0 + KE: bf16 [KE, DI], zero from `seen` on (nothing read there)."""
     e = e0 + tl.arange(0, KE)
-    slot = tl.load(slots_ptr + row)
-    position = tl.load(positions_ptr + row)
-    live = e < visible
-    scores = tl.full((KE,), float("-inf"), tl.float32)
-    if e0 < visible:
-        h = tl.arange(0, BH)
-        hmask = h < HI
-        c, pair = pair_offsets(DI)
-        q = tl.load(q_raw_ptr + (row * HI + h)[:, None, None] * DI + c[None, :, :], mask=hmask[:, None, None],
-                    other=0.0).to(tl.float32)
-        q = tl.reshape(rope(q, pair[None, :], position, freqs_ptr, (DI - RD) // 2, RD // 2, False), (BH, DI))
-        keys = tl.load(keys_ptr + ((slot * n_entries + tl.where(live, e, 0)) * DI)[:, None] + tl.arange(0, DI)[None, :],
-                       mask=live[:, None], other=0.0)
-        if FAST:
-            dots = tl.dot(q.to(tl.bfloat16), tl.trans(keys))
-        else:
-            dots = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
-        weights = tl.load(weights_ptr + row * HI + h, mask=hmask, other=0.0).to(tl.float32) * weights_scale
-        summed = tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
-        scores = tl.where(live, summed, float("-inf"))
-    tl.store(scores_ptr + row * n_entries + e, scores, mask=e < n_entries)
+    live = e < seen
+    return tl.load(keys_ptr + ((slot * n_entries + tl.where(live, e, 0)) * DI)[:, None] + tl.arange(0, DI)[None, :],
+                   mask=live[:, None], other=0.0)
 
 
 @triton.jit
-def _scores(n_tasks, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr,
+def _block_scores(q, keys, weights, scale, FAST: tl.constexpr):
+    """The heads' weighted sum of relu(q . k) * scale for each key of the block: fp32 [KE]."""
+    if FAST:
+        dots = tl.dot(q, tl.trans(keys))
+    else:
+        dots = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    return tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
+
+
+@triton.jit
+def _scores(R, programs, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr,
             HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
             FAST: tl.constexpr, TOPK: tl.constexpr):
-    for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        score_task(t, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr,
-                   HI, RD, scale, weights_scale, RATIO, BH, DI, KE, FAST, TOPK)
+    score_stage(tl.program_id(0), tl.num_programs(0), programs, R, n_entries, q_raw_ptr, weights_ptr, positions_ptr,
+                slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO, BH, DI, KE,
+                FAST, TOPK)
 
 
 def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
            freqs: torch.Tensor, keys: torch.Tensor, ratio: int = 4, entry_block: int = KE,
-           topk: int = 0) -> torch.Tensor:
+           topk: int = 0, programs: int | None = None) -> torch.Tensor:
     """The standalone launch: q_raw [R, HI, DI] bf16 (the indexer's wq_b output, before its RoPE),
     weights_raw bf16 [R, HI] (the `weights_proj` GEMV's output), positions / slots int64 [R], freqs
     fp32 [RD / 2], keys the index entries bf16 [S, E, DI] -> scores fp32 [R, E]; with `topk`, the
-    rows with at most that many visible entries are left as they were (NaN here)."""
+    rows with at most that many visible entries are left as they were (NaN here). The tasks are
+    laid out for `programs` programs (`score_layout`; default: a program a block of a row)."""
     R, HI, DI = q_raw.shape
     S, E, _ = keys.shape
     if keys.shape[2] != DI or weights_raw.shape != (R, HI) or positions.shape != (R,) or slots.shape != (R,):
@@ -127,12 +154,12 @@ def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tens
     assert q_raw.is_contiguous() and keys.is_contiguous() and weights_raw.is_contiguous()
     assert DI & (DI - 1) == 0 and DI >= 16 and entry_block >= 16 and 2 * freqs.numel() <= DI
     out = torch.full((R, E), float("nan"), dtype=torch.float32, device=q_raw.device)
-    n_tasks = score_tasks(R, E, entry_block)
-    _scores[task_grid(n_tasks)](n_tasks, q_raw, weights_raw, positions.contiguous(), slots.contiguous(),
-                                freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
-                                float(HI ** -0.5),
-                                RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block,
-                                FAST=fast_dots(q_raw), TOPK=topk)
+    programs = programs or R * triton.cdiv(E, entry_block)
+    _scores[task_grid(programs)](R, programs, q_raw, weights_raw, positions.contiguous(), slots.contiguous(),
+                                 freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
+                                 float(HI ** -0.5),
+                                 RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block,
+                                 FAST=fast_dots(q_raw), TOPK=topk)
     return out
 
 
@@ -161,17 +188,17 @@ def _ordered(scores):
 
 
 @triton.jit
-def select_span(R, n_entries, positions_ptr, slots_ptr, RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
-    """(blocks of BE entries a row's selection tasks cover: those of the step's most visible
-    entries; whether any row of the step selects, i.e. sees more than K entries). Every program
-    computes the same, so a step in which no row selects can pass the selection's barriers by."""
+def visible_span(R, n_entries, positions_ptr, slots_ptr, RATIO: tl.constexpr):
+    """The most entries a row of the step sees (at most n_entries): the span the score and selection
+    tasks cover. Every program computes the same, so a step in which no row selects (none sees
+    more than TOPK) can pass the selection's barriers by."""
     most = tl.zeros((), tl.int64)
     for r0 in range(0, R, 64):
         r = r0 + tl.arange(0, 64)
         slot = tl.load(slots_ptr + r, mask=r < R, other=-1)
         seen = tl.where(slot >= 0, (tl.load(positions_ptr + r, mask=r < R, other=0) + 1) // RATIO, 0)
         most = tl.maximum(most, tl.max(tl.minimum(seen, n_entries), 0))
-    return tl.cdiv(most, BE), most > K
+    return most
 
 
 @triton.jit
@@ -295,7 +322,7 @@ def select_write_task(t, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr, se
 def select_stage(pid, grid, STAGE: tl.constexpr, R, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr,
                  selected_ptr, positions_ptr, slots_ptr, RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
     """Program pid's tasks of selection stage STAGE (0 .. 3 the digit passes, 4 the counts, 5 the
-    writes) over `select_span`'s blocks. The histograms must be 0 before stage 0 (`clear_select_hist`)."""
+    writes) over the blocks of BE entries of `visible_span`. The histograms must be 0 before stage 0 (`clear_select_hist`)."""
     blocks = tl.maximum(blocks, 1)  # a step of pad rows still writes its -1s
     for t in range(pid, R * blocks, grid):
         if STAGE < SELECT_LEVELS:
@@ -320,7 +347,7 @@ def clear_select_hist(pid, grid, R, hist_ptr):
 @triton.jit
 def _select(STAGE: tl.constexpr, R, scores_ptr, n_entries, hist_ptr, counts_ptr, selected_ptr, positions_ptr,
             slots_ptr, RATIO: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
-    blocks, _ = select_span(R, n_entries, positions_ptr, slots_ptr, RATIO, K, BE)
+    blocks = tl.cdiv(visible_span(R, n_entries, positions_ptr, slots_ptr, RATIO), BE)
     select_stage(tl.program_id(0), tl.num_programs(0), STAGE, R, blocks, scores_ptr, n_entries, hist_ptr, counts_ptr,
                  selected_ptr, positions_ptr, slots_ptr, RATIO, K, BE)
 

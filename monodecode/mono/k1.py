@@ -28,10 +28,10 @@ Stages (R rows; task counts)                                    reads -> writes
   (CSA)     gemv_stage (FP8)   + ceil(HI DI/BN_IQ) * SPLIT_IQ  qr -> index.q (the indexer's wq_b)
   (CSA/HCA) emit_task          + R (CSA: + 2R)                 a source ring -> the entry a row
                                                                completes (compress.py)
-5 (CSA) scores  score_task     R ceil(E/KE)                    index.q, index.weights, the index
-                                                               entries -> index.scores (indexer.py;
-                                                               none for a row that keeps all its
-                                                               entries: at most TOPK visible)
+5 (CSA) scores  score_task     R T: each row's blocks of KE    index.q, index.weights, the index
+                               of the step's most visible      entries -> index.scores (indexer.py;
+                               entries in T runs (score_layout: none for a row that keeps all its
+                               one round of the programs)      entries: at most TOPK visible)
 6-9 (CSA) top-k digits  select_pass_task  R B               index.scores -> index.hist: the digits
                                                                of each selecting row's k-th largest
                                                                score (B = ceil(the step's most visible
@@ -216,7 +216,7 @@ class K1Meta(NamedTuple):
     DI: int
     BH: int
     TOPK: int  # the entries a row keeps (a power of two)
-    KE: int  # entries of a score task (indexer.KE)
+    KE: int  # entries of a score block (indexer.KE)
     BE: int  # the selection's entries a block
     FAST: bool  # the NVIDIA paths (bf16 / fp8 dots, PTX)
     TIMELINE: bool
@@ -282,11 +282,12 @@ def _k1(a, m):
                 _emit(t - a.rows, a, a.index.comp, a.index_span, a.index_entries, m.DI, m.RD, m.RATIO, m.HALVES, m.ESB)
     if m.INDEXED:
         ix = a.index
-        blocks, selects = I.select_span(a.rows, a.index_entries, a.positions, a.slots, m.RATIO, m.TOPK, m.BE)
+        span = I.visible_span(a.rows, a.index_entries, a.positions, a.slots, m.RATIO)
+        blocks, selects = tl.cdiv(span, m.BE), span > m.TOPK
         barrier(a.sync, epoch, 4, m.B, m.TIMELINE, m.FAST)
-        for t in range(pid, I.score_tasks_of(a.rows, a.index_entries, m.KE), grid):
-            I.score_task(t, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries, a.index_entries, ix.scores,
-                         m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI, m.KE, m.FAST, m.TOPK)
+        I.score_stage(pid, grid, grid, a.rows, span, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries,
+                      a.index_entries, ix.scores, m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI,
+                      m.KE, m.FAST, m.TOPK)
         for stage in tl.static_range(I.SELECT_STAGES):
             if selects:
                 barrier(a.sync, epoch, 5 + stage, m.B, m.TIMELINE, m.FAST)
