@@ -1,4 +1,7 @@
-"""Probe (prepared 2026-12-06, not yet run): what a CSA layer's attend costs at long context, and
+"""Probe (prepared 2026-12-06; its first run, on an H100 the same night, timed each launch with
+`do_bench`, the host's work included: 140-490 us whatever the rows, against K2's 53-206 us
+stage, so it measured the host, not the layouts: now each variant's launches replay in a CUDA
+graph, not yet rerun): what a CSA layer's attend costs at long context, and
 which launch layout shortens it. The standalone attend (`mono.attention.attend`) at v4-flash sizes
 (64 heads of 512 channels, a 128-token window, ratio 4, 512 selected entries a row), rows of 8
 requests (6 drafts each at 48 rows) with `--context` cached tokens each, timed per variant:
@@ -83,7 +86,7 @@ def main() -> None:
                 continue
             reference = out if reference is None else reference
             differ = (out.float() - reference.float()).abs().max().item()
-            us = triton.testing.do_bench(run, warmup=5, rep=50) * 1e3 if device.type == "cuda" else float("nan")
+            us = triton.testing.do_bench_cudagraph(run, rep=50) * 1e3 if device.type == "cuda" else float("nan")
             print(f"{rows:3d} rows  {name:32s} {us:8.1f} us  max |out - k2 layout's| {differ:.2e}", flush=True)
 
 
