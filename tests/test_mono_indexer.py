@@ -75,6 +75,13 @@ def test_the_launch_refuses_shapes_that_do_not_fit(device):
                  torch.ones(8, device=device), torch.zeros(1, 8, 32, dtype=torch.bfloat16, device=device))
 
 
+def test_k1s_select_block_grows_with_the_rows_unless_the_shape_names_one():
+    """The launch shape's 0 leaves K1's selection 256 entries a task below 32 rows and 1024 from
+    32 on; a shape's own block holds at every width."""
+    assert [K.select_block(0, rows) for rows in (1, 6, 16, 31, 32, 48)] == [256] * 4 + [1024] * 2
+    assert [K.select_block(16, rows) for rows in (1, 48)] == [16, 16]
+
+
 @pytest.mark.parametrize("block", [16, 256])
 def test_select_takes_each_rows_top_k(device, block):
     """The radix select: each row's top min(k, visible) entries as a set equal to torch.topk's

@@ -447,7 +447,7 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
     with pytest.raises(ValueError, match=r"attend_parts must be 0 \(automatic\) or a power of two up to head_dim / 64 = 1"):
         d.mono.configure(LaunchShape(attend_parts=2))  # the tiny model's heads: one chunk of 64
     for block in (8, 48, 8192):
-        with pytest.raises(ValueError, match=r"select_block must be a power of two from 16 to 4096"):
+        with pytest.raises(ValueError, match=r"select_block must be 0 \(automatic\) or a power of two from 16 to 4096"):
             d.mono.configure(LaunchShape(select_block=block))
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")

@@ -41,9 +41,23 @@ from .attention_math import pair_offsets, rope, visible_entries
 from .plan import fast_dots, task_grid
 
 KE = 64  # entries of a score block: the N side of its dot
-SELECT_BLOCK = 256  # entries a selection task takes (K1's: LaunchShape.select_block)
+SELECT_BLOCK = 256  # entries a selection task takes (K1's: `select_block`)
+WIDE_SELECT_BLOCK = 1024  # K1's from WIDE_SELECT_ROWS rows of a step on
+WIDE_SELECT_ROWS = 32
 MIN_SELECT_BLOCK = 16
 MAX_SELECT_BLOCK = 4096  # scores a pass holds at once: 16 a thread of K1's 8 warps, with their keys
+
+
+def select_block(block: int, rows: int) -> int:
+    """Entries a selection task of a K1 step of `rows` rows takes: `block` (LaunchShape.select_block),
+    or if 0, SELECT_BLOCK below WIDE_SELECT_ROWS rows and WIDE_SELECT_BLOCK from there. A wide step
+    at long context makes many short tasks a stage (16 K cached tokens, 48 rows: 768 of 256
+    entries, six rounds of the programs), whose fixed work (the row's visible entries, the
+    histogram's atomics) outweighs what longer tasks leave idle; a narrow step's few tasks want
+    the opposite."""
+    if block:
+        return block
+    return WIDE_SELECT_BLOCK if rows >= WIDE_SELECT_ROWS else SELECT_BLOCK
 
 
 @triton.jit

@@ -209,9 +209,9 @@ class MonoRunner:
             raise ValueError(f"launch shape {shape.spec()}: attend_parts must be 0 (automatic) or a power of two up "
                              f"to head_dim / {A.BD} = {chunks}")
         block = shape.select_block
-        if block & (block - 1) or not I.MIN_SELECT_BLOCK <= block <= I.MAX_SELECT_BLOCK:
-            raise ValueError(f"launch shape {shape.spec()}: select_block must be a power of two from "
-                             f"{I.MIN_SELECT_BLOCK} to {I.MAX_SELECT_BLOCK}")
+        if block and (block & (block - 1) or not I.MIN_SELECT_BLOCK <= block <= I.MAX_SELECT_BLOCK):
+            raise ValueError(f"launch shape {shape.spec()}: select_block must be 0 (automatic) or a power of two "
+                             f"from {I.MIN_SELECT_BLOCK} to {I.MAX_SELECT_BLOCK}")
 
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:

@@ -21,11 +21,12 @@ many, a power of two: what the interpreter's one program needs to run the split 
 the attend spreading each pair's output chunks over `attend_parts` tasks (0: as many as fill the
 programs, on a compressed layer half of them, `attention.output_parts`; else that many, a power
 of two up to head_dim / 64); a CSA layer's
-top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (a
-power of two; `indexer.select_stage`).
+top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (0:
+256 below 32 rows of a step, 1024 from 32, `indexer.select_block`; else that many, a power of
+two; `indexer.select_stage`).
 The defaults are the fastest shapes measured (docs/notes/; on the H200; `attend_parts` at 1-6 and
 48 rows on an H100, on the H200 at 16 rows only, a compressed layer's (splits, parts, split parts) at 1 and 6
-rows on an H100 only; `select_block` not yet timed at long context).
+rows on an H100 only; `select_block` at 16 K cached tokens on an H100 only).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class LaunchShape:
     settle_columns: int = 0
     attend_splits: int = 0
     attend_parts: int = 0
-    select_block: int = 256
+    select_block: int = 0
 
     def expert_registers(self) -> int:
         """Registers a thread of K3 may take so that `expert_programs_per_sm` programs of
