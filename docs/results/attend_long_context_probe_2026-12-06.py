@@ -1,7 +1,7 @@
 """Probe (prepared 2026-12-06; its first run, on an H100 the same night, timed each launch with
 `do_bench`, the host's work included: 140-490 us whatever the rows, against K2's 53-206 us
 stage, so it measured the host, not the layouts: now each variant's launches replay in a CUDA
-graph, not yet rerun): what a CSA layer's attend costs at long context, and
+graph, as K2 runs it (a persistent program a SM, 8 warps), not yet rerun): what a CSA layer's attend costs at long context, and
 which launch layout shortens it. The standalone attend (`mono.attention.attend`) at v4-flash sizes
 (64 heads of 512 channels, a 128-token window, ratio 4, 512 selected entries a row), rows of 8
 requests (6 drafts each at 48 rows) with `--context` cached tokens each, timed per variant:
@@ -9,9 +9,8 @@ heads a task (16, the kernels' HB, against 32 and 64: K = V is one head, so a ta
 reads a row's entries once for all of them), channels a chunk (64, the kernels' BD, against
 128), warps, and entry splits / output parts where they apply. Each variant's output is
 compared with the default's (max abs difference): a layout must not change the result beyond
-fp32 summation order. K2 runs the same task code persistently over 132 programs; this launch
-gives each task a program (or, with splits, at most a program a SM), so compare the variants
-with each other, not with K2's stage time.
+fp32 summation order. Each variant runs K2's way (the task code over a persistent program a
+SM, 8 warps), but alone: K2's attend stage starts after wq_b's, with other data in L2.
 
 Run: `python docs/results/attend_long_context_probe_2026-12-06.py --rows 6,16,48` on a GPU
 (`--preset tiny --context 64 --rows 1` checks it on the CPU interpreter)."""
@@ -53,14 +52,18 @@ def step(config, rows: int, context: int, device, g: torch.Generator):
 
 
 def variants(rows: int, heads: int, D: int, programs: int):
-    """(name, keyword arguments) of the layouts to time; the first is what K2 runs today."""
+    """(name, keyword arguments) of the layouts to time, each at K2's 8 warps; the first is what
+    K2 runs today. Tasks of more heads or longer chunks take the output parts that fill the
+    programs (`output_parts`), no entry splits."""
     splits, parts, split_parts = A.compressed_layout(rows, heads, D, 512, programs)
-    yield "k2 layout", dict(splits=splits, parts=parts, split_parts=split_parts)
-    for hb, chunk, warps in itertools.product((16, 32, 64), (64, 128), (4, 8)):
-        if (hb, chunk, warps) != (A.HB, A.BD, 4):
-            yield f"heads {hb}, chunk {chunk}, warps {warps}", dict(heads_per_task=hb, d_chunk=chunk, num_warps=warps)
+    yield "k2 layout", dict(splits=splits, parts=parts, split_parts=split_parts, num_warps=8)
+    for hb, chunk in itertools.product((16, 32, 64), (64, 128)):
+        if (hb, chunk) != (A.HB, A.BD):
+            fill = A.output_parts(rows, heads, D, programs, HB=hb, BD=chunk)
+            yield (f"heads {hb}, chunk {chunk}, parts {fill}",
+                   dict(heads_per_task=hb, d_chunk=chunk, parts=fill, num_warps=8))
     for s, p in ((2, 1), (4, 1), (2, 2)):
-        yield f"splits {s}, parts {p}", dict(splits=s, parts=p)
+        yield f"splits {s}, parts {p}", dict(splits=s, parts=p, num_warps=8)
 
 
 def main() -> None:
@@ -74,6 +77,8 @@ def main() -> None:
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     print(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch.__version__,
           triton.__version__, f"context {args.context}", flush=True)
+    if device.type == "cuda":  # K2's grid: a persistent program a SM walks the tasks
+        A.task_grid = lambda n_tasks: (min(n_tasks, programs),)
     for rows in map(int, args.rows.split(",")):
         inputs = step(config, rows, args.context, device, torch.Generator().manual_seed(rows))
         reference = None
