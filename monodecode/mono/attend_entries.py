@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_math import HB, key_chunk, power_of_two_at_most, scaled_logits, visible_entries
+from .attention_math import HB, head_pairs, key_chunk, power_of_two_at_most, scaled_logits, visible_entries
 from .sync import _ERROR, leader_wait, signal, wait_at_least
 
 
@@ -42,14 +42,13 @@ def entry_splits(R: int, H: int, entries: int, programs: int, parts: int = 1, HB
     programs: as many as leave every pair's tasks one round of the programs, a power of two, at
     most MAX_SPLITS and no more than the blocks; 0 (the window's tasks take the entries
     themselves) when the pairs' window tasks fill the programs."""
-    pairs = R * triton.cdiv(H, HB)
-    fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // pairs - parts)
+    fit = min(MAX_SPLITS, triton.cdiv(entries, KE), programs // head_pairs(R, H, HB) - parts)
     return 0 if fit < 1 else power_of_two_at_most(fit)
 
 
 def split_partials(R: int, H: int, D: int, splits: int, HB: int = HB) -> int:
     """fp32 values the entry splits of R rows keep for their window tasks: outputs and stats."""
-    return R * triton.cdiv(H, HB) * splits * HB * (D + 2)
+    return head_pairs(R, H, HB) * splits * HB * (D + 2)
 
 
 @triton.jit

@@ -88,8 +88,8 @@ import triton.language as tl
 from .attend_entries import (KE, MAX_SPLITS, attended_entries, await_splits, entries_out, entry_split,
                              entry_splits, park_entry_logits, parked_mass, release_splits, split_partials,
                              split_stats, splits_out)
-from .attention_math import (HB, heads_inverse_rms, key_chunk, pair_offsets, power_of_two_at_most, rms_norm, rope,
-                             scaled_logits)
+from .attention_math import (HB, head_pairs, heads_inverse_rms, key_chunk, pair_offsets, power_of_two_at_most,
+                             rms_norm, rope, scaled_logits)
 from .plan import fast_dots, interpreted, task_grid
 from .rounding import bf16
 from .sync import DEFAULT_MAX_POLLS, SyncState
@@ -103,14 +103,14 @@ def norm_rope_kv_tasks(R: int) -> int:
 
 
 def attend_tasks(R: int, H: int, HB: int = HB, splits: int = 0, parts: int = 1, split_parts: int = 1) -> int:
-    return R * triton.cdiv(H, HB) * (splits * split_parts + parts)
+    return head_pairs(R, H, HB) * (splits * split_parts + parts)
 
 
 def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = BD) -> int:
     """Output parts a (row, head block) pair of a window layer's attend (its D / BD output chunks
     spread over that many tasks) for a launch of `programs` programs: as many as leave every
     pair's tasks one round of the programs, a power of two, at most D / BD (1: one task a pair)."""
-    fit = min(D // BD, programs // (R * triton.cdiv(H, HB)))
+    fit = min(D // BD, programs // head_pairs(R, H, HB))
     return 1 if fit < 1 else power_of_two_at_most(fit)
 
 
@@ -123,7 +123,7 @@ def compressed_layout(R: int, H: int, D: int, entries: int, programs: int, parts
     at most D / BD) as still leave the pairs' tasks one round."""
     parts = parts or output_parts(R, H, D, programs // 2)
     splits = entry_splits(R, H, entries, programs, parts)
-    fit = 0 if splits == 0 else min(D // BD, (programs // (R * triton.cdiv(H, HB)) - parts) // splits)
+    fit = 0 if splits == 0 else min(D // BD, (programs // head_pairs(R, H) - parts) // splits)
     return splits, parts, 1 if fit < 1 else power_of_two_at_most(fit)
 
 

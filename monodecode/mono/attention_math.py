@@ -20,6 +20,11 @@ from .rounding import bf16
 HB = 16  # heads of an attend task: the M side of its dots
 
 
+def head_pairs(R: int, H: int, HB: int = HB) -> int:
+    """The (row, head block) pairs of R rows' attend: the unit its tasks are counted in."""
+    return R * triton.cdiv(H, HB)
+
+
 def power_of_two_at_most(n: int) -> int:
     """The largest power of two <= n (n >= 1): how many tasks a pair's work is spread over."""
     return 1 << (n.bit_length() - 1)
