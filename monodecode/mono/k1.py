@@ -406,7 +406,8 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         COMPRESSORS=(ratio > 0) + indexed, INDEXED=indexed, B=len(stage_names(family)) - 1,
         BN_I=bn_i, BK_I=bk_i, SPLIT_I=split_i, BN_W=bn_w, BK_W=bk_w, SPLIT_W=split_w, BN_IQ=bn_iq, BK_IQ=bk_iq,
         SPLIT_IQ=split_iq, HI=c.index_n_heads, DI=c.index_head_dim,
-        BH=max(16, triton.next_power_of_2(c.index_n_heads)), TOPK=c.index_topk, KE=I.KE, BE=I.select_block(runner.shape.select_block, s.rows),
+        BH=max(16, triton.next_power_of_2(c.index_n_heads)), TOPK=c.index_topk, KE=I.KE,
+        BE=I.select_block(runner.shape.select_block, s.rows),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1 (CSA)" if indexed else "K1", family, args, meta=meta)
