@@ -171,9 +171,8 @@ def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tens
     programs = programs or R * triton.cdiv(E, entry_block)
     _scores[task_grid(programs)](R, programs, q_raw, weights_raw, positions.contiguous(), slots.contiguous(),
                                  freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
-                                 float(HI ** -0.5),
-                                 RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block,
-                                 FAST=fast_dots(q_raw), TOPK=topk)
+                                 float(HI ** -0.5), RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI,
+                                 KE=entry_block, FAST=fast_dots(q_raw), TOPK=topk)
     return out
 
 
