@@ -14,7 +14,7 @@ from monodecode.mono import indexer as K
 @pytest.mark.parametrize("entry_block, programs", [(16, None), (64, None), (16, 24), (16, 8)])
 def test_scores_match_the_indexer(device, entry_block, programs):
     """programs: the tasks laid out for that many (8 rows of 8 blocks of 16 entries: a block a
-    task, runs of 3, 3 and 2 blocks, a row's 8 blocks in one task)."""
+    task, runs of 3, 3 and 2 blocks, a row's 8 blocks in one task); the weights' rows strided."""
     config = preset("tiny")
     HI, DI = config.index_n_heads, config.index_head_dim
     g = torch.Generator().manual_seed(entry_block)
@@ -29,7 +29,8 @@ def test_scores_match_the_indexer(device, entry_block, programs):
     E = 120
     keys = torch.randn(6, E, DI, generator=g).to(torch.bfloat16)
     q_raw = (2 * torch.randn(8, HI, DI, generator=g)).to(torch.bfloat16)
-    weights_raw = torch.randn(8, HI, generator=g).to(torch.bfloat16)  # the weights_proj GEMV's output
+    # the weights_proj GEMV's output: columns of a wider buffer, as K1's stacked projections write it
+    weights_raw = torch.randn(8, HI + 40, generator=g).to(torch.bfloat16)[:, 8:8 + HI]
     weights = weights_raw.float() * HI ** -0.5  # as Indexer.queries scales it
     out = K.scores(q_raw.to(device), weights_raw.to(device), positions.to(device), slots.to(device), freqs.to(device),
                    keys.to(device), ratio=4, entry_block=entry_block, programs=programs).cpu()

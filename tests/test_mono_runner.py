@@ -19,6 +19,7 @@ from monodecode.model import Model
 from monodecode.decode import Decoder
 from monodecode.mono import MonoRefused, build
 from monodecode.mono.shape import LaunchShape
+from monodecode.mono.weights import projection_names
 
 SLOTS, CONTEXT, STEP_ROWS = 8, 96, 8
 # Where a top-k choice nearly ties, a last-bit difference in its input
@@ -331,7 +332,7 @@ def test_memory_beyond_the_per_op_path_is_reported(decoder):
 
 
 def test_weights_are_checked_at_build(decoder):
-    from monodecode.mono.weights import WeightCheckError, check_layer
+    from monodecode.mono.weights import WeightCheckError, check_layer, projection_rows, stack_projections
 
     lw = decoder.mono.layers[0]
     good = lw.wq_b
@@ -342,6 +343,16 @@ def test_weights_are_checked_at_build(decoder):
     finally:
         lw.wq_b = good
     check_layer(decoder.mono.sizes, "layers.0.", lw)
+    # a compressed layer's projections are checked one by one before they are stacked (nothing changed)
+    c = decoder.config
+    w = {f"layers.1.attn.{n}": torch.zeros(r, c.hidden_size, dtype=torch.bfloat16)
+         for n, r in zip(projection_names(4), projection_rows(c, 4))}
+    w["layers.1.attn.compressor.wgate"] = torch.zeros(projection_rows(c, 4)[1], c.hidden_size + 8,
+                                                      dtype=torch.bfloat16)
+    kept = dict(w)
+    with pytest.raises(WeightCheckError, match=r"layers.1.attn.compressor.wgate: shape"):
+        stack_projections(w, c, None, "layers.1.", 4)
+    assert all(w[n] is t for n, t in kept.items())
 
 
 def test_a_cache_the_kernels_cannot_use_is_refused(decoder):
@@ -452,6 +463,31 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
     assert d.mono.shape == LaunchShape()
     again = Decoder(m, "on")
     assert again.mono.layers[0].experts is experts
+
+
+def test_a_compressed_layers_projections_are_stacked_once_and_the_per_op_path_reads_the_stack(device):
+    """K1 runs a compressed layer's bf16 projections of x (its compressor's wkv and wgate; on a CSA
+    layer then its indexer compressor's and weights_proj) as one GEMV over their rows stacked in
+    that order; the per-op path (its weights by name and the layer's modules) reads those weights
+    as views of the same stack from then on, the same values, held once."""
+    m = Model.from_checkpoint(SyntheticCheckpoint(tiny(num_hidden_layers=2, compress_ratios=(4, 16),
+                                                       dspark_target_layer_ids=(1,)), seed=7), device, torch.bfloat16)
+
+    def per_op_parts(i):
+        attn = m.blocks[i].attention
+        parts = [attn.compressor.wkv, attn.compressor.wgate]
+        if attn.indexer:
+            parts += [attn.indexer.compressor.wkv, attn.indexer.compressor.wgate, attn.indexer.weights_proj]
+        return parts + [m.w[f"layers.{i}.attn.{name}"] for name in projection_names(m.config.compress_ratios[i])]
+
+    before = [[p.clone() for p in per_op_parts(i)] for i in range(2)]
+    d = Decoder(m, "on")
+    for i, lw in enumerate(d.mono.layers):
+        parts = per_op_parts(i)
+        assert all(torch.equal(p, q) for p, q in zip(parts, before[i])), i
+        half = len(parts) // 2  # the modules' tensors, then the same by name
+        assert torch.equal(torch.cat(parts[:half]), lw.projections), i
+        assert all(p.untyped_storage().data_ptr() == lw.projections.untyped_storage().data_ptr() for p in parts), i
 
 
 def test_an_expired_wait_in_the_csa_layers_k1_names_its_stage(decoder):

@@ -59,6 +59,13 @@ class Attention:
         if self.ratio == 4:
             self.indexer = Indexer(self.w, "indexer.", self.c, self.freqs)
 
+    def share_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Read the named weights (names after the layer's `attn.` prefix) from `weights` from now
+        on: the same values held elsewhere (views of a stack another reader takes), so that they
+        are held once. The compressor and indexer are rebuilt on them."""
+        self.w.update(weights)
+        self.build_compression()
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, groups: list[RequestRows],
                  cache: LayerCache) -> torch.Tensor:
         qr, q, kv = self.project(x, positions)

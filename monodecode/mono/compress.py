@@ -4,7 +4,7 @@ the reference).
 
 Contract (M = ratio, D = the entry's channels, RD of them rotated; C = 2 halves with overlap, else 1):
 - `source_write_task(r)`, R tasks: row r's projections `wkv(x)`, `wgate(x)` ([R, C D] bf16, the
-  GEMVs' outputs) and its position into its slot's source ring (pad rows: nothing), a stage
+  GEMV's outputs, rows a given stride apart) and its position into its slot's source ring (pad rows: nothing), a stage
   before the emission.
 - `emit_tasks(R)` = R: task r emits the entry w = (p + 1) // M - 1 of its row's slot s when the row
   (position p, slot s >= 0) completes that window, (p + 1) % M == 0, and w < the cache's entries a
@@ -45,11 +45,11 @@ def emit_tasks(R: int) -> int:
 
 
 @triton.jit
-def source_write_task(r, positions_ptr, slots_ptr, kv_ptr, gate_ptr, src_kv_ptr, src_gate_ptr, src_pos_ptr, span,
-                      CW, BLOCK: tl.constexpr):
-    """Row r's compressor projections (kv, gate [R, CW] bf16, CW = C D) into its slot's source ring
-    at its position (`PositionRing`: row position % span), and the position beside them; nothing
-    for a pad row (slot < 0). The emission of a later stage reads them there."""
+def source_write_task(r, positions_ptr, slots_ptr, kv_ptr, gate_ptr, stride, src_kv_ptr, src_gate_ptr, src_pos_ptr,
+                      span, CW, BLOCK: tl.constexpr):
+    """Row r's compressor projections (kv, gate [R, CW] bf16, CW = C D, rows `stride` apart) into
+    its slot's source ring at its position (`PositionRing`: row position % span), and the position
+    beside them; nothing for a pad row (slot < 0). The emission of a later stage reads them there."""
     slot = tl.load(slots_ptr + r)
     if slot >= 0:
         position = tl.load(positions_ptr + r)
@@ -57,8 +57,8 @@ def source_write_task(r, positions_ptr, slots_ptr, kv_ptr, gate_ptr, src_kv_ptr,
         c = tl.arange(0, BLOCK)
         for c0 in range(0, CW, BLOCK):
             mask = c0 + c < CW
-            tl.store(src_kv_ptr + row * CW + c0 + c, tl.load(kv_ptr + r * CW + c0 + c, mask=mask), mask=mask)
-            tl.store(src_gate_ptr + row * CW + c0 + c, tl.load(gate_ptr + r * CW + c0 + c, mask=mask), mask=mask)
+            tl.store(src_kv_ptr + row * CW + c0 + c, tl.load(kv_ptr + r * stride + c0 + c, mask=mask), mask=mask)
+            tl.store(src_gate_ptr + row * CW + c0 + c, tl.load(gate_ptr + r * stride + c0 + c, mask=mask), mask=mask)
         tl.store(src_pos_ptr + row, position)
 
 

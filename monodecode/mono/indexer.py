@@ -80,22 +80,22 @@ def score_layout(R, span, programs, KE: tl.constexpr):
 
 
 @triton.jit
-def score_stage(pid, grid, programs, R, span, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr,
-                n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr,
-                DI: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+def score_stage(pid, grid, programs, R, span, q_raw_ptr, weights_ptr, weights_stride, positions_ptr, slots_ptr,
+                freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr,
+                BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
     """Program pid's (of `grid`) score tasks over the first `span` entries, laid out for `programs`
     programs (`score_layout`)."""
     per_task, tasks_a_row = score_layout(R, span, programs, KE)
     for t in range(pid, R * tasks_a_row, grid):
-        score_task(t // tasks_a_row, (t % tasks_a_row) * per_task, per_task, q_raw_ptr, weights_ptr, positions_ptr,
-                   slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO, BH, DI,
-                   KE, FAST, TOPK)
+        score_task(t // tasks_a_row, (t % tasks_a_row) * per_task, per_task, q_raw_ptr, weights_ptr, weights_stride,
+                   positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale,
+                   RATIO, BH, DI, KE, FAST, TOPK)
 
 
 @triton.jit
-def score_task(row, first, count, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries,
-               scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr,
-               KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+def score_task(row, first, count, q_raw_ptr, weights_ptr, weights_stride, positions_ptr, slots_ptr, freqs_ptr,
+               keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr,
+               DI: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
     """scores[row] over its entry blocks first .. first + count - 1 (the module docstring): the
     row's queries rotated once, then block by block."""
     visible = visible_entries(row, positions_ptr, slots_ptr, RATIO)
@@ -112,7 +112,8 @@ def score_task(row, first, count, q_raw_ptr, weights_ptr, positions_ptr, slots_p
                                 False), (BH, DI))
             if FAST:  # the dots' operand, once
                 q = q.to(tl.bfloat16)
-            weights = tl.load(weights_ptr + row * HI + h, mask=h < HI, other=0.0).to(tl.float32) * weights_scale
+            weights = tl.load(weights_ptr + row * weights_stride + h, mask=h < HI, other=0.0).to(tl.float32)
+            weights *= weights_scale
             for e0 in range(first * KE, seen, KE):
                 e = e0 + tl.arange(0, KE)
                 scored = _block_scores(q, _block_keys(keys_ptr, slot, n_entries, e0, seen, DI, KE), weights, scale, FAST)
@@ -143,19 +144,20 @@ def _block_scores(q, keys, weights, scale, FAST: tl.constexpr):
 
 
 @triton.jit
-def _scores(R, programs, q_raw_ptr, weights_ptr, positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr,
-            HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr, DI: tl.constexpr, KE: tl.constexpr,
-            FAST: tl.constexpr, TOPK: tl.constexpr):
-    score_stage(tl.program_id(0), tl.num_programs(0), programs, R, n_entries, q_raw_ptr, weights_ptr, positions_ptr,
-                slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO, BH, DI, KE,
-                FAST, TOPK)
+def _scores(R, programs, q_raw_ptr, weights_ptr, weights_stride, positions_ptr, slots_ptr, freqs_ptr, keys_ptr,
+            n_entries, scores_ptr, HI, RD, scale, weights_scale, RATIO: tl.constexpr, BH: tl.constexpr,
+            DI: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
+    score_stage(tl.program_id(0), tl.num_programs(0), programs, R, n_entries, q_raw_ptr, weights_ptr, weights_stride,
+                positions_ptr, slots_ptr, freqs_ptr, keys_ptr, n_entries, scores_ptr, HI, RD, scale, weights_scale,
+                RATIO, BH, DI, KE, FAST, TOPK)
 
 
 def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
            freqs: torch.Tensor, keys: torch.Tensor, ratio: int = 4, entry_block: int = KE,
            topk: int = 0, programs: int | None = None) -> torch.Tensor:
     """The standalone launch: q_raw [R, HI, DI] bf16 (the indexer's wq_b output, before its RoPE),
-    weights_raw bf16 [R, HI] (the `weights_proj` GEMV's output), positions / slots int64 [R], freqs
+    weights_raw bf16 [R, HI] (the `weights_proj` GEMV's output; its rows may be strided, as K1's
+    columns of the stacked projections' outputs are), positions / slots int64 [R], freqs
     fp32 [RD / 2], keys the index entries bf16 [S, E, DI] -> scores fp32 [R, E]; with `topk`, the
     rows with at most that many visible entries are left as they were (NaN here). The tasks are
     laid out for `programs` programs (`score_layout`; default: a program a block of a row)."""
@@ -165,14 +167,15 @@ def scores(q_raw: torch.Tensor, weights_raw: torch.Tensor, positions: torch.Tens
         raise ValueError(f"q_raw {tuple(q_raw.shape)}, weights_raw {tuple(weights_raw.shape)}, keys {tuple(keys.shape)}, "
                          f"positions {tuple(positions.shape)}, slots {tuple(slots.shape)} do not fit")
     assert q_raw.dtype == keys.dtype == weights_raw.dtype == torch.bfloat16
-    assert q_raw.is_contiguous() and keys.is_contiguous() and weights_raw.is_contiguous()
+    assert q_raw.is_contiguous() and keys.is_contiguous() and weights_raw.stride(1) == 1
     assert DI & (DI - 1) == 0 and DI >= 16 and entry_block >= 16 and 2 * freqs.numel() <= DI
     out = torch.full((R, E), float("nan"), dtype=torch.float32, device=q_raw.device)
     programs = programs or R * triton.cdiv(E, entry_block)
-    _scores[task_grid(programs)](R, programs, q_raw, weights_raw, positions.contiguous(), slots.contiguous(),
-                                 freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(), float(DI ** -0.5),
-                                 float(HI ** -0.5), RATIO=ratio, BH=max(16, triton.next_power_of_2(HI)), DI=DI,
-                                 KE=entry_block, FAST=fast_dots(q_raw), TOPK=topk)
+    _scores[task_grid(programs)](R, programs, q_raw, weights_raw, weights_raw.stride(0), positions.contiguous(),
+                                 slots.contiguous(), freqs.float().contiguous(), keys, E, out, HI, 2 * freqs.numel(),
+                                 float(DI ** -0.5), float(HI ** -0.5), RATIO=ratio,
+                                 BH=max(16, triton.next_power_of_2(HI)), DI=DI, KE=entry_block, FAST=fast_dots(q_raw),
+                                 TOPK=topk)
     return out
 
 

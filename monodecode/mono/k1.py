@@ -14,10 +14,12 @@ Stages (R rows; task counts)                                    reads -> writes
                                                                attention site, x = attn_norm(collapse)
 2 wq_a|wkv  gemv_stage (FP8)   ceil((q_lora+D)/BN_QKV)         x -> qkv_raw (bf16): wq_a and wkv
                                * SPLIT_D                       stacked (weights.stack_rows), one GEMV
-  (CSA/HCA) gemv_stage (bf16)  + 2 ceil(C D/BN_C) * SPLIT_C   x -> comp.source_kv / source_gate: the
-                                                               compressor's wkv(x), wgate(x)
-  (CSA)     gemv_stage (bf16)  + 2 ceil(2 DI/BN_I) * SPLIT_I  x -> the indexer compressor's, and
-                               + ceil(HI/BN_W) * SPLIT_W       index.weights = weights_proj(x)
+  (CSA/HCA) gemv_stage (bf16)  + ceil(NP/BN_P) * SPLIT_P       x -> proj [R, NP]: the projections of x
+                                                               stacked (weights.stack_projections), one
+                                                               GEMV: the compressor's wkv(x) and wgate(x)
+                                                               (comp.source_kv / source_gate, column views),
+                                                               on a CSA layer then the indexer compressor's
+                                                               and index.weights = weights_proj(x)
 3 norms     norm_rope_kv_task  2R                              qkv_raw -> qr = q_norm(its first q_lora
                                                                columns); the other D -> kv_norm, RoPE ->
                                                                the KV ring (not for pad rows, slot < 0)
@@ -84,7 +86,7 @@ from . import hc as HC
 from . import indexer as I
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, begin_launch, end_launch, pass_barriers
-from .weights import Fp8Matrix, compressor_halves
+from .weights import Fp8Matrix, projection_rows
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
 INDEXED_STAGES = STAGES + ["k1 index scores"] + [f"k1 top-k digit {i + 1}" for i in range(I.SELECT_LEVELS)] + [
@@ -100,9 +102,7 @@ class CompressorArgs(NamedTuple):
     """A compressor's weights, projections and caches (compress.py): the layer's (head dim D) or
     its indexer's (DI)."""
 
-    wkv: torch.Tensor  # bf16 [C D, d]
-    wgate: torch.Tensor
-    source_kv: torch.Tensor  # [R, C D] wkv(x), wgate(x)
+    source_kv: torch.Tensor  # [R, C D] wkv(x), wgate(x): column views of K1Args.proj (its row stride)
     source_gate: torch.Tensor
     src_kv: torch.Tensor  # the source ring (PositionRing: [S, span, C D], pos [S, span])
     src_gate: torch.Tensor
@@ -117,8 +117,7 @@ class IndexArgs(NamedTuple):
     scores of every visible index entry, the top-k selection K2's attend reads."""
 
     comp: CompressorArgs
-    weights_proj: torch.Tensor  # bf16 [HI, d]
-    weights: torch.Tensor  # [R, HI] bf16: weights_proj(x)
+    weights: torch.Tensor  # [R, HI] bf16: weights_proj(x), a column view of K1Args.proj
     wq_b: Fp8Matrix  # [HI DI, q_lora]
     q: torch.Tensor  # [R, HI DI] bf16: wq_b(qr), before its RoPE
     scores: torch.Tensor  # fp32 [R, K1Args.index_entries]
@@ -158,6 +157,10 @@ class K1Args(NamedTuple):
     freqs: torch.Tensor
     wq_b: Fp8Matrix
     q_raw: torch.Tensor
+    projections: torch.Tensor  # a compressed layer's stacked bf16 projections [NP, d] (RATIO > 0; else unread)
+    proj: torch.Tensor  # [R, proj_stride] bf16: their outputs (the first NP columns)
+    n_proj: int  # NP
+    proj_stride: int
     comp: CompressorArgs  # a compressed layer's compressor (RATIO > 0; else unread)
     index: IndexArgs  # a CSA layer's indexer (INDEXED; else unread)
     span: int  # the compressor's source ring span and entries a slot, then its indexer's (0: none)
@@ -196,19 +199,13 @@ class K1Meta(NamedTuple):
     BQ: int  # q_lora padded to a power of two
     RATIO: int  # the compression ratio of an HCA layer, 0 for a window layer
     HALVES: int  # the compressor's halves C (2 where its windows overlap)
-    BN_C: int  # the compressor GEMVs' blocks
-    BK_C: int
-    SPLIT_C: int
+    BN_P: int  # the stacked projections' GEMV blocks
+    BK_P: int
+    SPLIT_P: int
     ESB: int  # the emission's slots a block (compress.SB)
     COMPRESSORS: int  # 0 (window), 1 (HCA), 2 (CSA: the layer's and the indexer's)
     INDEXED: bool  # a CSA layer: the indexer's GEMVs, emissions, scores and top-k (seven stages more)
     B: int  # the launch's grid barriers (len(stage_names) - 1)
-    BN_I: int  # the indexer compressor's GEMVs' blocks
-    BK_I: int
-    SPLIT_I: int
-    BN_W: int  # weights_proj's
-    BK_W: int
-    SPLIT_W: int
     BN_IQ: int  # the indexer's wq_b's
     BK_IQ: int
     SPLIT_IQ: int
@@ -242,16 +239,11 @@ def _k1(a, m):
     qkv = a.q_lora + m.D
     gemv_stage(pid, grid, 0, a.x, a.d, a.rows, a.wqkv_a.codes, a.wqkv_a.scales, a.qkv_raw, qkv, qkv, a.d, 0,
                a.sums, a.tickets, 0, m.SB, m.BN_QKV, m.BK_D, m.SPLIT_D, m.BR, True, m.FAST, m.DENSE_STAGES)
-    if m.RATIO > 0:  # the compressors' wkv and wgate (bf16 weights) on the programs after wq_a|wkv's tasks
-        nxt = _next_gemv(0, a.sums, a.tickets, qkv, m.BN_QKV, m.SPLIT_D, m.BR)
-        nxt = _projections(pid, grid, nxt, a.x, a.d, a.rows, a.comp, m.HALVES * m.D, m.SB, m.BN_C, m.BK_C,
-                           m.SPLIT_C, m.BR, m.FAST, m.DENSE_STAGES)
-        if m.INDEXED:  # the indexer's compressor, then its weights_proj
-            first, sums, tickets = _projections(pid, grid, nxt, a.x, a.d, a.rows, a.index.comp, 2 * m.DI, m.SB,
-                                                m.BN_I, m.BK_I, m.SPLIT_I, m.BR, m.FAST, m.DENSE_STAGES)
-            gemv_stage(pid, grid, first, a.x, a.d, a.rows, a.index.weights_proj, a.index.weights_proj,
-                       a.index.weights, m.HI, m.HI, a.d, 0, sums, tickets, 1, m.SB, m.BN_W, m.BK_W, m.SPLIT_W,
-                       m.BR, True, m.FAST, m.DENSE_STAGES)
+    if m.RATIO > 0:  # the stacked projections (bf16 weights) on the programs after wq_a|wkv's tasks
+        first, sums, tickets = _next_gemv(0, a.sums, a.tickets, qkv, m.BN_QKV, m.SPLIT_D, m.BR)
+        gemv_stage(pid, grid, first, a.x, a.d, a.rows, a.projections, a.projections, a.proj, a.proj_stride,
+                   a.n_proj, a.d, 0, sums, tickets, 1, m.SB, m.BN_P, m.BK_P, m.SPLIT_P, m.BR, True, m.FAST,
+                   m.DENSE_STAGES)
     barrier(a.sync, epoch, 2, m.B, m.TIMELINE, m.FAST)
 
     norm_tasks = 2 * a.rows
@@ -285,9 +277,9 @@ def _k1(a, m):
         span = I.visible_span(a.rows, a.index_entries, a.positions, a.slots, m.RATIO)
         blocks, selects = tl.cdiv(span, m.BE), span > m.TOPK
         barrier(a.sync, epoch, 4, m.B, m.TIMELINE, m.FAST)
-        I.score_stage(pid, grid, grid, a.rows, span, ix.q, ix.weights, a.positions, a.slots, a.freqs, ix.comp.entries,
-                      a.index_entries, ix.scores, m.HI, m.RD, ix.score_scale, ix.weights_scale, m.RATIO, m.BH, m.DI,
-                      m.KE, m.FAST, m.TOPK)
+        I.score_stage(pid, grid, grid, a.rows, span, ix.q, ix.weights, a.proj_stride, a.positions, a.slots, a.freqs,
+                      ix.comp.entries, a.index_entries, ix.scores, m.HI, m.RD, ix.score_scale, ix.weights_scale,
+                      m.RATIO, m.BH, m.DI, m.KE, m.FAST, m.TOPK)
         for stage in tl.static_range(I.SELECT_STAGES):
             if selects:
                 barrier(a.sync, epoch, 5 + stage, m.B, m.TIMELINE, m.FAST)
@@ -307,23 +299,9 @@ def _next_gemv(first, sums, tickets, N, BN: tl.constexpr, SPLIT: tl.constexpr, B
 
 
 @triton.jit
-def _projections(pid, grid, nxt, x, d, R, comp, CW, SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr, BR: tl.constexpr, FAST: tl.constexpr, DENSE_STAGES: tl.constexpr):
-    """A compressor's wkv(x) and wgate(x) ([R, CW] bf16) as two GEMVs of a stage, from `nxt`
-    (first task, sums, tickets); returns the `nxt` of the GEMV after them."""
-    first, sums, tickets = nxt
-    gemv_stage(pid, grid, first, x, d, R, comp.wkv, comp.wkv, comp.source_kv, CW, CW, d, 0, sums, tickets, 1, SB,
-               BN, BK, SPLIT, BR, True, FAST, DENSE_STAGES)
-    first, sums, tickets = _next_gemv(first, sums, tickets, CW, BN, SPLIT, BR)
-    gemv_stage(pid, grid, first, x, d, R, comp.wgate, comp.wgate, comp.source_gate, CW, CW, d, 0, sums, tickets, 1,
-               SB, BN, BK, SPLIT, BR, True, FAST, DENSE_STAGES)
-    return _next_gemv(first, sums, tickets, CW, BN, SPLIT, BR)
-
-
-@triton.jit
 def _source_write(r, a, comp, span, CW, BLOCK: tl.constexpr):
-    C.source_write_task(r, a.positions, a.slots, comp.source_kv, comp.source_gate, comp.src_kv, comp.src_gate,
-                        comp.src_pos, span, CW, BLOCK)
+    C.source_write_task(r, a.positions, a.slots, comp.source_kv, comp.source_gate, a.proj_stride, comp.src_kv,
+                        comp.src_gate, comp.src_pos, span, CW, BLOCK)
 
 
 @triton.jit
@@ -341,9 +319,8 @@ def dense_stages(runner, rows: int):
 
 def layer_stages(runner, rows: int, ratio: int):
     """A layer's two dense K1 stages at `rows` rows, as `dense_stages`: wq_a and wkv stacked, then
-    on a compressed layer (`ratio` > 0) its compressor's wkv and wgate, and on a CSA layer (ratio
-    4) its indexer compressor's wkv and wgate and its weights_proj; then wq_b and on a CSA layer
-    the indexer's wq_b."""
+    on a compressed layer (`ratio` > 0) its stacked bf16 projections (`weights.projection_names`);
+    then wq_b and on a CSA layer the indexer's wq_b."""
     c = runner.config
     d, q_lora, hd = c.hidden_size, c.q_lora_rank, c.head_dim
 
@@ -352,9 +329,8 @@ def layer_stages(runner, rows: int, ratio: int):
 
     front, back = [gemv(q_lora + hd, d)], [gemv(c.num_attention_heads * hd, q_lora)]
     if ratio:
-        front += [gemv(compressor_halves(ratio) * hd, d, fp8=False)] * 2
+        front.append(gemv(sum(projection_rows(c, ratio)), d, fp8=False))
     if ratio == CSA_RATIO:
-        front += [gemv(2 * c.index_head_dim, d, fp8=False)] * 2 + [gemv(c.index_n_heads, d, fp8=False)]
         back.append(gemv(c.index_n_heads * c.index_head_dim, q_lora))
     return [front, back]
 
@@ -373,9 +349,9 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
     front, back = layer_stages(runner, s.rows, ratio)
     unused = (1, 1, 1)
     (bn_qkv, bk_d, split_d), (bn_qb, bk_q, split_q) = front[0][1], back[0][1]
-    bn_c, bk_c, split_c = front[1][1] if ratio else unused
-    (bn_i, bk_i, split_i), (bn_w, bk_w, split_w), (bn_iq, bk_iq, split_iq) = \
-        (front[3][1], front[5][1], back[1][1]) if indexed else (unused,) * 3
+    (n_proj, (bn_p, bk_p, split_p)) = front[1] if ratio else (0, unused)
+    bn_iq, bk_iq, split_iq = back[1][1] if indexed else unused
+    columns = _projection_columns(c, ratio, s.proj)
     owed_y, owed_post, owed_comb = s.owed() if owed is None else owed  # (not read when nothing is owed)
     args = K1Args(
         sync=runner.sync_args(family), rows=s.rows, positions=s.positions, slots=s.slots,
@@ -385,8 +361,10 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         post=s.post_attn, comb=s.comb_attn, x=s.x, wqkv_a=lw.wqkv_a, qkv_raw=s.qkv_raw,
         q_norm=lw.q_norm, kv_norm=lw.kv_norm, qr=s.qr, ring_kv=ring.data["kv"], ring_pos=ring.pos,
         ring_size=ring.size, freqs=lw.rope_freqs, wq_b=lw.wq_b, q_raw=s.q_raw,
-        comp=_compressor(lw.compressor, cache, "source", "entries", s.source_kv, s.source_gate),
-        index=_indexer(lw, cache, s, c),
+        projections=s.proj if lw.projections is None else lw.projections, proj=s.proj, n_proj=n_proj,
+        proj_stride=s.proj.stride(0),
+        comp=_compressor(lw.compressor, cache, "source", "entries", *columns[:2]),
+        index=_indexer(lw, cache, s, c, *columns[2:]),
         span=_span(lw.compressor, cache, "source"), n_entries=_entries(lw.compressor, cache, "entries"),
         index_span=_span(lw.indexer and lw.indexer.compressor, cache, "index_source"),
         index_entries=_entries(lw.indexer and lw.indexer.compressor, cache, "index_entries"),
@@ -402,16 +380,26 @@ def launch(runner, s, lw, cache, cur: int, owed) -> int:
         SPLIT_D=split_d, SPLIT_Q=split_q, DENSE_STAGES=runner.shape.dense_stages,
         BR=row_block(s.rows), D=hd, RD=c.qk_rope_head_dim, BQ=triton.next_power_of_2(q_lora),
         RATIO=ratio, HALVES=lw.compressor.halves if lw.compressor else 1,
-        BN_C=bn_c, BK_C=bk_c, SPLIT_C=split_c, ESB=min(C.SB, ratio) if ratio else C.SB,
+        BN_P=bn_p, BK_P=bk_p, SPLIT_P=split_p, ESB=min(C.SB, ratio) if ratio else C.SB,
         COMPRESSORS=(ratio > 0) + indexed, INDEXED=indexed, B=len(stage_names(family)) - 1,
-        BN_I=bn_i, BK_I=bk_i, SPLIT_I=split_i, BN_W=bn_w, BK_W=bk_w, SPLIT_W=split_w, BN_IQ=bn_iq, BK_IQ=bk_iq,
-        SPLIT_IQ=split_iq, HI=c.index_n_heads, DI=c.index_head_dim,
+        BN_IQ=bn_iq, BK_IQ=bk_iq, SPLIT_IQ=split_iq, HI=c.index_n_heads, DI=c.index_head_dim,
         BH=max(16, triton.next_power_of_2(c.index_n_heads)), TOPK=c.index_topk, KE=I.KE,
         BE=I.select_block(runner.shape.select_block, s.rows),
         FAST=runner.fast, TIMELINE=runner.timeline,
     )
     runner.launch(_k1, "K1 (CSA)" if indexed else "K1", family, args, meta=meta)
     return cur if owed is None else 1 - cur
+
+
+def _projection_columns(c, ratio: int, proj: torch.Tensor) -> list[torch.Tensor]:
+    """The stacked projections' outputs as column views of `proj` [R, P], in `projection_names`
+    order (the compressor's kv and gate, the indexer compressor's, weights_proj); a layer
+    without them (or without an indexer) gets `proj` itself in their place (not read)."""
+    views, first = [], 0
+    for n in projection_rows(c, ratio) if ratio else []:
+        views.append(proj[:, first:first + n])
+        first += n
+    return views + [proj] * (5 - len(views))
 
 
 def _compressor(comp, cache, ring_name: str, entries_name: str, source_kv, source_gate) -> CompressorArgs:
@@ -421,10 +409,10 @@ def _compressor(comp, cache, ring_name: str, entries_name: str, source_kv, sourc
     if comp is None:
         ring = cache.window
         kv = ring.data["kv"]
-        return CompressorArgs(kv, kv, source_kv, source_gate, kv, kv, ring.pos, kv, kv, kv)
+        return CompressorArgs(source_kv, source_gate, kv, kv, ring.pos, kv, kv, kv)
     source, entries = getattr(cache, ring_name), getattr(cache, entries_name)
-    return CompressorArgs(comp.wkv, comp.wgate, source_kv, source_gate, source.data["kv"], source.data["gate"],
-                          source.pos, comp.ape, comp.norm, entries if entries.numel() else source.data["kv"])
+    return CompressorArgs(source_kv, source_gate, source.data["kv"], source.data["gate"], source.pos, comp.ape,
+                          comp.norm, entries if entries.numel() else source.data["kv"])
 
 
 def _span(comp, cache, ring_name: str) -> int:
@@ -437,15 +425,15 @@ def _entries(comp, cache, entries_name: str) -> int:
     return getattr(cache, entries_name).shape[1] if comp else 0
 
 
-def _indexer(lw, cache, s, c) -> IndexArgs:
-    """IndexArgs of a CSA layer's indexer; on other layers its compressor's stand-ins (not read)."""
+def _indexer(lw, cache, s, c, source_kv, source_gate, weights) -> IndexArgs:
+    """IndexArgs of a CSA layer's indexer (its compressor's projections and weights_proj(x) the
+    given columns of the stacked projections' outputs); on other layers stand-ins (not read)."""
     ix = lw.indexer
-    comp = _compressor(ix.compressor if ix else None, cache, "index_source", "index_entries", s.index_source_kv,
-                       s.index_source_gate)
+    comp = _compressor(ix.compressor if ix else None, cache, "index_source", "index_entries", source_kv, source_gate)
     if ix is None:
         kv = cache.window.data["kv"]
-        return IndexArgs(comp, kv, s.index_weights, Fp8Matrix(kv, kv), s.index_q, s.partials, s.select_hist,
-                         s.select_hist, s.selected, 1.0, 1.0)
+        return IndexArgs(comp, weights, Fp8Matrix(kv, kv), s.index_q, s.partials, s.select_hist, s.select_hist,
+                         s.selected, 1.0, 1.0)
     n_entries = _entries(ix.compressor, cache, "index_entries")
-    return IndexArgs(comp, ix.weights_proj, s.index_weights, ix.wq_b, s.index_q, s.scores(n_entries), s.select_hist,
+    return IndexArgs(comp, weights, ix.wq_b, s.index_q, s.scores(n_entries), s.select_hist,
                      s.select_counts(n_entries), s.selected, c.index_n_heads ** -0.5, c.index_head_dim ** -0.5)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..config import CSA_RATIO, ModelConfig
 from . import attention as A
 from . import hc as HC
 from . import indexer as I
+from .weights import projection_rows
 
 
 class Scratch:
@@ -52,17 +53,17 @@ class Scratch:
         self.qkv_raw, self.qr = bf16(r, c.q_lora_rank + hd), bf16(r, c.q_lora_rank)  # qkv_raw: wq_a's, then wkv's
         self.q_raw, self.o = bf16(r, heads * hd), bf16(r, heads, hd)
         self.z, self.attn_out = bf16(r, c.o_groups * c.o_lora_rank), bf16(r, d)
-        # a compressed layer's compressor projections (2 halves at most), before its source ring
-        self.source_kv, self.source_gate = bf16(r, 2 * hd), bf16(r, 2 * hd)
+        # a compressed layer's stacked projections of x (K1 reads its columns: the compressor's kv and gate,
+        # before its source ring; on a CSA layer the indexer compressor's and weights_proj(x)), a CSA layer's
+        # the widest
+        self.proj = bf16(r, sum(projection_rows(c, CSA_RATIO)))
         self.parks: dict[int, torch.Tensor] = {}  # attend's parked entry logits, by floats
         self.split_partials: dict[int, torch.Tensor] = {}  # attend's entry splits' outputs, by floats
         # attend's entry splits' signals, then its window tasks' arrivals, a pair's each; 0 between launches
         self.attend_tickets = torch.zeros(2 * A.attend_tasks(r, heads), dtype=torch.int32, device=device)
-        # a CSA layer's indexer: its compressor's projections, the weights_proj and wq_b outputs;
-        # the scores (`scores`, one buffer a cache's entries a slot) and the selection
-        di, hi = c.index_head_dim, c.index_n_heads
-        self.index_source_kv, self.index_source_gate = bf16(r, 2 * di), bf16(r, 2 * di)
-        self.index_weights, self.index_q = bf16(r, hi), bf16(r, hi * di)
+        # a CSA layer's indexer: the wq_b output; the scores (`scores`, one buffer a cache's entries a
+        # slot) and the selection
+        self.index_q = bf16(r, c.index_n_heads * c.index_head_dim)
         self.index_scores: dict[int, torch.Tensor] = {}
         self.index_counts: dict[int, torch.Tensor] = {}
         self.select_hist = torch.zeros((r, I.HIST_ROWS, 256), dtype=torch.int32, device=device)

@@ -15,9 +15,12 @@ What the kernels read, per layer:
   experts are held once.
 - fp32 norm weights, mHC parameters, sinks and router bias, the bf16 router gate, the int64 hash
   table, and the RoPE inverse frequencies (fp32): the per-op path's own tensors; on a compressed
-  layer, its compressor's bf16 `wkv` / `wgate`, fp32 `ape` and norm, also its own,
-  and on a CSA layer its indexer's compressor likewise, its bf16 `weights_proj` and (an FP8 copy,
-  as above) its `wq_b`.
+  layer, its compressor's fp32 `ape` and norm, also its own, and on a CSA layer its indexer's
+  compressor likewise and (an FP8 copy, as above) its indexer's `wq_b`.
+- a compressed layer's bf16 projections of x stacked into one matrix (`stack_projections`): its
+  compressor's `wkv` and `wgate`, and on a CSA layer its indexer compressor's and the indexer's
+  `weights_proj`, so that K1 runs them as one GEMV. The per-op path then reads those weights
+  as views of the stack (`Attention.share_weights`), so they too are held once.
 Under tensor parallelism a rank's views are its slices (the FP8 matrices cut as the per-op ones,
 `TensorParallel.shard_fp8`; its own routed experts) and are checked against its `RankSizes`.
 """
@@ -44,12 +47,11 @@ class WeightCheckError(ValueError):
 
 
 class CompressorWeights(NamedTuple):
-    """A compressed layer's compressor as the kernels read it (the per-op path's own tensors)."""
+    """A compressed layer's compressor as the kernels read it (the per-op path's own tensors; its
+    wkv and wgate are rows of `LayerWeights.projections`)."""
 
     ratio: int
-    wkv: torch.Tensor  # bf16 [C * D, d] (C = 2 halves where the windows overlap, else 1)
-    wgate: torch.Tensor  # bf16 [C * D, d]
-    ape: torch.Tensor  # fp32 [ratio, C * D]
+    ape: torch.Tensor  # fp32 [ratio, C * D] (C = 2 halves where the windows overlap, else 1)
     norm: torch.Tensor  # fp32 [D]
 
     @property
@@ -63,13 +65,12 @@ def compressor_halves(ratio: int) -> int:
 
 
 class IndexerWeights(NamedTuple):
-    """A CSA layer's lightning indexer as the kernels read it: its own compressor (head dim DI),
-    the FP8 `wq_b` of its queries on the shared qr (a copy for the kernels), the bf16
-    `weights_proj` (the per-op path's own)."""
+    """A CSA layer's lightning indexer as the kernels read it: its own compressor (head dim DI) and
+    the FP8 `wq_b` of its queries on the shared qr (a copy for the kernels); its bf16
+    `weights_proj` is rows of `LayerWeights.projections`."""
 
     compressor: CompressorWeights
     wq_b: Fp8Matrix  # [HI * DI, q_lora]
-    weights_proj: torch.Tensor  # bf16 [HI, d]
 
 
 class Fp8Matrix(NamedTuple):
@@ -102,12 +103,47 @@ class LayerWeights:
     rope_freqs: torch.Tensor  # the compressed frequencies on a compressed layer
     compressor: CompressorWeights | None  # a compressed layer's
     indexer: IndexerWeights | None = None  # a CSA layer's
+    projections: torch.Tensor | None = None  # a compressed layer's bf16 [projection_rows, d] (`stack_projections`)
 
     def nbytes_extra(self) -> int:
         """Bytes held only for the kernels (the FP8 codes and scales; all else is shared)."""
         matrices = [self.wqkv_a, self.wq_b, self.wo_a, self.wo_b, *(self.shared or ()),
                     self.indexer.wq_b if self.indexer else None]
         return sum(m.codes.numel() + m.scales.numel() for m in matrices if m is not None)
+
+
+def projection_names(ratio: int) -> list[str]:
+    """The bf16 projections of x a compressed layer stacks, in their order (names after `attn.`):
+    its compressor's wkv and wgate, then on a CSA layer its indexer compressor's and weights_proj."""
+    names = ["compressor.wkv", "compressor.wgate"]
+    if ratio == CSA_RATIO:
+        names += ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"]
+    return names
+
+
+def projection_rows(config, ratio: int) -> list[int]:
+    """Rows of each of `projection_names(ratio)`: C D for a compressor's (C = 2 halves where its
+    windows overlap), 2 DI for the indexer compressor's, HI for weights_proj."""
+    cw = compressor_halves(ratio) * config.head_dim
+    rows = [cw, cw]
+    if ratio == CSA_RATIO:
+        rows += [2 * config.index_head_dim] * 2 + [config.index_n_heads]
+    return rows
+
+
+def stack_projections(w: dict[str, torch.Tensor], config, attention, prefix: str, ratio: int) -> torch.Tensor:
+    """A compressed layer's projections of x (`projection_names`, each checked first) as one bf16
+    matrix, their rows one after another; the per-op weights `w` and the layer's `attention` read
+    views of it from now on, so the originals are let go."""
+    a = f"{prefix}attn."
+    names, rows = projection_names(ratio), projection_rows(config, ratio)
+    for name, n in zip(names, rows):
+        _check(a + name, w[a + name], (n, config.hidden_size), torch.bfloat16)
+    stack = torch.cat([w[a + n] for n in names])
+    views = dict(zip(names, stack.split(rows)))
+    w.update({a + n: v for n, v in views.items()})
+    attention.share_weights(views)
+    return stack
 
 
 def fp8_names(prefix: str, shared: bool, indexed: bool = False) -> list[str]:
@@ -182,6 +218,7 @@ def layer_weights(w: dict[str, torch.Tensor], sizes: RankSizes, prefix: str, blo
     if c.n_shared_experts:
         w1, w2, w3 = (fp8[f"{p}ffn.shared_experts.{m}"] for m in ("w1", "w2", "w3"))
         shared = (stack_rows(w1, w3), w2)
+    projections = stack_projections(w, c, block.attention, p, ratio) if ratio else None  # before the views are read
     lw = LayerWeights(
         hc_attn=tuple(w[f"{p}hc_attn_{s}"] for s in ("fn", "base", "scale")),
         hc_ffn=tuple(w[f"{p}hc_ffn_{s}"] for s in ("fn", "base", "scale")),
@@ -192,17 +229,17 @@ def layer_weights(w: dict[str, torch.Tensor], sizes: RankSizes, prefix: str, blo
         wqkv_a=stack_rows(fp8[f"{a}wq_a"], fp8[f"{a}wkv"]), wq_b=fp8[f"{a}wq_b"], wo_a=fp8[f"{a}wo_a"],
         wo_b=fp8[f"{a}wo_b"], q_norm=w[f"{a}q_norm"], kv_norm=w[f"{a}kv_norm"], attn_sink=w[f"{a}attn_sink"],
         rope_freqs=layer_frequencies(c, compressed=ratio > 0).to(w[f"{p}attn_norm"].device).contiguous(),
-        compressor=_compressor(w, f"{a}compressor.", ratio) if ratio else None,
+        compressor=_compressor(w, f"{a}compressor.", ratio) if ratio else None, projections=projections,
     )
     if ratio == CSA_RATIO:
         i = f"{a}indexer."
-        lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"], w[f"{i}weights_proj"])
+        lw.indexer = IndexerWeights(_compressor(w, f"{i}compressor.", ratio), fp8[f"{i}wq_b"])
     check_layer(sizes, p, lw)
     return lw
 
 
 def _compressor(w: dict[str, torch.Tensor], prefix: str, ratio: int) -> CompressorWeights:
-    return CompressorWeights(ratio, w[f"{prefix}wkv"], w[f"{prefix}wgate"], w[f"{prefix}ape"], w[f"{prefix}norm"])
+    return CompressorWeights(ratio, w[f"{prefix}ape"], w[f"{prefix}norm"])
 
 
 def check_layer(sizes: RankSizes, prefix: str, lw: LayerWeights) -> None:
@@ -250,11 +287,12 @@ def check_layer(sizes: RankSizes, prefix: str, lw: LayerWeights) -> None:
         "attn rope frequencies": (lw.rope_freqs, (c.qk_rope_head_dim // 2,), torch.float32),
     })
     if lw.compressor is not None:
-        expect.update(_compressor_expected("attn.compressor.", lw.compressor, hd, d))
+        expect.update(_compressor_expected("attn.compressor.", lw.compressor, hd))
+        rows = sum(projection_rows(c, lw.compressor.ratio))
+        expect["attn projections (stacked)"] = (lw.projections, (rows, d), torch.bfloat16)
     if lw.indexer is not None:
         hi, di = c.index_n_heads, c.index_head_dim
-        expect.update(_compressor_expected("attn.indexer.compressor.", lw.indexer.compressor, di, d))
-        expect["attn.indexer.weights_proj"] = (lw.indexer.weights_proj, (hi, d), torch.bfloat16)
+        expect.update(_compressor_expected("attn.indexer.compressor.", lw.indexer.compressor, di))
         fp8["attn.indexer.wq_b"] = (lw.indexer.wq_b, (hi * di, c.q_lora_rank))
     for name, (matrix, shape) in fp8.items():
         grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
@@ -264,10 +302,9 @@ def check_layer(sizes: RankSizes, prefix: str, lw: LayerWeights) -> None:
         _check(f"{p}{name}", tensor, shape, dtype)
 
 
-def _compressor_expected(name: str, comp: CompressorWeights, D: int, d: int) -> dict:
-    cw = comp.halves * D
-    return {f"{name}wkv": (comp.wkv, (cw, d), torch.bfloat16), f"{name}wgate": (comp.wgate, (cw, d), torch.bfloat16),
-            f"{name}ape": (comp.ape, (comp.ratio, cw), torch.float32), f"{name}norm": (comp.norm, (D,), torch.float32)}
+def _compressor_expected(name: str, comp: CompressorWeights, D: int) -> dict:
+    return {f"{name}ape": (comp.ape, (comp.ratio, comp.halves * D), torch.float32),
+            f"{name}norm": (comp.norm, (D,), torch.float32)}
 
 
 def check_cache(config, cache) -> None:
