@@ -157,14 +157,15 @@ def reference_attention(attn, q, kv, positions, groups, cache):
 # (heads, window, D chunk): tiny (one head block of 16, 4 live; 16 key slots; one chunk of 64); and
 # 40 heads over a window of 40 in D chunks of 16: three head blocks (the last partial), 64 key slots
 # (24 dead), four chunks (the rope dims are the last)
-# (heads, window, chunk); head_dim 64 with 16 rope channels: chunks of 64 all rotate, of 16 the
-# first three do not, of 32 the second holds plain and rope channels
-SHAPES = [(4, 16, 64), (40, 40, 16), (4, 16, 32)]
+# (heads, window, chunk, heads a task); head_dim 64 with 16 rope channels: chunks of 64 all rotate,
+# of 16 the first three do not, of 32 the second holds plain and rope channels; 40 heads in tasks
+# of 32 (the second block 8 live) and of 64 (one block, 24 dead)
+SHAPES = [(4, 16, 64, 16), (40, 40, 16, 16), (4, 16, 32, 16), (40, 40, 16, 32), (40, 40, 32, 64)]
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("n_heads,window,chunk", SHAPES)
-def test_attend(device, rows, n_heads, window, chunk):
+@pytest.mark.parametrize("n_heads,window,chunk,heads_per_task", SHAPES)
+def test_attend(device, rows, n_heads, window, chunk, heads_per_task):
     config, attn, positions, slots, groups, cache, _ = setup(device, rows, seed=200 + rows + n_heads,
                                                                num_attention_heads=n_heads, sliding_window=window)
     g = torch.Generator().manual_seed(rows)
@@ -172,7 +173,7 @@ def test_attend(device, rows, n_heads, window, chunk):
     kv = torch.randn(rows, config.head_dim, generator=g).to(torch.bfloat16).to(device)  # the step's rows
     ref = reference_attention(attn, heads(attn, q_raw, positions), kv, positions, groups, cache)  # writes the rows
     o = A.attend(q_raw, cache.window, positions, slots, attn.w["attn_sink"], attn.freqs.to(device), window,
-                 config.rms_norm_eps, d_chunk=chunk, poison=True)
+                 config.rms_norm_eps, d_chunk=chunk, heads_per_task=heads_per_task, poison=True)
     # observed: up to 0.02 % (CPU) / 0.4 % (H200) of elements differ by a bf16 ulp (fp32 summation
     # order before the rounding), rel L2 <= 4.4e-5 (CPU) / 8.1e-5 (H200; 1e-4 at 64 heads x 512, W 128)
     assert_close(o, ref, differ=0.02, rel=5e-4)

@@ -400,6 +400,7 @@ def test_cuda_graphs_of_alternating_widths_replay_the_eager_results(device, rati
                                         ("block_k=32,dense_chunk=32,dense_stages=2,expert_block_n=16,"
                                          "expert_programs_per_sm=1,expert_warps=4,settle_columns=64", 6),
                                         ("attend_splits=2", 1), ("select_block=16", 6),
+                                        ("attend_heads=32,attend_chunk=128", 6),
                                         pytest.param("fold_rows=64", 48, marks=pytest.mark.slow)])
 def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     """Tiles, K steps (64 = two scale blocks: weights scaled in registers; 32 within one), K1 at
@@ -409,7 +410,8 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     step, so a ticket left behind would spoil the next) in a shallower pipeline, expert tiles of
     32 and 16 rows (`experts.load_fragments`' 16-row blocks), settle tiles of half a row (two
     passes over it), the compressed layers' attend entries split over two tasks a pair (the
-    window's task combining them), the CSA layer's top-k over 16 scores at a time (four of its rows
+    window's task combining them), attend tasks of 32 heads (the tiny model's 4 of them live; its
+    head of 64 channels one chunk: no chunk of 128), the CSA layer's top-k over 16 scores at a time (four of its rows
     see 16-24 entries, top 8: one or two blocks a pass): the same result up to fp32 summation order; fold
     tasks of all 48 rows of a step (`slow`)."""
     g = torch.Generator().manual_seed(21)
@@ -457,6 +459,10 @@ def test_the_experts_are_stacked_once_and_the_per_op_path_reads_the_stack(device
         d.mono.configure(LaunchShape(attend_splits=3))
     with pytest.raises(ValueError, match=r"attend_parts must be 0 \(automatic\) or a power of two up to head_dim / 64 = 1"):
         d.mono.configure(LaunchShape(attend_parts=2))  # the tiny model's heads: one chunk of 64
+    for wrong in (dict(attend_heads=8), dict(attend_chunk=32)):
+        with pytest.raises(ValueError, match=r"attend_heads must be 0 \(automatic\) or one of \(16, 32, 64\), "
+                                             r"attend_chunk 0 or one of \(64, 128\)"):
+            d.mono.configure(LaunchShape(**wrong))
     for block in (8, 48, 8192):
         with pytest.raises(ValueError, match=r"select_block must be 0 \(automatic\) or a power of two from 16 to 4096"):
             d.mono.configure(LaunchShape(select_block=block))

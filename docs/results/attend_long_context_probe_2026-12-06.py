@@ -91,7 +91,9 @@ def main() -> None:
                 continue
             reference = out if reference is None else reference
             differ = (out.float() - reference.float()).abs().max().item()
+            check, A.SyncState.check = A.SyncState.check, lambda self: None  # reads a word: not capturable
             us = triton.testing.do_bench_cudagraph(run, rep=50) * 1e3 if device.type == "cuda" else float("nan")
+            A.SyncState.check = check
             print(f"{rows:3d} rows  {name:32s} {us:8.1f} us  max |out - k2 layout's| {differ:.2e}", flush=True)
 
 

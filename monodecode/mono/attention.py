@@ -96,6 +96,15 @@ from .sync import DEFAULT_MAX_POLLS, SyncState
 
 
 BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs @ keys
+TASK_HEADS = (16, 32, 64)  # the heads a task may take (LaunchShape.attend_heads)
+CHUNKS = (64, 128)  # the channels a chunk may take (LaunchShape.attend_chunk)
+
+
+def attend_tile(rows: int, head_dim: int, heads: int = 0, chunk: int = 0) -> tuple[int, int]:
+    """(HB, BD) of a K2 step of `rows` rows: the heads an attend task takes and the channels of its
+    chunks, `heads` and `chunk` (LaunchShape.attend_heads / attend_chunk) or, at 0, HB and BD;
+    a chunk no longer than a head."""
+    return heads or HB, min(chunk or BD, head_dim)
 
 
 def norm_rope_kv_tasks(R: int) -> int:
@@ -115,15 +124,15 @@ def output_parts(R: int, H: int, D: int, programs: int, HB: int = HB, BD: int = 
 
 
 def compressed_layout(R: int, H: int, D: int, entries: int, programs: int, parts: int = 0,
-                      BD: int = BD) -> tuple[int, int, int]:
+                      HB: int = HB, BD: int = BD) -> tuple[int, int, int]:
     """(entry splits, output parts, split parts) a pair of a compressed layer's attend (`entries`:
     the most a row attends): the output parts `parts` or (0) as many as fill up to half of the
     programs (`output_parts`), the entry splits what is left of one round
     (`attend_entries.entry_splits`), and each split's channels over as many tasks (a power of two,
     at most D / BD) as still leave the pairs' tasks one round."""
-    parts = parts or output_parts(R, H, D, programs // 2)
-    splits = entry_splits(R, H, entries, programs, parts)
-    fit = 0 if splits == 0 else min(D // BD, (programs // head_pairs(R, H) - parts) // splits)
+    parts = parts or output_parts(R, H, D, programs // 2, HB, BD)
+    splits = entry_splits(R, H, entries, programs, parts, HB)
+    fit = 0 if splits == 0 else min(D // BD, (programs // head_pairs(R, H, HB) - parts) // splits)
     return splits, parts, 1 if fit < 1 else power_of_two_at_most(fit)
 
 

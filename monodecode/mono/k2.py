@@ -402,17 +402,17 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     shape, ex = runner.shape, lw.experts
     window = c.sliding_window + runner.draft_block  # a draft block's rows see the whole block too
     ring = cache.window
-    splits, parts, split_parts = _attend_layout(lw, cache, rows, c.num_attention_heads, hd, c.index_topk,
-                                                runner.grids["k2"], shape)
-    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.num_attention_heads, c.index_topk,
-                                                     A.attend_tasks(rows, c.num_attention_heads, splits=splits,
-                                                                    parts=parts, split_parts=split_parts))
+    hb, bda, splits, parts, split_parts = _attend_layout(lw, cache, rows, c.num_attention_heads, hd, c.index_topk,
+                                                         runner.grids["k2"], shape)
+    entries, n_entries, park, park_stride = _entries(lw, cache, s, c.index_topk, hb,
+                                                     A.attend_tasks(rows, c.num_attention_heads, hb, splits, parts,
+                                                                    split_parts))
     attn = K2Attention(
         q_raw=s.q_raw, o=s.o, ring_kv=ring.data["kv"], ring_pos=ring.pos, ring_size=ring.size, sink=lw.attn_sink,
         freqs=lw.rope_freqs, window=window, scale=hd ** -0.5, norm_eps=c.rms_norm_eps, wo_a=lw.wo_a, z=s.z,
         wo_b=lw.wo_b, heads=c.num_attention_heads, o_groups=c.o_groups, o_lora=c.o_lora_rank, entries=entries,
         n_entries=n_entries, park=park, park_stride=park_stride, selected=s.selected,
-        partials=s.attend_partials(AE.split_partials(rows, c.num_attention_heads, hd, splits)),
+        partials=s.attend_partials(AE.split_partials(rows, c.num_attention_heads, hd, splits, hb)),
         tickets=s.attend_tickets)
     ffn = FfnArgs(
         sync=runner.sync_args("k2"), rows=s.rows, tokens=s.tokens, positions=s.positions, slots=s.slots,
@@ -433,7 +433,7 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows,
                                        shape.settle_columns)
     meta = K2Meta(
-        WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=A.HB, KW=A.window_keys(window), BDA=A.BD,
+        WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=hb, KW=A.window_keys(window), BDA=bda,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
         TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits, PARTS=parts, SPLIT_PARTS=split_parts,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
@@ -457,29 +457,33 @@ def launch(runner, s, lw, cache, cur: int) -> int:
 
 
 def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, programs: int,
-                   shape) -> tuple[int, int, int]:
-    """Attend's (entry splits, output parts, split parts) a pair on this layer: splits and parts
-    the launch shape's (`attend_splits`, `attend_parts`) or, at 0, as many as fill the programs:
-    a window layer's parts `attention.output_parts`, a compressed layer's all three
-    `attention.compressed_layout` (split parts 1 where the shape fixes the splits)."""
+                   shape) -> tuple[int, int, int, int, int]:
+    """Attend's (heads a task, channels a chunk, entry splits, output parts, split parts) a pair on
+    this layer: the tile `attention.attend_tile` (the launch shape's `attend_heads`, `attend_chunk`
+    or the defaults), splits and parts the launch shape's (`attend_splits`, `attend_parts`, no more
+    parts than the chunks a head has) or, at 0, as many as fill the programs: a window layer's
+    parts `attention.output_parts`, a compressed layer's all three `attention.compressed_layout`
+    (split parts 1 where the shape fixes the splits)."""
+    hb, bd = A.attend_tile(rows, hd, shape.attend_heads, shape.attend_chunk)
+    parts = min(shape.attend_parts, hd // bd)
     if lw.compressor is None:
-        return 0, shape.attend_parts or A.output_parts(rows, heads, hd, programs), 1
+        return hb, bd, 0, parts or A.output_parts(rows, heads, hd, programs, hb, bd), 1
     entries = topk if lw.indexer else cache.entries.shape[1]
-    splits, parts, split_parts = A.compressed_layout(rows, heads, hd, entries, programs, shape.attend_parts)
+    splits, parts, split_parts = A.compressed_layout(rows, heads, hd, entries, programs, parts, hb, bd)
     if shape.attend_splits:
-        return shape.attend_splits, parts, 1
-    return splits, parts, split_parts
+        return hb, bd, shape.attend_splits, parts, 1
+    return hb, bd, splits, parts, split_parts
 
 
-def _entries(lw, cache, s, heads: int, topk: int, tasks: int):
+def _entries(lw, cache, s, topk: int, hb: int, tasks: int):
     """(entries, n_entries, park, park_stride) of K2Attention: a compressed layer's entries and
-    its attend tasks' park (HB x the entries a row can attend, all of them on an HCA layer, `topk`
+    its attend tasks' park (hb heads x the entries a row can attend, all of them on an HCA layer, `topk`
     on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their place
     (not read: RATIO 0)."""
     kv = cache.window.data["kv"]
     if lw.compressor is None:
         return kv, 0, kv, 0
     n_entries = cache.entries.shape[1]
-    stride = A.HB * triton.cdiv(topk if lw.indexer else n_entries, AE.KE) * AE.KE
+    stride = hb * triton.cdiv(topk if lw.indexer else n_entries, AE.KE) * AE.KE
     park = s.park(tasks, stride)
     return (cache.entries if n_entries else kv), n_entries, park, stride

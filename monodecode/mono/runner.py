@@ -208,6 +208,9 @@ class MonoRunner:
         if parts & (parts - 1) or parts > chunks:
             raise ValueError(f"launch shape {shape.spec()}: attend_parts must be 0 (automatic) or a power of two up "
                              f"to head_dim / {A.BD} = {chunks}")
+        if shape.attend_heads not in (0, *A.TASK_HEADS) or shape.attend_chunk not in (0, *A.CHUNKS):
+            raise ValueError(f"launch shape {shape.spec()}: attend_heads must be 0 (automatic) or one of "
+                             f"{A.TASK_HEADS}, attend_chunk 0 or one of {A.CHUNKS}")
         block = shape.select_block
         if block and (block & (block - 1) or not I.MIN_SELECT_BLOCK <= block <= I.MAX_SELECT_BLOCK):
             raise ValueError(f"launch shape {shape.spec()}: select_block must be 0 (automatic) or a power of two "

@@ -20,7 +20,9 @@ as fill what the output parts leave of the programs, `attention.compressed_layou
 many, a power of two: what the interpreter's one program needs to run the split tasks at all);
 the attend spreading each pair's output chunks over `attend_parts` tasks (0: as many as fill the
 programs, on a compressed layer half of them, `attention.output_parts`; else that many, a power
-of two up to head_dim / 64); a CSA layer's
+of two up to head_dim / 64, and no more than the chunks a head has); attend tasks of
+`attend_heads` heads (16, 32 or 64) in chunks of `attend_chunk` channels (64 or 128; 0 for
+either: `attention.attend_tile`); a CSA layer's
 top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (0:
 256 below 32 rows of a step, 1024 from 32, `indexer.select_block`; else that many, a power of
 two; `indexer.select_stage`).
@@ -52,6 +54,8 @@ class LaunchShape:
     settle_columns: int = 0
     attend_splits: int = 0
     attend_parts: int = 0
+    attend_heads: int = 0
+    attend_chunk: int = 0
     select_block: int = 0
 
     def expert_registers(self) -> int:
