@@ -98,13 +98,21 @@ from .sync import DEFAULT_MAX_POLLS, SyncState
 BD = 64  # channels of an attend chunk: the K side of q . k, the N side of probs @ keys
 TASK_HEADS = (16, 32, 64)  # the heads a task may take (LaunchShape.attend_heads)
 CHUNKS = (64, 128)  # the channels a chunk may take (LaunchShape.attend_chunk)
+WIDE_CHUNK_ROWS = 16  # a CSA layer's attend takes chunks of 128 from this many rows of a step
 
 
-def attend_tile(rows: int, head_dim: int, heads: int = 0, chunk: int = 0) -> tuple[int, int]:
+def attend_tile(rows: int, heads: int, head_dim: int, programs: int, selecting: bool, task_heads: int = 0,
+                chunk: int = 0) -> tuple[int, int]:
     """(HB, BD) of a K2 step of `rows` rows: the heads an attend task takes and the channels of its
-    chunks, `heads` and `chunk` (LaunchShape.attend_heads / attend_chunk) or, at 0, HB and BD;
-    a chunk no longer than a head."""
-    return heads or HB, min(chunk or BD, head_dim)
+    chunks, `task_heads` and `chunk` (LaunchShape.attend_heads / attend_chunk) or, at 0, HB and BD,
+    except on a layer whose rows attend a selection (`selecting`: CSA, `index_topk` entries
+    each): there chunks of 128 from WIDE_CHUNK_ROWS rows on, and tasks of 32 heads once the
+    pairs of 16 would not fit one round of the `programs` (each task reads its row's entries once
+    for twice the heads). A chunk is no longer than a head."""
+    if selecting:
+        chunk = chunk or (CHUNKS[1] if rows >= WIDE_CHUNK_ROWS else BD)
+        task_heads = task_heads or (TASK_HEADS[1] if head_pairs(rows, heads, HB) > programs else HB)
+    return task_heads or HB, min(chunk or BD, head_dim)
 
 
 def norm_rope_kv_tasks(R: int) -> int:
