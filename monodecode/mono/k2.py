@@ -460,10 +460,10 @@ def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, program
                    shape) -> tuple[int, int, int, int, int]:
     """Attend's (heads a task, channels a chunk, entry splits, output parts, split parts) a pair on
     this layer: the tile `attention.attend_tile` (the launch shape's `attend_heads`, `attend_chunk`
-    or the automatic ones), splits and parts the launch shape's (`attend_splits`, `attend_parts`, no more
-    parts than the chunks a head has) or, at 0, as many as fill the programs: a window layer's
-    parts `attention.output_parts`, a compressed layer's all three `attention.compressed_layout`
-    (split parts 1 where the shape fixes the splits)."""
+    or the automatic ones), splits and parts the launch shape's (`attend_splits`, `attend_parts`,
+    no more parts than the chunks a head has) or, at 0, as many as fill the programs: a window
+    layer's parts `attention.output_parts`, a compressed layer's all three
+    `attention.compressed_layout` (split parts 1 where the shape fixes the splits)."""
     hb, bd = A.attend_tile(rows, heads, hd, programs, lw.indexer is not None, shape.attend_heads,
                            shape.attend_chunk)
     parts = min(shape.attend_parts, hd // bd)
@@ -478,9 +478,9 @@ def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, program
 
 def _entries(lw, cache, s, topk: int, hb: int, tasks: int):
     """(entries, n_entries, park, park_stride) of K2Attention: a compressed layer's entries and
-    its attend tasks' park (hb heads x the entries a row can attend, all of them on an HCA layer, `topk`
-    on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their place
-    (not read: RATIO 0)."""
+    its attend tasks' park (hb heads x the entries a row can attend, all of them on an HCA layer,
+    `topk` on a CSA layer, rounded up to KE, fp32, a task); on a window layer the ring in their
+    place (not read: RATIO 0)."""
     kv = cache.window.data["kv"]
     if lw.compressor is None:
         return kv, 0, kv, 0
