@@ -1,7 +1,8 @@
 """Probe (prepared 2026-12-06; its first run, on an H100 the same night, timed each launch with
 `do_bench`, the host's work included: 140-490 us whatever the rows, against K2's 53-206 us
 stage, so it measured the host, not the layouts: now each variant's launches replay in a CUDA
-graph, as K2 runs it (a persistent program a SM, 8 warps), not yet rerun): what a CSA layer's attend costs at long context, and
+graph, as K2 runs it (a persistent program a SM, 8 warps); its second run, the same night:
+attend_long_context_probe_h100_2026-12-06b.txt): what a CSA layer's attend costs at long context, and
 which launch layout shortens it. The standalone attend (`mono.attention.attend`) at v4-flash sizes
 (64 heads of 512 channels, a 128-token window, ratio 4, 512 selected entries a row), rows of 8
 requests (6 drafts each at 48 rows) with `--context` cached tokens each, timed per variant:
