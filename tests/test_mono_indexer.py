@@ -30,9 +30,10 @@ def test_scores_match_the_indexer(device, entry_block, programs):
     keys = torch.randn(6, E, DI, generator=g).to(torch.bfloat16)
     q_raw = (2 * torch.randn(8, HI, DI, generator=g)).to(torch.bfloat16)
     # the weights_proj GEMV's output: columns of a wider buffer, as K1's stacked projections write it
-    weights_raw = torch.randn(8, HI + 40, generator=g).to(torch.bfloat16)[:, 8:8 + HI]
-    weights = weights_raw.float() * HI ** -0.5  # as Indexer.queries scales it
-    out = K.scores(q_raw.to(device), weights_raw.to(device), positions.to(device), slots.to(device), freqs.to(device),
+    # (sliced on the device: a column view moved there would arrive contiguous)
+    weights_raw = torch.randn(8, HI + 40, generator=g).to(torch.bfloat16).to(device)[:, 8:8 + HI]
+    weights = weights_raw.cpu().float() * HI ** -0.5  # as Indexer.queries scales it
+    out = K.scores(q_raw.to(device), weights_raw, positions.to(device), slots.to(device), freqs.to(device),
                    keys.to(device), ratio=4, entry_block=entry_block, programs=programs).cpu()
     q = apply_rope(q_raw, positions, freqs)
     for r, (slot, p) in enumerate(zip(slots.tolist(), positions.tolist())):
