@@ -411,9 +411,9 @@ def test_another_launch_shape_gives_the_same_step(decoder, spec, width):
     32 and 16 rows (`experts.load_fragments`' 16-row blocks), settle tiles of half a row (two
     passes over it), the compressed layers' attend entries split over two tasks a pair (the
     window's task combining them), attend tasks of 32 heads (the tiny model's 4 of them live; its
-    head of 64 channels one chunk: no chunk of 128), the CSA layer's top-k over 16 scores at a time (four of its rows
-    see 16-24 entries, top 8: one or two blocks a pass): the same result up to fp32 summation order; fold
-    tasks of all 48 rows of a step (`slow`)."""
+    head of 64 channels one chunk: no chunk of 128), the CSA layer's top-k over 16 scores at a time
+    (four of its rows see 16-24 entries, top 8: one or two blocks a pass): the same result up to
+    fp32 summation order; fold tasks of all 48 rows of a step (`slow`)."""
     g = torch.Generator().manual_seed(21)
     lengths = [70, 81, 9, 95, 1, 66, 20, 5] if spec.startswith("select_block") else [3, 17, 9, 30, 1, 12, 20, 5]
     caches, next_pos = prefilled(decoder, lengths, seed=21)

@@ -4,8 +4,8 @@ the reference).
 
 Contract (M = ratio, D = the entry's channels, RD of them rotated; C = 2 halves with overlap, else 1):
 - `source_write_task(r)`, R tasks: row r's projections `wkv(x)`, `wgate(x)` ([R, C D] bf16, the
-  GEMV's outputs, rows a given stride apart) and its position into its slot's source ring (pad rows: nothing), a stage
-  before the emission.
+  GEMV's outputs, rows a given stride apart) and its position into its slot's source ring (pad
+  rows: nothing), a stage before the emission.
 - `emit_tasks(R)` = R: task r emits the entry w = (p + 1) // M - 1 of its row's slot s when the row
   (position p, slot s >= 0) completes that window, (p + 1) % M == 0, and w < the cache's entries a
   slot; any other row (and a pad row, s = -1) does nothing.

@@ -86,7 +86,7 @@ from . import hc as HC
 from . import indexer as I
 from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
 from .sync import SyncArgs, barrier, begin_launch, end_launch, pass_barriers
-from .weights import Fp8Matrix, projection_rows
+from .weights import Fp8Matrix, projection_names, projection_rows
 
 STAGES = ["k1 fold", "k1 settle", "k1 wq_a|wkv", "k1 q/kv norm, rope, kv write", "k1 wq_b"]
 INDEXED_STAGES = STAGES + ["k1 index scores"] + [f"k1 top-k digit {i + 1}" for i in range(I.SELECT_LEVELS)] + [
@@ -399,7 +399,7 @@ def _projection_columns(c, ratio: int, proj: torch.Tensor) -> list[torch.Tensor]
     for n in projection_rows(c, ratio) if ratio else []:
         views.append(proj[:, first:first + n])
         first += n
-    return views + [proj] * (5 - len(views))
+    return views + [proj] * (len(projection_names(CSA_RATIO)) - len(views))
 
 
 def _compressor(comp, cache, ring_name: str, entries_name: str, source_kv, source_gate) -> CompressorArgs:

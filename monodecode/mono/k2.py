@@ -433,7 +433,8 @@ def launch(runner, s, lw, cache, cur: int) -> int:
     rb, chunk, cb, bd = HC.seam_blocks(shape.k2_warps, d, s.rows, runner.grids["k2"], shape.fold_rows,
                                        shape.settle_columns)
     meta = K2Meta(
-        WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=hb, KW=A.window_keys(window), BDA=bda,
+        WORLD=runner.tp.size, B=len(stage_names("k2", runner.tp.size)) - 1, D=hd, RD=c.qk_rope_head_dim, HB=hb,
+        KW=A.window_keys(window), BDA=bda,
         BLOCK=runner.draft_block, RATIO=lw.compressor.ratio if lw.compressor else 0,
         TOPK=c.index_topk if lw.indexer else 0, SPLITS=splits, PARTS=parts, SPLIT_PARTS=split_parts,
         HC=c.hc_mult, MIXP=HC.mix_pad(c.hc_mult), RB=rb, CHUNK=chunk, CB=cb, BD=bd,
