@@ -70,7 +70,7 @@ case $part in
   tests)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "" \
       -rfE --tb=short --durations=10 ${SELECT:+-k "$SELECT"} \
-      ${FILES:-tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py tests/test_mono_peers.py} \
+      ${FILES:-tests/test_mono_runner.py tests/test_mono_runner_build.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py tests/test_mono_peers.py} \
       >> "$out/$part.txt" 2>&1 ;;
   tests-model)
     MONODECODE_TEST_DEVICE=cuda timeout ${TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -m "" \
@@ -78,7 +78,7 @@ case $part in
       ${FILES:-tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py \
       tests/test_model.py tests/test_speculative.py tests/test_engine.py} >> "$out/$part.txt" 2>&1 ;;
   tests-all)
-    selection=(-- -m "" tests/test_mono_runner.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py tests/test_mono_peers.py
+    selection=(-- -m "" tests/test_mono_runner.py tests/test_mono_runner_build.py tests/test_mono_sync.py tests/test_mono_experts.py tests/test_mono_gemv.py tests/test_mono_peers.py
       tests/test_mono_attention.py tests/test_mono_hc.py tests/test_mono_router.py tests/test_bench_layer.py
       tests/test_model.py tests/test_speculative.py tests/test_engine.py)
     [ -n "${IDS:-}" ] && selection=(--ids "$IDS" -- -m "")
