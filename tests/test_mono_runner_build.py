@@ -1,5 +1,5 @@
-"""The mono runner's build, launch shapes and errors, on the tiny three-layer decoder of
-`test_mono_runner.py` (whose agreement tests this file's share): the steps and weights it
+"""The mono runner's build, launch shapes and errors, on the tiny three-layer decoder and the step
+helpers of `test_mono_runner.py` (which holds the agreement tests): the steps and weights it
 refuses and why, the memory it reports, the stacks it shares with the per-op path, other launch
 shapes giving the same step, expired waits naming their stage, the residency check, the
 timeline's stamps and the GPU check's reports.
