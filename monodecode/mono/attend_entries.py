@@ -101,11 +101,11 @@ def parked_mass(park, visible, m, first, stride, HB: tl.constexpr, KE: tl.conste
 
 
 @triton.jit
-def entries_out(park, visible, m, first, stride, d, entries_ptr, slot, n_entries, sel, D: tl.constexpr,
+def entries_out(out, park, visible, m, first, stride, d, entries_ptr, slot, n_entries, sel, D: tl.constexpr,
                 HB: tl.constexpr, BD: tl.constexpr, KE: tl.constexpr, FAST: tl.constexpr, TOPK: tl.constexpr):
-    """probs @ entries[:, d] over the visible entries of blocks first, first + stride, ... ([HB, BD]
-    fp32, not yet divided by the mass)."""
-    out = tl.zeros((HB, BD), tl.float32)
+    """out + probs @ entries[:, d] over the visible entries of blocks first, first + stride, ...
+    ([HB, BD] fp32, not yet divided by the mass): accumulated into `out`, so that a window task
+    holds one [HB, BD] tile of the chunk, not its window's and its entries' apart."""
     for e0 in range(first * KE, visible, stride * KE):
         key_rows, live = _entry_block(entries_ptr, slot, n_entries, e0, visible, sel, D, KE, TOPK)
         p = tl.exp(tl.load(park + _parked(visible, e0, HB, KE)) - m[:, None])
@@ -147,8 +147,8 @@ def entry_split(task, pair, n_pairs, q_ptr, rows, hmask, inv, position, freqs_pt
         if part * KE < visible:
             for d0 in range(first, first + D // SPLIT_PARTS, BD):
                 d = d0 + tl.arange(0, BD)
-                out = entries_out(park, visible, m, part, SPLITS, d, entries_ptr, slot, n_entries, sel, D, HB, BD,
-                                  KE, FAST, TOPK)
+                out = entries_out(tl.zeros((HB, BD), tl.float32), park, visible, m, part, SPLITS, d, entries_ptr,
+                                  slot, n_entries, sel, D, HB, BD, KE, FAST, TOPK)
                 tl.store(outs + (part * HB + tl.arange(0, HB))[:, None] * D + d[None, :], out)
             mass = parked_mass(park, visible, m, part, SPLITS, HB, KE)
         else:

@@ -203,8 +203,8 @@ def _output_chunk(p, hi, lo, mass, d0, position, freqs_ptr, ring_kv_ptr, key_row
         if SPLITS > 0:
             out += splits_out(split_outs, split_scales, d, D, HB, BD, SPLITS)
         else:
-            out += entries_out(park, visible, m, 0, 1, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE, FAST,
-                               TOPK)
+            out = entries_out(out, park, visible, m, 0, 1, d, entries_ptr, slot, n_entries, sel, D, HB, BD, KE,
+                              FAST, TOPK)
     o = bf16(out / mass[:, None])
     if ROPE:
         pair = (d0 // 2 + tl.arange(0, BD // 2))[None, :]
