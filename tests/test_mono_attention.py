@@ -206,16 +206,20 @@ def test_attend_output_parts_equal_one_task(device, rows, n_heads, window, chunk
     assert (spread[slots < 0] == 0).all()
 
 
-def test_a_csa_layers_attend_tile_grows_with_the_rows_unless_the_shape_names_one():
+def test_the_attend_tile_grows_with_the_rows_unless_the_shape_names_one():
     """v4-flash's 64 heads of 512 channels on 132 programs: a CSA layer's attend takes chunks of 128
-    from 16 rows and tasks of 32 heads once 16-head pairs outnumber the programs (34 rows); other
-    layers keep 16 and 64; a shape's fields win; a chunk never outgrows a head."""
-    tile = lambda rows, selecting, *shape: A.attend_tile(rows, 64, 512, 132, selecting, *shape)
-    assert [tile(rows, True) for rows in (1, 6, 15, 16, 33, 34, 48)] == \
+    from 16 rows; it and a window layer take tasks of 32 heads once 16-head pairs outnumber the
+    programs (34 rows); an HCA layer keeps 16 heads and 64 channels; a shape's fields win; a chunk
+    never outgrows a head."""
+    csa, window, hca = (True, True), (False, False), (False, True)
+    tile = lambda rows, kind, *shape: A.attend_tile(rows, 64, 512, 132, *kind, *shape)
+    assert [tile(rows, csa) for rows in (1, 6, 15, 16, 33, 34, 48)] == \
         [(16, 64)] * 3 + [(16, 128)] * 2 + [(32, 128)] * 2
-    assert {tile(rows, False) for rows in (1, 16, 48)} == {(16, 64)}
-    assert tile(48, True, 64, 64) == (64, 64) and tile(1, False, 32, 128) == (32, 128)
-    assert A.attend_tile(16, 4, 64, 132, True) == (16, 64)
+    assert [tile(rows, window) for rows in (1, 16, 33, 34, 48)] == [(16, 64)] * 3 + [(32, 64)] * 2
+    assert {tile(rows, hca) for rows in (1, 16, 48)} == {(16, 64)}
+    assert tile(48, csa, 64, 64) == (64, 64) and tile(1, hca, 32, 128) == (32, 128)
+    assert tile(48, window, 16) == (16, 64)
+    assert A.attend_tile(16, 4, 64, 132, *csa) == (16, 64)
 
 
 def test_output_parts_fill_one_round():

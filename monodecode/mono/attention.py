@@ -101,16 +101,19 @@ CHUNKS = (64, 128)  # the channels a chunk may take (LaunchShape.attend_chunk)
 WIDE_CHUNK_ROWS = 16  # a CSA layer's attend takes chunks of 128 from this many rows of a step
 
 
-def attend_tile(rows: int, heads: int, head_dim: int, programs: int, selecting: bool, task_heads: int = 0,
-                chunk: int = 0) -> tuple[int, int]:
+def attend_tile(rows: int, heads: int, head_dim: int, programs: int, selecting: bool, compressed: bool,
+                task_heads: int = 0, chunk: int = 0) -> tuple[int, int]:
     """(HB, BD) of a K2 step of `rows` rows: the heads an attend task takes and the channels of its
     chunks, `task_heads` and `chunk` (LaunchShape.attend_heads / attend_chunk) or, at 0, HB and BD,
-    except on a layer whose rows attend a selection (`selecting`: CSA, `index_topk` entries
-    each): there chunks of 128 from WIDE_CHUNK_ROWS rows on, and tasks of 32 heads once the
-    pairs of 16 would not fit one round of the `programs` (each task reads its row's entries once
-    for twice the heads). A chunk is no longer than a head."""
+    except that tasks take 32 heads once the pairs of 16 would not fit one round of the `programs`
+    (each task reads its row's keys once for twice the heads) on a window layer and on a layer
+    whose rows attend a selection (`selecting`: CSA, `index_topk` entries each), and the latter
+    takes chunks of 128 from WIDE_CHUNK_ROWS rows on. An HCA layer (`compressed`, not selecting:
+    every entry a row can see, besides the window) keeps 16 heads: its K2 spills with 32. A chunk
+    is no longer than a head."""
     if selecting:
         chunk = chunk or (CHUNKS[1] if rows >= WIDE_CHUNK_ROWS else BD)
+    if selecting or not compressed:
         task_heads = task_heads or (TASK_HEADS[1] if head_pairs(rows, heads, HB) > programs else HB)
     return task_heads or HB, min(chunk or BD, head_dim)
 

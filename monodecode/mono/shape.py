@@ -22,15 +22,16 @@ the attend spreading each pair's output chunks over `attend_parts` tasks (0: as 
 programs, on a compressed layer half of them, `attention.output_parts`; else that many, a power
 of two up to head_dim / 64, and no more than the chunks a head has); attend tasks of
 `attend_heads` heads (16, 32 or 64) in chunks of `attend_chunk` channels (64 or 128; 0 for
-either: 16 and 64, on a CSA layer chunks of 128 from 16 rows and 32 heads once the pairs of 16
-heads outnumber the programs, `attention.attend_tile`); a CSA layer's
+either: 16 and 64, on a CSA layer chunks of 128 from 16 rows, on CSA and window layers 32 heads
+once the pairs of 16 heads outnumber the programs, `attention.attend_tile`); a CSA layer's
 top-k selection taking a row's scores in tasks of `select_block` entries in each of its stages (0:
 256 below 32 rows of a step, 1024 from 32, `indexer.select_block`; else that many, a power of
 two; `indexer.select_stage`).
 The defaults are the fastest shapes measured (docs/notes/; on the H200; `attend_parts` at 1-6 and
 48 rows on an H100, on the H200 at 16 rows only, a compressed layer's (splits, parts, split parts) at 1 and 6
 rows on an H100 only; `select_block` at 16 K cached tokens on an H100 only; a CSA layer's attend tile at
-16 and 48 rows, 512 and 16 K cached tokens, on an H100 only).
+16 and 48 rows, 512 and 16 K cached tokens, and a window layer's 32-head tasks at 48 rows and 512, on an
+H100 only).
 """
 
 from __future__ import annotations
