@@ -465,8 +465,9 @@ def _attend_layout(lw, cache, rows: int, heads: int, hd: int, topk: int, program
     no more parts than the chunks a head has) or, at 0, as many as fill the programs: a window
     layer's parts `attention.output_parts`, a compressed layer's all three
     `attention.compressed_layout` (split parts 1 where the shape fixes the splits)."""
-    hb, bd = A.attend_tile(rows, heads, hd, programs, lw.indexer is not None, lw.compressor is not None,
-                           shape.attend_heads, shape.attend_chunk)
+    hb, bd = A.attend_tile(rows, heads, hd, programs, selecting=lw.indexer is not None,
+                           compressed=lw.compressor is not None, task_heads=shape.attend_heads,
+                           chunk=shape.attend_chunk)
     parts = min(shape.attend_parts, hd // bd)
     if lw.compressor is None:
         return hb, bd, 0, parts or A.output_parts(rows, heads, hd, programs, hb, bd), 1
