@@ -186,10 +186,12 @@ def _dot_tasks(start, grid, n_tasks, x_ptr, up_ptr, limit, x_stride, R, w_ptr, s
             if arrive(tickets_ptr + nb) == SPLIT - 1:
                 # Every slice of the block is in: sum them in slice order, whichever arrived last,
                 # so the result is the same every run. L2 loads (.cg): an earlier stage's sums may
-                # sit in this SM's L1 at these addresses.
+                # sit in this SM's L1 at these addresses. A loop, not unrolled: unrolled, the
+                # compiler loads all the slices' tiles at once, and at 64 rows (a [128, 64] fp32
+                # tile is 32 registers a thread) that spills.
                 block = sums_ptr + nb * SPLIT * (BN * BR) + tile
                 total = tl.load(block, cache_modifier=".cg")
-                for k in tl.static_range(1, SPLIT):
+                for k in tl.range(1, SPLIT, loop_unroll_factor=1):
                     total += tl.load(block + k * (BN * BR), cache_modifier=".cg")
                 tl.atomic_xchg(tickets_ptr + nb, 0, sem="relaxed", scope="gpu")  # 0 again for the next stage
                 _store_outputs(total, nb, R, y_ptr, y_stride, N, BN, BR, OUT_BF16, FAST)
