@@ -27,7 +27,8 @@
 #                 TREES='base=baseline mid=other new=.' (name=folder, names in lower case) times more trees,
 #                 in that order and back; WARM=1 first compiles every tree, kind and width in parallel
 #                 processes (one core each), so that the timed runs start with Triton's cache warm, and
-#                 runs the command in $ALONGSIDE beside them (e.g. a `tests` part: done before any timing)
+#                 runs the command in $ALONGSIDE beside them (e.g. a `tests` part: done before any timing);
+#                 a tree whose monodecode/ is the first tree's is refused unless SAME=1
 #   compiled      monodecode bench layer with the per-op layer also under torch.compile ($MODE, default
 #                 max-autotune-no-cudagraphs: 1.5-2 min of compiling a width), the shapes in $SHAPES
 #                 (default: the default shape)
@@ -108,6 +109,14 @@ case $part in
     kinds=${KINDS:-window} widths=${WIDTHS:-6}
     for entry in "${trees[@]}"; do
       [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" >> "$out/$part.txt"; exit 2; }
+    done
+    # a tree whose kernels are the first tree's would time nothing (a branch that was not checked out):
+    # refused unless SAME=1 (an A/B of no change, to see the runs' spread)
+    first=${trees[0]#*=}
+    for entry in "${trees[@]:1}"; do
+      if [ -z "${SAME:-}" ] && diff -rq -x __pycache__ "$first/monodecode" "${entry#*=}/monodecode" > /dev/null; then
+        echo "ab: ${entry#*=}/monodecode is the same as $first/monodecode (SAME=1 times them anyway)" >> "$out/$part.txt"; exit 2
+      fi
     done
     if [ -n "${WARM:-}" ]; then
       [ -n "${ALONGSIDE:-}" ] && (eval "$ALONGSIDE") &
