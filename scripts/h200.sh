@@ -108,14 +108,14 @@ case $part in
     trees=(${TREES:-base=baseline new=.})
     kinds=${KINDS:-window} widths=${WIDTHS:-6}
     for entry in "${trees[@]}"; do
-      [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" >> "$out/$part.txt"; exit 2; }
+      [ -d "${entry#*=}/monodecode" ] || { echo "ab: no ${entry#*=}/monodecode (git archive main monodecode scripts tools pyproject.toml | tar -x -C ${entry#*=})" | tee -a "$out/$part.txt" >&2; exit 2; }
     done
     # a tree whose kernels are the first tree's would time nothing (a branch that was not checked out):
     # refused unless SAME=1 (an A/B of no change, to see the runs' spread)
     first=${trees[0]#*=}
     for entry in "${trees[@]:1}"; do
       if [ -z "${SAME:-}" ] && diff -rq -x __pycache__ "$first/monodecode" "${entry#*=}/monodecode" > /dev/null; then
-        echo "ab: ${entry#*=}/monodecode is the same as $first/monodecode (SAME=1 times them anyway)" >> "$out/$part.txt"; exit 2
+        echo "ab: ${entry#*=}/monodecode is the same as $first/monodecode (SAME=1 times them anyway)" | tee -a "$out/$part.txt" >&2; exit 2
       fi
     done
     if [ -n "${WARM:-}" ]; then
