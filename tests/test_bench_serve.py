@@ -160,10 +160,11 @@ def test_levels_complete_with_the_injected_latencies_and_concurrency(serve, tmp_
         assert level["total_output_tokens"] == 64 and level["output_tokens_from_usage"] == 8
         assert all(r["output_tokens"] == 8 and r["chunks"] == 8 for r in level["per_request"])
         assert level["mean_prompt_tokens"] == 16
-        # the fake server sleeps 50 ms, then 20 ms between tokens: measured times can only be longer
+        # the fake server sleeps 50 ms, then 20 ms between tokens: the first token cannot come sooner;
+        # a gap can look shorter than its sleep (the chunk before it read late), hence the lower 0.5
         assert FIRST_TOKEN_DELAY * 1e3 <= level["ttft_ms"]["p50"] < FIRST_TOKEN_DELAY * 1e3 + 100
         for metric in ("tpot_ms", "itl_ms"):
-            assert CHUNK_DELAY * 1e3 <= level[metric]["p50"] < CHUNK_DELAY * 1e3 * 1.5
+            assert CHUNK_DELAY * 1e3 * 0.5 <= level[metric]["p50"] < CHUNK_DELAY * 1e3 * 1.5
         assert level["e2el_ms"]["p50"] >= (FIRST_TOKEN_DELAY + 7 * CHUNK_DELAY) * 1e3
         seconds_per_token = [r["e2el_ms"] / 1e3 / r["output_tokens"] for r in level["per_request"]]
         assert level["interactivity_tok_s_user"] == pytest.approx(1 / np.percentile(seconds_per_token, 90))
@@ -199,10 +200,11 @@ def test_multi_token_chunks_are_one_itl_gap_each(serve, tmp_path, send_usage, li
     assert all(r["chunks"] == 3 and r["tokens_from_usage"] == send_usage for r in level["per_request"])
     # ITL: one gap per chunk, so the chunk delay; TPOT spreads the same two gaps over counted - 1 tokens.
     # A miscount is off by 3x or more (9 tokens counted as 3 chunks, or a gap split over a chunk's 3
-    # tokens), so 2x upper bounds still catch it and leave a busy machine room (sleeps overrun).
-    assert CHUNK_DELAY * 1e3 <= level["itl_ms"]["p50"] < CHUNK_DELAY * 1e3 * 2
+    # tokens), so bounds of 2x either way still catch it and leave a busy machine room: sleeps
+    # overrun, and a chunk read late makes the gap after it look shorter (TPOT 4.96 ms for 5 seen).
+    assert CHUNK_DELAY * 1e3 / 2 <= level["itl_ms"]["p50"] < CHUNK_DELAY * 1e3 * 2
     expected_tpot = 2 * CHUNK_DELAY / (counted - 1) * 1e3
-    assert expected_tpot <= level["tpot_ms"]["p50"] < expected_tpot * 2
+    assert expected_tpot / 2 <= level["tpot_ms"]["p50"] < expected_tpot * 2
 
 
 def test_failed_requests_are_counted_and_named(serve, tmp_path, capsys):
