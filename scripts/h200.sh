@@ -124,6 +124,8 @@ case $part in
       wait
       echo "warm: $SECONDS s" >> "$out/$part.txt"
     fi
+    # a folder of this call's runs alone: an earlier call on the same machine left its own there
+    rm -rf /tmp/ab_runs
     order=("${trees[@]/%/=1}")
     for ((i=${#trees[@]}-1; i>=0; i--)); do order+=("${trees[i]}=2"); done
     for entry in "${order[@]}"; do
