@@ -20,6 +20,7 @@ variants `noscale` / `weights` give wrong numbers on purpose and are not checked
   once a task instead of every step (x scaled by the tile's code); wide-ahead: with the codes ahead;
 - @2: two programs a SM; :S: a pipeline S deep (default 4).
 """
+import argparse
 import importlib
 import json
 import os
@@ -194,15 +195,23 @@ def launcher(variant, N, K, group_rows, x, ws, s, y, programs, stages):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--matrices", default=",".join(name for name, *_ in SHAPES), help="of " + ", ".join(
+        name for name, *_ in SHAPES))
+    parser.add_argument("--variants", default="main,main-noscale,main-weights,tile,tile-ahead,tile-noscale,wide,"
+                        "wide-ahead")
+    parser.add_argument("--quick", action="store_true", help="one program a SM, 4 deep only")
+    args = parser.parse_args()
     a = torch.empty(1 << 28, dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
     copy = 2 * a.numel() / timed(lambda: b.copy_(a), reps=5) / 1e6
     empty = timed(lambda: _empty[(SMS,)](a))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}; "
           f"copy {copy:.2f} TB/s; an empty launch {empty:.1f} us (subtracted)", flush=True)
-    variants = ["main", "main-noscale", "main-weights", "tile", "tile-ahead", "tile-noscale", "wide", "wide-ahead"]
+    variants = args.variants.split(",")
+    shapes = [shape for shape in SHAPES if shape[0] in args.matrices.split(",")]
     results = []
-    for name, N, K, group_rows in SHAPES:
+    for name, N, K, group_rows in shapes:
         width = (N // group_rows) * K if group_rows else K
         copies = max(2, (256 << 20) // (N * K))
         ws = [torch.randint(0, 0x7F, (N, K), dtype=torch.uint8, device=DEV)
@@ -217,7 +226,8 @@ def main():
         line = [f"{name} [{N} x {K}] {N * K / copy / 1e6:.1f} us at copy speed:"]
         for variant in variants:
             for pps, stages in ((1, 4), (2, 4), (1, 3), (1, 6)):
-                if pps == 2 and variant.endswith(("noscale", "weights")) or stages != 4 and variant != "wide-ahead":
+                if (pps == 2 and variant.endswith(("noscale", "weights")) or stages != 4 and variant != "wide-ahead"
+                        or args.quick and (pps, stages) != (1, 4)):
                     continue
                 label = variant + (f"@{pps}" if pps > 1 else "") + (f":{stages}" if stages != 4 else "")
                 y = torch.full((1, N), float("nan"), dtype=torch.bfloat16, device=DEV)
