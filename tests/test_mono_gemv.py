@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from monodecode import formats
 from monodecode.mono import gemv as G
+from monodecode.mono import gemv_tiles as T
 
 ROWS = [1, 5, 16, 48]
 
@@ -32,7 +33,7 @@ def rel_l2(a, b):
 def fp8_tensor_cores(y) -> bool:
     """Whether the FP8 GEMV that gave y split x into e4m3 parts for FP8 tensor-core dots (compiled,
     2-32 rows: `fp8.e4m3_pair`)."""
-    return y.is_cuda and 1 < G.row_block(y.shape[0]) <= G.SPLIT_X_ROWS.value
+    return y.is_cuda and 1 < T.row_block(y.shape[0]) <= G.SPLIT_X_ROWS.value
 
 
 def assert_matches_bf16(y, ref, exact, magnitude, fp8=True):
@@ -266,43 +267,43 @@ def test_nan_codes_give_nan(device):
 
 
 def test_blocks_and_tasks():
-    assert G.default_blocks(8, 64) == (16, 64)
-    assert G.default_blocks(1024, 4096, 128) == (64, 128)
-    assert G.default_blocks(64, 64, 32) == (32, 32)
-    assert G.default_blocks(1536, 4096, 128, programs=132) == (16, 128)  # 96 tasks
-    assert G.default_blocks(4096, 8192, 128, programs=132) == (32, 128)  # 128 tasks
-    assert G.default_blocks(7168, 1024, 128, programs=132) == (64, 128)  # 112 tasks
-    assert G.gemv_tasks(8, 16) == 1 and G.gemv_tasks(100, 32) == 4 and G.gemv_tasks(100, 32, split=4) == 16
+    assert T.default_blocks(8, 64) == (16, 64)
+    assert T.default_blocks(1024, 4096, 128) == (64, 128)
+    assert T.default_blocks(64, 64, 32) == (32, 32)
+    assert T.default_blocks(1536, 4096, 128, programs=132) == (16, 128)  # 96 tasks
+    assert T.default_blocks(4096, 8192, 128, programs=132) == (32, 128)  # 128 tasks
+    assert T.default_blocks(7168, 1024, 128, programs=132) == (64, 128)  # 112 tasks
+    assert T.gemv_tasks(8, 16) == 1 and T.gemv_tasks(100, 32) == 4 and T.gemv_tasks(100, 32, split=4) == 16
     # (block_n, block_k, chunk, N, K, SB, programs, rows, warps) -> (BN, BK, SPLIT)
-    assert G.kernel_blocks(0, 128, 1024, 4096, 8192, 128, 132, 6, 8) == (128, 128, 8)  # BN by warps, K split
-    assert G.kernel_blocks(0, 128, 1024, 4096, 8192, 128, 132, 6, 4) == (64, 128, 8)
-    assert G.kernel_blocks(0, 128, 1024, 32768, 1024, 128, 132, 48, 4) == (64, 128, 1)  # K within a chunk
-    assert G.kernel_blocks(0, 128, 1024, 256, 4096, None, 132, 6, 8) == (128, 64, 4)  # bf16: half the K step
-    assert G.kernel_blocks(64, 512, 1024, 32, 64, 32, 1, 48, 8) == (32, 64, 1)  # BN <= SB, BK <= K
-    assert G.kernel_blocks(0, 32, 96, 64, 384, 32, 1, 2, 4) == (32, 32, 4)  # slices of 3 K steps
-    assert G.kernel_blocks(0, 128, 96, 64, 384, 32, 1, 2, 4) == (32, 128, 3)  # a slice is at least a K step
-    assert G.kernel_blocks(0, 32, 256, 64, 384, 32, 1, 2, 4) == (32, 32, 1)  # 256 does not divide 384
+    assert T.kernel_blocks(0, 128, 1024, 4096, 8192, 128, 132, 6, 8) == (128, 128, 8)  # BN by warps, K split
+    assert T.kernel_blocks(0, 128, 1024, 4096, 8192, 128, 132, 6, 4) == (64, 128, 8)
+    assert T.kernel_blocks(0, 128, 1024, 32768, 1024, 128, 132, 48, 4) == (64, 128, 1)  # K within a chunk
+    assert T.kernel_blocks(0, 128, 1024, 256, 4096, None, 132, 6, 8) == (128, 64, 4)  # bf16: half the K step
+    assert T.kernel_blocks(64, 512, 1024, 32, 64, 32, 1, 48, 8) == (32, 64, 1)  # BN <= SB, BK <= K
+    assert T.kernel_blocks(0, 32, 96, 64, 384, 32, 1, 2, 4) == (32, 32, 4)  # slices of 3 K steps
+    assert T.kernel_blocks(0, 128, 96, 64, 384, 32, 1, 2, 4) == (32, 128, 3)  # a slice is at least a K step
+    assert T.kernel_blocks(0, 32, 256, 64, 384, 32, 1, 2, 4) == (32, 32, 1)  # 256 does not divide 384
     # chunk 0: the slices that leave the busiest program the fewest K elements, the fewest among equals
-    assert G.kernel_blocks(0, 128, 0, 1536, 4096, 128, 132, 6, 8) == (128, 128, 8)  # 12 blocks: 96 tasks of 512
-    assert G.kernel_blocks(0, 128, 0, 4096, 8192, 128, 132, 6, 8) == (128, 128, 4)  # 128 tasks of 2048, not 256 of 1024
-    assert G.kernel_blocks(0, 128, 0, 32768, 1024, 128, 132, 48, 8) == (128, 128, 1)  # 256 blocks fill the programs
-    assert G.balanced_split(32, 2048, 128, 132) == 4 and G.balanced_split(3, 4096, 128, 132) == G.MAX_BALANCED_SPLIT
-    assert G.balanced_split(4, 384, 128, 132) == 1  # 384 = 3 K steps: no whole-step slices but one
-    assert G.balanced_split(12, 4096, 128, 1) == 1  # one program: slices only add sums
+    assert T.kernel_blocks(0, 128, 0, 1536, 4096, 128, 132, 6, 8) == (128, 128, 8)  # 12 blocks: 96 tasks of 512
+    assert T.kernel_blocks(0, 128, 0, 4096, 8192, 128, 132, 6, 8) == (128, 128, 4)  # 128 tasks of 2048, not 256 of 1024
+    assert T.kernel_blocks(0, 128, 0, 32768, 1024, 128, 132, 48, 8) == (128, 128, 1)  # 256 blocks fill the programs
+    assert T.balanced_split(32, 2048, 128, 132) == 4 and T.balanced_split(3, 4096, 128, 132) == T.MAX_BALANCED_SPLIT
+    assert T.balanced_split(4, 384, 128, 132) == 1  # 384 = 3 K steps: no whole-step slices but one
+    assert T.balanced_split(12, 4096, 128, 1) == 1  # one program: slices only add sums
     # one row: 16 K weights a step, unsplit, whatever the launch shape says
-    assert G.kernel_blocks(64, 128, 1024, 4096, 8192, 128, 132, 1, 8) == (32, 512, 1)  # 128 tasks
-    assert G.split_scratch(4096, 128, 8, 16) == (4096 * 8 * 16, 32) and G.split_scratch(4096, 128, 1, 16) == (0, 0)
-    assert G.split_needs([[(1024, (64, 128, 4)), (512, (64, 128, 4))], [(8192, (64, 128, 1))]], 6) == (
+    assert T.kernel_blocks(64, 128, 1024, 4096, 8192, 128, 132, 1, 8) == (32, 512, 1)  # 128 tasks
+    assert T.split_scratch(4096, 128, 8, 16) == (4096 * 8 * 16, 32) and T.split_scratch(4096, 128, 1, 16) == (0, 0)
+    assert T.split_needs([[(1024, (64, 128, 4)), (512, (64, 128, 4))], [(8192, (64, 128, 1))]], 6) == (
         (1024 + 512) * 4 * 16, 24)
-    assert G.single_row_blocks(1536, 4096, 128, programs=132) == (16, 1024)  # 48 tasks at BN 32: too few
-    assert G.single_row_blocks(256, 4096, None, programs=132) == (8, 2048)  # bf16: 32 tasks, not 16 of 16 rows
-    assert G.single_row_blocks(2048, 4096, 128, programs=132) == (16, 1024)  # 256 tasks of 8: no fewer rows a program
-    assert G.single_row_blocks(32768, 1024, 128, programs=132) == (32, 512)
-    assert G.single_row_blocks(64, 64, 32, programs=1) == (32, 64)  # BN <= SB, BK <= K
-    assert G.single_row_blocks(8, 64) == (8, 64)
-    assert G.row_block(1) == 1 and G.row_block(2) == 16 and G.row_block(17) == 32 and G.row_block(48) == 64
-    assert G.scale_block(256, 4096, (2, 32)) == 128
-    assert G.scale_block(1, 256, (1, 2)) == 128
+    assert T.single_row_blocks(1536, 4096, 128, programs=132) == (16, 1024)  # 48 tasks at BN 32: too few
+    assert T.single_row_blocks(256, 4096, None, programs=132) == (8, 2048)  # bf16: 32 tasks, not 16 of 16 rows
+    assert T.single_row_blocks(2048, 4096, 128, programs=132) == (16, 1024)  # 256 tasks of 8: no fewer rows a program
+    assert T.single_row_blocks(32768, 1024, 128, programs=132) == (32, 512)
+    assert T.single_row_blocks(64, 64, 32, programs=1) == (32, 64)  # BN <= SB, BK <= K
+    assert T.single_row_blocks(8, 64) == (8, 64)
+    assert T.row_block(1) == 1 and T.row_block(2) == 16 and T.row_block(17) == 32 and T.row_block(48) == 64
+    assert T.scale_block(256, 4096, (2, 32)) == 128
+    assert T.scale_block(1, 256, (1, 2)) == 128
 
 
 def test_invalid_tilings_raise():

@@ -33,6 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.getcwd())
 from monodecode.mono import gemv as base  # noqa: E402
+from monodecode.mono import gemv_tiles as tiles  # noqa: E402
 from monodecode.mono.fp8 import e4m3_value, e8m0_value  # noqa: E402
 from monodecode.mono.sync import arrive  # noqa: E402
 
@@ -178,14 +179,14 @@ def launcher(variant, N, K, group_rows, x, ws, s, y, programs, stages):
     kind, _, bound = variant.partition("-")
     if kind == "main":
         module = MODULES[bound or "main"]
-        bn, bk = base.single_row_blocks(N, K, 128, programs)
+        bn, bk = tiles.single_row_blocks(N, K, 128, programs)
         dummy = torch.zeros(1, device=DEV)
         tickets = torch.zeros(1, dtype=torch.int32, device=DEV)
         return lambda: module._gemv_stage[(programs,)](
             x, x.shape[1], 1, ws[next(turn) % copies], s, y, N, N, K, group_rows, dummy, tickets, x, 0.0, WFMT=0,
             SB=128, BN=bn, BK=bk, SPLIT=1, BR=1, OUT_BF16=True, FAST=True, STAGES=stages, SWIGLU=False,
             num_warps=8), f"{bn}x{bk}"
-    split = base.balanced_split(triton.cdiv(N, 128), K, 128, programs)
+    split = tiles.balanced_split(triton.cdiv(N, 128), K, 128, programs)
     sums = torch.full((triton.cdiv(N, 128) * split * 128,), float("nan"), device=DEV)
     tickets = torch.zeros(triton.cdiv(N, 128), dtype=torch.int32, device=DEV)
     return lambda: one_row_tiles[(programs,)](

@@ -84,7 +84,8 @@ from . import attention as A
 from . import compress as C
 from . import hc as HC
 from . import indexer as I
-from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
+from .gemv import gemv_stage, split_sums_of, split_tickets_of
+from .gemv_tiles import row_block
 from .sync import SyncArgs, barrier, begin_launch, end_launch, pass_barriers
 from .weights import Fp8Matrix, projection_names, projection_rows
 
@@ -193,7 +194,7 @@ class K1Meta(NamedTuple):
     SPLIT_D: int  # GEMV slices of the hidden size and of q_lora
     SPLIT_Q: int
     DENSE_STAGES: int  # K steps a dense stage's pipeline holds in flight (LaunchShape.dense_stages)
-    BR: int  # rows padded to the dots' block (gemv.row_block)
+    BR: int  # rows padded to the dots' block (gemv_tiles.row_block)
     D: int  # head_dim
     RD: int  # rope dims of a head
     BQ: int  # q_lora padded to a power of two

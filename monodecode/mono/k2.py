@@ -79,7 +79,8 @@ from . import attention as A
 from . import experts as X
 from . import hc as HC
 from . import router as RT
-from .gemv import gemv_stage, row_block, split_sums_of, split_tickets_of
+from .gemv import gemv_stage, split_sums_of, split_tickets_of
+from .gemv_tiles import row_block
 from .peers import PeerMemory, PeerSite, peer_sum_stage
 from .sync import SyncArgs, barrier, begin_launch, end_launch
 from .weights import Fp8Matrix

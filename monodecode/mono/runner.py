@@ -45,7 +45,7 @@ from . import experts as X
 from . import hc as HC
 from . import indexer as I
 from . import k1, k2
-from .gemv import kernel_blocks, split_needs
+from .gemv_tiles import kernel_blocks, split_needs
 from .plan import MAX_ROWS, MonoRefused, interpreted, refusals
 from .scratch import Scratch
 from .shape import LaunchShape
@@ -219,7 +219,7 @@ class MonoRunner:
     def gemv_blocks(self, family: str, N: int, K: int, rows: int, fp8: bool = True,
                     group_rows: int = 0) -> tuple[int, int, int]:
         """(BN, BK, SPLIT) of a dense [N, K] GEMV stage of kernel `family` ("k1", "k2") for a step
-        of `rows` rows (`gemv.kernel_blocks`: one row by its own rule, more by the launch shape);
+        of `rows` rows (`gemv_tiles.kernel_blocks`: one row by its own rule, more by the launch shape);
         BN at most `group_rows` for a grouped one."""
         bn, bk, split = kernel_blocks(self.shape.block_n, self.shape.block_k, self.shape.dense_chunk, N, K,
                                       self.config.fp8_block[0] if fp8 else None, self.grids[family], rows,

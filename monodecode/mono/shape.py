@@ -7,9 +7,9 @@ K1, `k2_programs_per_sm` of `k2_warps` in K2, `expert_programs_per_sm` of
 that they fit (`expert_registers`);
 dense GEMV tasks of a step of two rows or more of `block_n` outputs (0: 128 in programs of 8
 warps, 64 in fewer) over `dense_chunk` elements of K (a longer K is split into slices summed in
-order; 0: each GEMV's slices balance the programs, `gemv.balanced_split`) in K steps of
-`block_k` (`gemv.kernel_blocks`; a one-row step's tiles follow
-`gemv.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
+order; 0: each GEMV's slices balance the programs, `gemv_tiles.balanced_split`) in K steps of
+`block_k` (`gemv_tiles.kernel_blocks`; a one-row step's tiles follow
+`gemv_tiles.single_row_blocks` instead), `dense_stages` K steps deep in Triton's software pipeline
 (every width); expert tasks of `expert_block_n` outputs over K steps of `expert_block_k` (a
 multiple of 128, the fragment order's column group; with 256, tasks of one or two rows take the
 diagonal loop: experts.py); fold tasks of up to `fold_rows` rows, a settle task collapsing
