@@ -358,7 +358,8 @@ def add_bench_commands(commands) -> None:
                              "whole (mono, the whole step)")
     decode.add_argument("--host-profile", action="store_true",
                         help="after each path's timed steps, as many more under torch.profiler: the host's "
-                             "time a step by operation (the top 12; in the report as host_profile)")
+                             "time a step by operation and, on a GPU, the device's by kernel (the top 12 of each; "
+                             "in the report as host_profile)")
     decode.add_argument("--tensor-parallel-size", type=tensor_parallel_arg, default=1, metavar="N",
                         help=TP_HELP + "; over ranks only the mono stepwise path runs")
     decode.add_argument("--device", default="cuda", help="cuda, or cpu to exercise the code under Triton's "

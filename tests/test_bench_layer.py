@@ -262,16 +262,23 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
 
 def test_bench_decode_times_the_paths_asked_for(device, tmp_path, capsys):
     """`--paths whole`: the whole mono row alone (the test above times all three paths), with
-    `--host-profile`: the host's operations a step; an unknown path is refused."""
+    `--host-profile`: the host's operations a step (and on a GPU the device's kernels); an unknown
+    path is refused."""
     assert main(["bench", "decode", "--preset", "tiny", "--layers", "1", "--requests", "1", "--steps", "1",
                  "--context", "12", "--reps", "1", "--paths", "whole", "--host-profile", "--device", device,
                  "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
     assert [r["path"] for r in report["rows"]] == ["mono"]
-    profile = report["rows"][0]["host_profile"]
-    assert 0 < len(profile) <= 12 and all(p["self_us_a_step"] > 0 and p["calls_a_step"] > 0 for p in profile)
-    assert any(p["op"].startswith("aten::") for p in profile)  # torch's operations the host ran
-    assert f"us a step in {profile[0]['calls_a_step']:5.1f} calls: {profile[0]['op']}" in capsys.readouterr().out
+    host, kernels = (report["rows"][0]["host_profile"][side] for side in ("host", "device"))
+    assert 0 < len(host) <= 12 and all(p["self_us_a_step"] > 0 and p["calls_a_step"] > 0 for p in host)
+    assert any(p["op"].startswith("aten::") for p in host)  # torch's operations the host ran
+    if device == "cuda":  # the whole step's graph's kernels, the kernels' own among them
+        assert 0 < len(kernels) <= 12 and all(p["self_us_a_step"] > 0 for p in kernels)
+        assert any(p["op"].startswith("_k") for p in kernels)
+    else:
+        assert kernels == []
+    printed = capsys.readouterr().out
+    assert f"host   {host[0]['self_us_a_step']:8.1f} us a step in {host[0]['calls_a_step']:5.1f} calls: " in printed
     assert main(["bench", "decode", "--paths", "per-op,eager", "--device", device]) == 2
     assert "unknown path(s) eager: choose from per-op, stepwise, whole" in capsys.readouterr().err
 

@@ -23,7 +23,8 @@ draft follows its path: per-op and eager with the per-op graph, on the kernels w
 `--paths` picks among them (`per-op`, `stepwise`, `whole`; default all three: a GPU call short of
 time can leave the per-op graph out, whose experts take minutes to dequantize).
 `--host-profile`: after each path's timed steps, as many more under torch.profiler, and the
-operations the host spends the most of its own time in a step (what the host column is made of).
+operations the host spends the most of its own time in a step (what the host column is made of),
+and on a GPU the kernels the device spends the most time in (a whole step's graph's among them).
 `--tensor-parallel-size N`: the model over N ranks (`ranks.load_ranks`), only `mono stepwise`
 (the per-op graph's fixed-shape layers hold whole layers; the whole step is one process's).
 Not a test: it never fails for being slow. On a CPU (tests) the kernels run under Triton's
@@ -188,23 +189,30 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             **({"host_profile": profile} if host_profile else {})}
 
 
-HOST_PROFILE_ROWS = 12  # operations `--host-profile` reports a path
+PROFILE_ROWS = 12  # operations, and kernels, `--host-profile` reports a path
 
 
-def profile_host(step, steps: int, device) -> list[dict]:
-    """`steps` calls of `step` under torch.profiler: the operations the host spends the most of
-    its own time in (torch's and, on a GPU, the CUDA runtime's calls: copies, launches, and the
-    syncs, whose time is the wait for the device), each with its calls and self microseconds a
-    step."""
+def profile_host(step, steps: int, device) -> dict[str, list[dict]]:
+    """`steps` calls of `step` under torch.profiler. "host": the operations the host spends the
+    most of its own time in (torch's and, on a GPU, the CUDA runtime's calls: copies, launches,
+    and the syncs, whose time is the wait for the device), each with its calls and self
+    microseconds a step. "device" (a GPU's; empty on a CPU): the kernels the device spends the most
+    time in, a graph's replays included (what the device column is made of), the same way."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.device(device).type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(steps):
             step()
-    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [{"op": e.key, "calls_a_step": e.count / steps, "self_us_a_step": e.self_cpu_time_total / steps}
-            for e in events[:HOST_PROFILE_ROWS]]
+    events = profiler.key_averages()
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+
+    def top(chosen, us) -> list[dict]:
+        ranked = sorted(chosen, key=us, reverse=True)[:PROFILE_ROWS]
+        return [{"op": e.key, "calls_a_step": e.count / steps, "self_us_a_step": us(e) / steps} for e in ranked]
+
+    return {"host": top(events, lambda e: e.self_cpu_time_total),
+            "device": top(kernels, lambda e: e.self_device_time_total)}
 
 
 def seeded(requests: list[SpecRequest], device, temperature: float, top_p: float) -> list[SpecRequest]:
@@ -291,9 +299,9 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
     return rows
 
 
-def profile_lines(profile: list[dict]) -> str:
-    return "\n".join(f"    host {p['self_us_a_step']:8.1f} us a step in {p['calls_a_step']:5.1f} calls: {p['op']}"
-                     for p in profile)
+def profile_lines(profile: dict[str, list[dict]]) -> str:
+    return "\n".join(f"    {side:6} {p['self_us_a_step']:8.1f} us a step in {p['calls_a_step']:5.1f} calls: {p['op']}"
+                     for side, rows in profile.items() for p in rows)
 
 
 def line(r: dict) -> str:
