@@ -108,7 +108,8 @@ def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):
 def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
     """With every request at temperature 0 the draft's head takes its batched greedy path (a CUDA
     graph a request count on a GPU, replayed here a second time): the tokens, one-hot
-    distributions and confidences of the sampling path at temperature 0, whatever its uniforms."""
+    distributions and confidences of the sampling path at temperature 0, whatever its uniforms;
+    a whole step's greedy head its tokens."""
     decoder = SpeculativeDecoder(model, spec("greedy"))
     caches = decoder.make_caches(num_slots=3, max_context=64)
     requests = [decoder.prefill(caches, s, [s + 3, 1, 4, 1, 5][:s + 3]) for s in range(3)]
@@ -125,6 +126,10 @@ def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
                               uniforms=uniforms)
     assert torch.equal(draft._greedy_markov(streams, None, anchors.to(model.device)).tokens[[0, 2]],
                        draft._markov_sample(base, hb, anchors.to(model.device), sampled_at_zero).tokens[[0, 2]])
+    # a whole step's greedy head (`greedy_tokens`: no distributions, no confidences) picks the same tokens
+    noisy = streams + torch.randn(streams.shape, generator=torch.Generator().manual_seed(5)).to(streams)
+    assert torch.equal(draft.greedy_tokens(noisy, anchors.to(model.device)),
+                       draft._greedy_markov(noisy, None, anchors.to(model.device)).tokens)
     # the whole proposal against the sampling path, which a request above temperature 0 forces
     mixed = draft.propose(*args, RowSettings.of([(0.0, 1.0, 0)] * (r - 1) + [(1e-6, 1.0, 0)], model.device), uniforms)
     assert torch.equal(mixed.tokens[:r - 1], greedy.tokens[:r - 1])

@@ -186,11 +186,15 @@ class Draft:
             hb = collapse(streams, pre)
         return hb.view(r, b, -1), self.model.lm_head(hb, w[f"{self.last}norm"]).view(r, b, -1)
 
+    def _markov_logits(self, base_k, prev):
+        """Position k's Markov logits from the previous token `prev` [R], and prev's row of markov_w1."""
+        e = F.embedding(prev, self.w[self.markov_w1])
+        return base_k + self.model.fp32_linear(e, self.w[self.markov_w2]), e
+
     def _markov_step(self, base_k, hb_k, prev):
         """Position k's Markov logits and confidence from the previous token `prev` [R]."""
         w = self.w
-        e = F.embedding(prev, w[self.markov_w1])
-        logits = base_k + self.model.fp32_linear(e, w[self.markov_w2])
+        logits, e = self._markov_logits(base_k, prev)
         features = torch.cat([hb_k.float(), e.float()], dim=-1)
         confidence = torch.sigmoid(F.linear(features, w[f"{self.last}confidence_head.proj"].float())).squeeze(-1)
         return logits, confidence
@@ -217,9 +221,16 @@ class Draft:
 
     def greedy_tokens(self, streams: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The draft tokens [R, B] of an all-greedy proposal from the kernels' stages' output
-        `streams` (`propose`'s head, with no host sync and no graph of its own: a whole speculative
-        step, spec/step_graph.py, captures it in its graph)."""
-        return self._greedy_markov(streams, None, anchors).tokens
+        `streams`: `propose`'s tokens (each position's argmax, the same operations), with no host
+        sync and no graph of its own (a whole speculative step, spec/step_graph.py, captures it in
+        its graph), and neither the one-hot distributions nor the confidences, which the step
+        does not read."""
+        _, base = self._head(streams, None, anchors.shape[0])
+        prev, drafted = anchors, []
+        for k in range(self.block_size):
+            prev = self._markov_logits(base[:, k], prev)[0].argmax(dim=-1)
+            drafted.append(prev)
+        return torch.stack(drafted, 1)
 
     def _greedy_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
