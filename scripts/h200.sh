@@ -36,6 +36,10 @@
 #                 $TEMPERATURE (default 0) and $TOP_P (default 1), over $TP ranks (default 1; one GPU each),
 #                 the paths in $PATHS (default per-op,stepwise,whole; the per-op graph's row alone took ~250 s
 #                 at 1 request on 2026-12-05); HOST_PROFILE=1 adds the host's operations a step (--host-profile)
+#   decode-ab     bench decode of each tree in $TREES (as ab's: name=folder, default 'base=baseline new=.') in
+#                 the order base, new, new, base, as bench-decode's settings say (PATHS default whole here,
+#                 REQUESTS default 1,8; $DECODE_ARGS: more arguments); each run's rows in $OUT/decode-ab.txt
+#                 and its printout in $OUT/decode_ab_NAMEROUND.txt; TIMEOUT bounds each run (200)
 #   experts       the routed-expert stage alone, as K3 runs it (python -m monodecode.bench.experts), the
 #                 launch shapes in $SHAPES (default: the default shape)
 #   profile       Nsight Compute's PC sampling of one step of a $KIND layer's (default window) K1, K2 and K3 at $WIDTH rows
@@ -46,7 +50,7 @@
 # and ab).
 # Output: $OUT/PART.txt (and the JSON / PNG each command writes), device and versions first.
 set -u
-part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|tests-tp|check|check-shape|bench-layer|ab|compiled|bench-decode|experts|profile}
+part=${1:?usage: bash scripts/h200.sh tests|tests-model|tests-all|tests-tp|check|check-shape|bench-layer|ab|compiled|bench-decode|decode-ab|experts|profile}
 out=${OUT:?set OUT to the output folder}
 mkdir -p "$out"
 export PYTHONPATH=$PWD
@@ -66,6 +70,13 @@ warm() {
       --widths $width --kinds $kind --shapes "$shape" --context "${CONTEXT:-512}" ${5:-} \
       --out /tmp/warm > /dev/null 2>&1) &
   done <<< "${4//;/$'\n'}"; done; done
+}
+# in_turns NAME=FOLDER...: each entry with its round, in the order first, ..., last, last, ..., first
+# (NAME=FOLDER=1 ..., then NAME=FOLDER=2 in reverse): a drift over a call falls on every tree alike
+in_turns() {
+  local i entries=("$@")
+  for ((i=0; i<${#entries[@]}; i++)); do echo "${entries[i]}=1"; done
+  for ((i=${#entries[@]}-1; i>=0; i--)); do echo "${entries[i]}=2"; done
 }
 case $part in
   tests)
@@ -126,9 +137,7 @@ case $part in
     fi
     # a folder of this call's runs alone: an earlier call on the same machine left its own there
     rm -rf /tmp/ab_runs
-    order=("${trees[@]/%/=1}")
-    for ((i=${#trees[@]}-1; i>=0; i--)); do order+=("${trees[i]}=2"); done
-    for entry in "${order[@]}"; do
+    for entry in $(in_turns "${trees[@]}"); do
       IFS== read -r name tree round <<< "$entry"
       case $round in 2) timeline=${TIMELINE:-} ;; *) timeline= ;; esac
       runs=/tmp/ab_runs; mkdir -p "$runs/$name$round"
@@ -141,6 +150,16 @@ case $part in
       python3 tools/ab_summary.py "$runs" > "$out/ab_summary.txt" 2>&1
     done
     cat "$out/ab_summary.txt" >> "$out/$part.txt" ;;
+  decode-ab)
+    for entry in $(in_turns ${TREES:-base=baseline new=.}); do
+      IFS== read -r name tree round <<< "$entry"
+      (cd "$tree" && PYTHONPATH=$PWD timeout ${TIMEOUT:-200} python3 -m monodecode.cli bench decode --layers 4 \
+        --requests "${REQUESTS:-1,8}" --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-1}" \
+        --paths "${PATHS:-whole}" ${HOST_PROFILE:+--host-profile} ${DECODE_ARGS:-} --out "/tmp/decode_ab/$name$round" \
+        > "$out/decode_ab_$name$round.txt" 2>&1)
+      echo "$name$round: exit $? ($SECONDS s)" >> "$out/$part.txt"
+      grep -E "^(mono|per-op)" "$out/decode_ab_$name$round.txt" | sed "s/^/$name$round: /" >> "$out/$part.txt"
+    done ;;
   compiled)
     timeout ${TIMEOUT:-560} python3 -m monodecode.cli bench layer --widths "${WIDTHS:-1,6,16,48}" \
       --kinds "${KINDS:-window,CSA,HCA}" --shapes "${SHAPES:-default}" --compile "${MODE:-max-autotune-no-cudagraphs}" \
