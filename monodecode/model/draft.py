@@ -191,26 +191,28 @@ class Draft:
         e = F.embedding(prev, self.w[self.markov_w1])
         return base_k + self.model.fp32_linear(e, self.w[self.markov_w2]), e
 
-    def _markov_step(self, base_k, hb_k, prev):
-        """Position k's Markov logits and confidence from the previous token `prev` [R]."""
-        w = self.w
-        logits, e = self._markov_logits(base_k, prev)
-        features = torch.cat([hb_k.float(), e.float()], dim=-1)
-        confidence = torch.sigmoid(F.linear(features, w[f"{self.last}confidence_head.proj"].float())).squeeze(-1)
-        return logits, confidence
-
-    def _markov_sample(self, base, hb, anchors, draw) -> Proposal:
+    def _markov_draws(self, base, anchors, draw, hb=None):
         """Left to right from the anchors: position k's logits, then `draw(logits, k)` -> (the
-        tokens [R], the distributions [R, vocab] they came from)."""
-        prev = anchors
-        drafted, dists, confidence = [], [], []
+        tokens [R], the distributions [R, vocab] they came from, or None). The tokens [R, B], the
+        distributions [R, B, vocab] (None where `draw` gives none) and, given the last stage's
+        output hb [R, B, d], each position's confidence `sigmoid(w_conf . [hb_k ; markov_w1[prev]])`
+        [R, B] (else None)."""
+        prev, drafted, dists, confidence = anchors, [], [], []
         for k in range(self.block_size):
-            logits, sure = self._markov_step(base[:, k], hb[:, k], prev)
+            logits, e = self._markov_logits(base[:, k], prev)
+            if hb is not None:
+                features = torch.cat([hb[:, k].float(), e.float()], dim=-1)
+                weight = self.w[f"{self.last}confidence_head.proj"].float()
+                confidence.append(torch.sigmoid(F.linear(features, weight)).squeeze(-1))
             prev, probs = draw(logits, k)
             drafted.append(prev)
             dists.append(probs)
-            confidence.append(sure)
-        return Proposal(torch.stack(drafted, 1), torch.stack(dists, 1), torch.stack(confidence, 1))
+        return (torch.stack(drafted, 1), None if dists[0] is None else torch.stack(dists, 1),
+                torch.stack(confidence, 1) if confidence else None)
+
+    def _markov_sample(self, base, hb, anchors, draw) -> Proposal:
+        """`_markov_draws` with the confidences: a proposal."""
+        return Proposal(*self._markov_draws(base, anchors, draw, hb))
 
     def _greedy_markov(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """The head of an all-greedy proposal: the sampling path's tokens and one-hot distributions
@@ -226,11 +228,7 @@ class Draft:
         its graph), and neither the one-hot distributions nor the confidences, which the step
         does not read."""
         _, base = self._head(streams, None, anchors.shape[0])
-        prev, drafted = anchors, []
-        for k in range(self.block_size):
-            prev = self._markov_logits(base[:, k], prev)[0].argmax(dim=-1)
-            drafted.append(prev)
-        return torch.stack(drafted, 1)
+        return self._markov_draws(base, anchors, lambda logits, _: (logits.argmax(dim=-1), None))[0]
 
     def _greedy_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
