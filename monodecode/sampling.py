@@ -11,9 +11,12 @@ one uniform (`pick`): exact, and the uniform can be drawn before the device work
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+ARGMAX_PARTS = 128  # `argmax_rows`' first round: at most this many parts a row
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
@@ -60,12 +63,25 @@ class RowSettings:
         return self.values[2]
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), the same index (the first of equal maxima), in two rounds: each row
+    cut into parts of equal length (as many as divide it, at most ARGMAX_PARTS), each part's
+    maximum and its first index, then the first part holding the row's maximum. On a GPU one
+    reduction a row runs on one block of threads a row; the parts spread a decode step's few
+    rows of a whole vocabulary over the device."""
+    vocab = logits.shape[-1]
+    length = vocab // math.gcd(vocab, ARGMAX_PARTS)
+    best, within = logits.unflatten(-1, (-1, length)).max(dim=-1)
+    part = best.argmax(dim=-1, keepdim=True)
+    return (part * length + within.gather(-1, part)).squeeze(-1)
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None, top_k: int = 0) -> torch.Tensor:
     """logits [N, vocab] -> token ids [N]."""
     check_sampling(temperature, top_p, top_k)
     if temperature == 0:
-        return logits.argmax(dim=-1)  # exact, and draws nothing from the generator
+        return argmax_rows(logits)  # exact, and draws nothing from the generator
     return sample_from(probabilities(logits, temperature, top_p, top_k), generator)
 
 
@@ -82,7 +98,7 @@ def row_probabilities(logits: torch.Tensor, settings: RowSettings) -> torch.Tens
     """`probabilities` of each request's logits, logits [R, ..., vocab] with request i's settings
     in row i of `settings`: one set of launches for all of them, whatever their settings."""
     logits = logits.float()
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(logits).scatter_(-1, argmax_rows(logits)[..., None], 1.0)
     if settings.greedy:
         return one_hot
 

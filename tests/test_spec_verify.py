@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from monodecode.sampling import pick, probabilities, sample, sample_from
+from monodecode.sampling import argmax_rows, pick, probabilities, sample, sample_from
 from monodecode.spec import verify as verify_module
 from monodecode.spec.config import REJECTION_SAMPLE_METHODS, SpeculativeConfig
 from monodecode.spec.draws import draw_uniforms, uniforms_per_step
@@ -374,6 +374,26 @@ def test_pick_draws_each_token_with_its_weight():
     one_hot = torch.nn.functional.one_hot(torch.tensor([3, 0, 5]), 6).float()
     assert torch.equal(pick(one_hot[:, None].expand(-1, 50, -1), torch.rand(3, 50, generator=g)),
                        torch.tensor([3, 0, 5])[:, None].expand(-1, 50))
+
+
+@pytest.mark.parametrize("vocab", [129280, 512, 1000, 127, 7])
+def test_argmax_in_parts_is_torch_argmax(vocab, device):
+    """`argmax_rows` (parts of each row, then the part holding the maximum) gives torch's argmax,
+    the first of equal maxima too: ties planted inside a part and across parts, rows of one
+    value, -inf, any leading dims, fp32 and bf16; a prime vocabulary is one part."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 5, vocab, generator=g)
+    i, j = torch.randint(vocab, (2,), generator=g).tolist()
+    logits[0, 1, [i, j]] = 50.0  # two equal maxima: the first counts
+    logits[0, 2, -2:] = 50.0  # at the row's end, in one part
+    logits[1, 0] = 3.0  # a row of one value: index 0
+    logits[1, 1, : vocab // 2] = float("-inf")
+    logits[2, 3] = logits[2, 3].round(decimals=1)  # many ties below the maximum, bf16 or not
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype).to(device)
+        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+        assert torch.equal(argmax_rows(rows[0, 1]), rows[0, 1].argmax(dim=-1))
+    assert argmax_rows(logits)[0, 1] == min(i, j) and argmax_rows(logits)[1, 0] == 0
 
 
 @pytest.mark.parametrize("method", REJECTION_SAMPLE_METHODS)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..sampling import RowSettings, pick, row_probabilities
+from ..sampling import RowSettings, argmax_rows, pick, row_probabilities
 from .attention import Attention, RequestRows
 from .cache import PositionRing
 from .delayed_block import DelayedBlock, entry_pre
@@ -228,7 +228,7 @@ class Draft:
         its graph), and neither the one-hot distributions nor the confidences, which the step
         does not read."""
         _, base = self._head(streams, None, anchors.shape[0])
-        return self._markov_draws(base, anchors, lambda logits, _: (logits.argmax(dim=-1), None))[0]
+        return self._markov_draws(base, anchors, lambda logits, _: (argmax_rows(logits), None))[0]
 
     def _greedy_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
@@ -267,5 +267,5 @@ def _drawn(logits: torch.Tensor, position: int, settings: RowSettings,
 
 
 def _argmax_and_one_hot(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    best = logits.argmax(dim=-1)
+    best = argmax_rows(logits)
     return best, torch.zeros_like(logits).scatter_(-1, best[:, None], 1.0)

@@ -55,7 +55,7 @@ from functools import lru_cache
 
 import torch
 
-from ..sampling import RowSettings, pick, row_probabilities
+from ..sampling import RowSettings, argmax_rows, pick, row_probabilities
 from .config import REJECTION_SAMPLE_METHODS
 from .draws import draw_uniforms
 
@@ -123,7 +123,7 @@ def greedy_verdict_rows(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     the matching prefixes' (synthetic verification's of greedy requests, `synthetic_accepted`), the
     appended token still the target's argmax after them."""
     k = draft_tokens.shape[-1]
-    best = target_logits.argmax(dim=-1)
+    best = argmax_rows(target_logits)
     if accepted is None:
         accepted = (best[:, :k] == draft_tokens).cumprod(dim=1).sum(dim=1)
     return verdict_rows(draft_tokens, accepted, best.gather(1, accepted[:, None]).squeeze(1))
