@@ -109,7 +109,7 @@ def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
     """With every request at temperature 0 the draft's head takes its batched greedy path (a CUDA
     graph a request count on a GPU, replayed here a second time): the tokens, one-hot
     distributions and confidences of the sampling path at temperature 0, whatever its uniforms;
-    a whole step's greedy head its tokens."""
+    a whole step's greedy and sampled heads its tokens and distributions."""
     decoder = SpeculativeDecoder(model, spec("greedy"))
     caches = decoder.make_caches(num_slots=3, max_context=64)
     requests = [decoder.prefill(caches, s, [s + 3, 1, 4, 1, 5][:s + 3]) for s in range(3)]
@@ -130,6 +130,17 @@ def test_an_all_greedy_proposal_is_the_sampled_one_at_temperature_zero(model):
     noisy = streams + torch.randn(streams.shape, generator=torch.Generator().manual_seed(5)).to(streams)
     assert torch.equal(draft.greedy_tokens(noisy, anchors.to(model.device)),
                        draft._greedy_markov(noisy, None, anchors.to(model.device)).tokens)
+    # its sampled head (`sampled_tokens`: no confidences) draws the same tokens from the same
+    # distributions; the confidences are the head's formula
+    on_device = anchors.to(model.device)
+    settings = RowSettings.of([(0.0, 1.0, 0)] * (r - 1) + [(0.8, 0.9, 3)], model.device)
+    head = draft.sampled_head(noisy, None, on_device, settings, uniforms)
+    tokens, probs = draft.sampled_tokens(noisy, on_device, settings, uniforms)
+    assert torch.equal(tokens, head.tokens) and torch.equal(probs, head.probs)
+    prev = torch.cat([on_device[:, None], head.tokens[:, :-1]], dim=1)
+    features = torch.cat([draft._head(noisy, None, r)[0].float(), draft.w[draft.markov_w1][prev].float()], dim=-1)
+    weight = draft.w[f"{draft.last}confidence_head.proj"].float()
+    assert torch.allclose(head.confidence, torch.sigmoid(features @ weight.t()).squeeze(-1), atol=1e-6)
     # the whole proposal against the sampling path, which a request above temperature 0 forces
     mixed = draft.propose(*args, RowSettings.of([(0.0, 1.0, 0)] * (r - 1) + [(1e-6, 1.0, 0)], model.device), uniforms)
     assert torch.equal(mixed.tokens[:r - 1], greedy.tokens[:r - 1])

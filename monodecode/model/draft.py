@@ -169,9 +169,8 @@ class Draft:
     def sampled_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor,
                      settings: RowSettings, uniforms: torch.Tensor) -> Proposal:
         """The head of a proposal (`propose`'s, from the stages' output `streams`) whose draws
-        pick by the uniforms [R, B], with no host sync: a whole speculative step
-        (spec/step_graph.py) holds it in its graph. Greedy requests among others take the argmax
-        (their distributions are one-hot)."""
+        pick by the uniforms [R, B], with no host sync. Greedy requests among others take the
+        argmax (their distributions are one-hot)."""
         hb, base = self._head(streams, pre, anchors.shape[0])
         return self._markov_sample(base, hb, anchors, functools.partial(_drawn, settings=settings, uniforms=uniforms))
 
@@ -229,6 +228,13 @@ class Draft:
         does not read."""
         _, base = self._head(streams, None, anchors.shape[0])
         return self._markov_draws(base, anchors, lambda logits, _: (argmax_rows(logits), None))[0]
+
+    def sampled_tokens(self, streams: torch.Tensor, anchors: torch.Tensor, settings: RowSettings,
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sampled_head`'s tokens [R, B] and distributions [R, B, vocab] without the confidences,
+        which a whole speculative step (spec/step_graph.py, whose graph holds this) does not read."""
+        _, base = self._head(streams, None, anchors.shape[0])
+        return self._markov_draws(base, anchors, functools.partial(_drawn, settings=settings, uniforms=uniforms))[:2]
 
     def _greedy_head(self, streams: torch.Tensor, pre: torch.Tensor | None, anchors: torch.Tensor) -> Proposal:
         """`_greedy_markov`, on a GPU through a CUDA graph of this request count (captured on first
