@@ -245,13 +245,14 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
         assert r["rows"] == r["requests"] * (report["block"] + 1)
         assert 1 <= r["tokens_per_step"] <= report["block"] + 1 and r["tokens_per_s_per_user"] > 0
         if r["path"] == "mono":  # one device part: nothing timed apart
-            assert r["step_s"] >= r["device_s"] > 0 and r["other_s"] == r["step_s"] - r["device_s"]
+            assert r["step_s"] >= r["device_s"] > 0 and 0 < r["other_s"] < r["step_s"]  # step by step
             assert r["draft_s"] is r["verify_s"] is r["draft_stages_s"] is None
             continue
         assert r["device_s"] is None
         # the head is timed apart, in a graph of its own (one rep here): not compared with the verify
         # step that contains it, whose time a busy machine can make the shorter of the two
         assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > 0 and r["head_s"] > 0
+        assert 0 < r["other_s"] < r["step_s"]
         if r["path"] == "mono stepwise":  # the draft's stages ran on the kernels, inside its proposal
             assert 0 < r["draft_stages_s"] < r["draft_s"]
         else:

@@ -182,7 +182,11 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     median = statistics.median
     parts = {"draft_s": propose, "draft_stages_s": stages, "verify_s": verify, "device_s": device_work}
-    return {"step_s": median(step.seconds),
+    # a step's other time less its timed parts, step by step: the difference of the medians would
+    # carry the device time's spread from step to step (each step routes its rows anew)
+    timed_parts = (device_work,) if whole else (propose, verify)
+    others = [s - sum(t) for s, *t in zip(step.seconds, *(timer.seconds for timer in timed_parts), strict=True)]
+    return {"step_s": median(step.seconds), "other_s": median(others),
             **{name: median(t.seconds) if t and t.seconds else None for name, t in parts.items()},
             "tokens_per_step": committed / steps / len(requests),
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds),
@@ -290,9 +294,7 @@ def measure_paths(args, model: Decoder, layers: int, device: torch.device) -> li
                 continue
             m = measure(decoder, step, copy.deepcopy(caches), seeded(requests, model.device, args.temperature, args.top_p),
                         args.steps, args.acceptance, whole, args.host_profile)
-            timed_parts = (m["device_s"],) if whole else (m["draft_s"], m["verify_s"])
-            rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m,
-                         "other_s": m["step_s"] - sum(timed_parts)})
+            rows.append({"path": path, "requests": count, "rows": count * (block + 1), "head_s": head, **m})
             print(line(rows[-1]), flush=True)
             if args.host_profile:
                 print(profile_lines(m["host_profile"]), flush=True)
