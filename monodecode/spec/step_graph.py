@@ -17,8 +17,9 @@ the stepwise path draws them). Those buffers are the step's only inputs.
 
 Device (`_device_step`; nothing read back to the host, no tensor made from host data): the
 draft's stages (`DraftRunner.run_rows`), its head (every request greedy: `Draft.greedy_tokens`,
-the argmax proposals; else `Draft.sampled_tokens`, the tokens picked by the Markov head's uniforms
-and their distributions; neither makes the confidences, which the step does not read), the drafts written into the verify rows, the target's verify step
+the argmax proposals; else `Draft.sampled_tokens`, the tokens picked by the Markov head's
+uniforms and their distributions; neither makes the confidences, which the step does not read),
+the drafts written into the verify rows, the target's verify step
 (`MonoRunner.run_rows`: logits and the draft's features), the commit of every verify row to the
 draft's rings (`Draft.commit`), and verification's device part (`verify.verify_rows`). These are
 the operations of the stepwise path, in its order.
