@@ -11,7 +11,6 @@ Activations bf16, mixes and accumulators fp32, as the stages' docstrings state.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import CSA_RATIO, ModelConfig
 from . import attention as A
@@ -43,6 +42,11 @@ class Scratch:
         # its own would (Triton builds a kernel for its pointers' 16-byte alignment: odd widths would
         # otherwise build kernels of their own)
         self.rows_in = torch.tensor([[0], [0], [-1]], dtype=torch.long, device=device).repeat(1, r + r % 2)
+        # their host side, pinned on a GPU so that `load_rows`' copy does not hold the host (a copy
+        # from pageable memory waits for the driver to stage it); the copy's event guards its reuse
+        on_gpu = self.rows_in.is_cuda
+        self.rows_host = torch.zeros(self.rows_in.shape, dtype=torch.long, pin_memory=on_gpu)
+        self.rows_copied = torch.cuda.Event() if on_gpu else None
         self.streams = (bf16(r, hc, d), bf16(r, hc, d))
         # mHC seams: fold partials, the attention site's mixes, the FFN site's (owed) mixes
         self.partials = f32(r, -(-d // HC.MIN_CHUNK), mix + 1)  # every fold chunk's partials fit
@@ -92,8 +96,14 @@ class Scratch:
         return self.rows_in[2, :self.rows]
 
     def load_rows(self, rows: torch.Tensor) -> None:
-        """The step's tokens, positions and slots (int64 [3, rows] on the host) in one copy."""
-        self.rows_in.copy_(F.pad(rows, (0, self.rows_in.shape[1] - self.rows)), non_blocking=True)
+        """The step's tokens, positions and slots (int64 [3, rows] on the host) in one copy (the
+        padding columns stay 0)."""
+        if self.rows_copied is not None:
+            self.rows_copied.synchronize()  # the last step's copy has read the host buffer
+        self.rows_host[:, :self.rows].copy_(rows)
+        self.rows_in.copy_(self.rows_host, non_blocking=True)
+        if self.rows_copied is not None:
+            self.rows_copied.record()
 
     def owed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The FFN output and its site's post / comb mixes that the next layer's fold takes."""

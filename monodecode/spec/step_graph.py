@@ -33,11 +33,11 @@ second step captures the graph and replays it; later steps replay it. A graph go
 of its caches, and is captured again after either runner's `configure` (new grids and sync
 words). On a CPU (Triton's interpreter) the same device work runs eagerly every step.
 
-Host, after: one read of the device, both runners' error words and the verdict rows together
-(one host round trip a step). A wait that gave up in either runner raises MonoSyncError naming the
-runner and stage (`MonoRunner.raise_errors`: the step's results are invalid and the requests are
-left as they were); else the verdicts (accepted counts and committed tokens) go to the caller to
-update the requests with.
+Host, after: one read of the device, both runners' error words and the verdict rows together,
+which the device work gathers into one tensor (one host round trip a step). A wait that gave up
+in either runner raises MonoSyncError naming the runner and stage (`MonoRunner.raise_errors`:
+the step's results are invalid and the requests are left as they were); else the verdicts
+(accepted counts and committed tokens) go to the caller to update the requests with.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from .verify import Verdict, verdicts, verify_rows
 
 class Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    verdict_rows: torch.Tensor  # the graph's outputs: verify_rows' [R, B + 2]
+    readback: torch.Tensor  # the graph's outputs: both runners' error words, then verify_rows' [R, B + 2]
     logits: torch.Tensor  # [R, B + 1, vocab]
     syncs: tuple[dict, dict]  # the runners' sync states it was captured with
 
@@ -102,12 +102,12 @@ class WholeStep:
         GPU the graph's output: valid until the next step)."""
         drafted, verified = self._prepare(caches, requests)
         settings, uniforms = self._load_inputs(requests)
-        rows, logits = self.device_work(caches, drafted, verified, settings, uniforms)
-        words = [self.draft_runner.error_words(), self.target.error_words()]
-        read = torch.cat([*words, rows.flatten()]).tolist()  # the step's one read of the device
-        n_draft, n_target = (len(w) for w in words)
+        readback, logits = self.device_work(caches, drafted, verified, settings, uniforms)
+        read = readback.tolist()  # the step's one read of the device
+        n_draft, n_target = len(self.draft_runner.sync), len(self.target.sync)  # their error words
         self._raise_errors(read[:n_draft], read[n_draft:n_draft + n_target])
-        found, width = read[n_draft + n_target:], rows.shape[1]
+        found = read[n_draft + n_target:]
+        width = len(found) // len(requests)
         return verdicts([found[i:i + width] for i in range(0, len(found), width)]), logits
 
     def _raise_errors(self, draft_errors: list[int], target_errors: list[int]) -> None:
@@ -184,8 +184,9 @@ class WholeStep:
 
     def device_work(self, caches, drafted, verified, settings: RowSettings,
                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device step eagerly, or through its key's graph (module docstring); its verdict rows
-        and logits. `run` calls it between the host's parts (bench decode times it alone)."""
+        """The device step eagerly, or through its key's graph (module docstring): what the host
+        reads (both runners' error words, then the verdict rows, flat) and the logits. `run` calls
+        it between the host's parts (bench decode times it alone)."""
         def work():
             return self._device_step(caches, drafted, verified, settings, uniforms)
 
@@ -204,7 +205,7 @@ class WholeStep:
                 return work()
             captured = self.graphs[key] = self._capture(work)
         captured.graph.replay()
-        return captured.verdict_rows, captured.logits
+        return captured.readback, captured.logits
 
     def _current(self, captured: Captured) -> bool:
         """Whether `captured` launches with the runners' present grids and sync words."""
@@ -228,7 +229,9 @@ class WholeStep:
     def _device_step(self, caches, drafted, verified, settings: RowSettings,
                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole step on the prepared scratch `drafted` (the draft runner's) and `verified`
-        (the target runner's): the verdict rows [R, B + 2] and the logits [R, B + 1, vocab]."""
+        (the target runner's): what the host reads (the draft's and the target's error words,
+        then the verdict rows [R, B + 2], flat: made in the graph, so the host makes no tensor
+        to read them) and the logits [R, B + 1, vocab]."""
         b = self.block_size
         streams = self.draft_runner.run_rows(drafted, caches.draft, return_hidden=False)
         anchors = drafted.tokens.view(-1, b)[:, 0]
@@ -242,4 +245,5 @@ class WholeStep:
         logits = logits.view(drafts.shape[0], b + 1, -1)
         rows = verify_rows(self.method, logits, drafts, draft_probs, settings, verification(uniforms, b),
                            self.acceptance_length)
-        return rows, logits
+        words = (self.draft_runner.error_words(), self.target.error_words())
+        return torch.cat([*words, rows.flatten()]), logits
