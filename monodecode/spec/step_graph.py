@@ -43,6 +43,7 @@ the step's results are invalid and the requests are left as they were); else the
 from __future__ import annotations
 
 import weakref
+from array import array
 from typing import NamedTuple
 
 import torch
@@ -134,11 +135,13 @@ class WholeStep:
 
         def rows(after_anchor: list[int]) -> torch.Tensor:
             """Each request's anchor then `after_anchor`, at consecutive positions from the
-            anchor's, in its slot: [3, rows] (tokens, positions, slots)."""
+            anchor's, in its slot: [3, rows] (tokens, positions, slots), made as one flat int64
+            array (torch.tensor of nested lists converts element by element)."""
             n = len(after_anchor) + 1
-            return torch.tensor([[t for q in requests for t in [q.anchor, *after_anchor]],
-                                 [q.position + i for q in requests for i in range(n)],
-                                 [q.slot for q in requests for _ in range(n)]])
+            flat = array("q", [t for q in requests for t in (q.anchor, *after_anchor)])
+            flat.extend(q.position + i for q in requests for i in range(n))
+            flat.extend(q.slot for q in requests for _ in range(n))
+            return torch.frombuffer(flat, dtype=torch.long).view(3, -1)
 
         return (self.draft_runner.load_rows(caches.draft, rows([noise] * (b - 1))),
                 self.target.load_rows(caches.target, rows([0] * b)))
