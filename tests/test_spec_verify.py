@@ -13,6 +13,7 @@ Seeds are fixed, so every statistical outcome is reproducible.
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import torch
 from monodecode.sampling import argmax_rows, pick, probabilities, sample, sample_from
 from monodecode.spec import verify as verify_module
 from monodecode.spec.config import REJECTION_SAMPLE_METHODS, SpeculativeConfig
-from monodecode.spec.draws import draw_uniforms, uniforms_per_step
+from monodecode.spec.draws import draw_uniforms, draws, keyed_uniforms, step_keys, uniforms_per_step
 from monodecode.spec.verify import (Verdict, synthetic_acceptance_rate, verify, verify_batch, verify_block,
                                     verify_greedy, verify_standard, verify_synthetic)
 
@@ -396,23 +397,69 @@ def test_argmax_in_parts_is_torch_argmax(vocab, device):
     assert argmax_rows(logits)[0, 1] == min(i, j) and argmax_rows(logits)[1, 0] == 0
 
 
+def philox_uniforms(seed: int, offsets: list[int]) -> torch.Tensor:
+    """The reference of `tl.rand(seed, offsets)` for int32 offsets: Philox 4x32 in 10 rounds on
+    (offset, 0, 0, 0) with the 64-bit key (seed's low word, high word), the first word's bits as
+    a signed int mapped to [0, 1) (Triton's `uint_to_uniform_float`)."""
+    mask, values = 0xFFFFFFFF, []
+    for offset in offsets:
+        c0, c1, c2, c3 = offset & mask, 0, 0, 0
+        lo, hi = seed & mask, (seed >> 32) & mask
+        for _ in range(10):
+            a, b = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+            c0, c1, c2, c3 = (b >> 32) ^ c1 ^ lo, b & mask, (a >> 32) ^ c3 ^ hi, a & mask
+            lo, hi = (lo + 0x9E3779B9) & mask, (hi + 0xBB67AE85) & mask
+        x = c0 - 2**32 if c0 >= 2**31 else c0
+        values.append(-x - 1 if x < 0 else x)
+    return torch.tensor(values, dtype=torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("method", REJECTION_SAMPLE_METHODS)
-def test_a_request_draws_its_uniforms_only_where_they_can_change_its_tokens(method):
+def test_a_step_draws_a_requests_uniforms_by_its_seed_and_steps_only_where_they_can_change_its_tokens(method, device):
     """spec/draws.py: above temperature 0, or under synthetic verification, a request's 2B + 1
-    uniforms of a step come from its generator in one draw; otherwise it draws none (its row is
-    zeros, its generator untouched)."""
-    b = 5
+    uniforms of its s-th drawing step are rand(seed, s * (2B + 1) + j) (the reference Philox),
+    whatever requests are beside it; otherwise its row is zeros. Its generator is not drawn from."""
+    b, n = 5, uniforms_per_step(5)
+    seed = int(torch.randint(0, 2**62, (1,)))
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(3)] + [None]
+    settings = [0.0, 0.8, 0.0, 1.0]
+    requests = [SimpleNamespace(temperature=t, generator=g, draws=int(torch.randint(0, 10**6, (1,))))
+                for t, g in zip(settings, generators)]
+    states = [g.get_state() for g in generators[:3]]
+    out = keyed_uniforms(step_keys(requests, method).to(device), n).cpu()
+    alone = [keyed_uniforms(step_keys([q], method).to(device), n).cpu()[0] for q in requests]
+    for i, q in enumerate(requests):
+        if draws(q.temperature, method):
+            key = q.generator.initial_seed() if q.generator is not None else torch.initial_seed()
+            assert torch.equal(out[i], philox_uniforms(key % 2**63, [q.draws * n + j for j in range(n)])), i
+        else:
+            assert torch.equal(out[i], torch.zeros(n))
+        assert torch.equal(out[i], alone[i])  # not changed by the requests beside it
+    assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
+
+
+def test_keyed_uniforms_are_uniform_and_differ_from_step_to_step(device):
+    """The keyed rows of 1,000 steps of one request: every value in [0, 1), their distribution
+    uniform (Kolmogorov-Smirnov), and no two steps' rows alike."""
+    n, steps = uniforms_per_step(5), 1000
+    keys = torch.stack([torch.full((steps,), int(torch.randint(0, 2**62, (1,)))), torch.arange(steps)])
+    rows = keyed_uniforms(keys.to(device), n).cpu()
+    assert rows.min() >= 0 and rows.max() < 1
+    values = rows.flatten().double().sort().values
+    cdf = torch.arange(1, len(values) + 1, dtype=torch.float64) / len(values)
+    assert (cdf - values).abs().max() < 1.63 / len(values) ** 0.5  # KS at p = 0.01
+    assert len({tuple(r.tolist()) for r in rows}) == steps
+
+
+def test_verification_alone_draws_from_the_generators():
+    """verify_batch's uniforms (spec/draws.py's `draw_uniforms`): k + 1 from each drawing
+    request's generator in one draw, zeros for the others."""
+    k = 5
     generators = [torch.Generator().manual_seed(80 + i) for i in range(3)]
     sampling = [(0.0, 1.0, 0, generators[0]), (0.8, 0.9, 0, generators[1]), (0.0, 0.5, 3, generators[2])]
-    out = torch.full((3, uniforms_per_step(b)), 7.0)
-    draw_uniforms(sampling, method, out)
-    for i, (temperature, *_) in enumerate(sampling):
-        again = torch.Generator().manual_seed(80 + i)
-        if temperature > 0 or method == "synthetic":
-            assert torch.equal(out[i], torch.rand(2 * b + 1, generator=again))
-        else:
-            assert torch.equal(out[i], torch.zeros(2 * b + 1))
-        assert torch.equal(generators[i].get_state(), again.get_state())
+    out = draw_uniforms(sampling, "standard", torch.full((3, k + 1), 7.0))
+    assert torch.equal(out[0], torch.zeros(k + 1)) and torch.equal(out[2], torch.zeros(k + 1))
+    assert torch.equal(out[1], torch.rand(k + 1, generator=torch.Generator().manual_seed(81)))
 
 
 # ---------------------------------------------------------------------------------------------

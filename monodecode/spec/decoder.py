@@ -14,8 +14,8 @@ Rejected rows need no undo: the target's caches keep enough history to overwrite
 positions are decoded again (model/cache.py). The draft's rings likewise: a block reads only the
 positions before its anchor, all committed, and the step that commits a position writes it last
 (a rejected row's position is written again by every later step until one commits it).
-Every draw of a step (the Markov head's, verification's) picks by a uniform that the request's
-generator gives at the start of the step (spec/draws.py). With the mono kernels running both the
+Every draw of a step (the Markov head's, verification's) picks by a uniform made at the start of
+the step from the request's seed and its count of drawing steps (spec/draws.py: keyed draws). With the mono kernels running both the
 target and the draft's stages, a step runs whole instead: steps 1-4 as device work only, one
 CUDA graph on a GPU, then one read of the kernels' error words and one of the verdicts
 (spec/step_graph.py, `WholeStep`); it commits what the stepwise path commits.
@@ -32,7 +32,7 @@ from ..model.cache import DecodeCache
 from ..model.draft import DraftCache
 from ..sampling import RowSettings, check_sampling, sample
 from .config import SpeculativeConfig
-from .draws import draw_uniforms, markov, uniforms_per_step, verification
+from .draws import draws, keyed_uniforms, markov, step_keys, uniforms_per_step, verification
 from .step_graph import WholeStep
 from .verify import Verdict, read_verdicts, verify_rows
 
@@ -44,8 +44,9 @@ class SpecRequest:
     anchor: int
     temperature: float = 0.0
     top_p: float = 1.0
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # its initial seed keys the steps' draws (spec/draws.py)
     top_k: int = 0  # <= 0: no limit
+    draws: int = 0  # the committed steps that drew its uniforms: the next one's key
 
     @property
     def settings(self) -> tuple[float, float, int]:
@@ -148,8 +149,7 @@ class SpeculativeDecoder:
         anchors = torch.tensor([r.anchor for r in requests], device=device)
         starts = torch.tensor([r.position for r in requests], device=device)
         settings = RowSettings.of([r.settings for r in requests], device)
-        uniforms = draw_uniforms([r.sampling for r in requests], method,
-                                 torch.empty(len(requests), uniforms_per_step(b), device=device))
+        uniforms = keyed_uniforms(step_keys(requests, method).to(device), uniforms_per_step(b))
         proposal = self.draft.propose(caches.draft, anchors, starts, [r.slot for r in requests], settings,
                                       markov(uniforms, b))
         tokens = torch.cat([anchors[:, None], proposal.tokens], dim=1).flatten()
@@ -163,9 +163,11 @@ class SpeculativeDecoder:
         return read_verdicts(rows), logits
 
     def _advance(self, r: SpecRequest, verdict: Verdict) -> list[int]:
-        """Move the request past its verdict's tokens (its new anchor the last) and count them."""
+        """Move the request past its verdict's tokens (its new anchor the last) and its draws past
+        the step's, and count them."""
         r.position += verdict.accepted + 1  # the anchor's row and the accepted drafts' rows
         r.anchor = verdict.tokens[-1]
+        r.draws += int(draws(r.temperature, self.config.rejection_sample_method))
         self._count(verdict.accepted)
         return verdict.tokens
 

@@ -1,21 +1,36 @@
-"""The randomness of a speculative step: every uniform a step uses, drawn before its device work.
+"""The randomness of a speculative step: every uniform a step uses, made before the work that reads it.
 
-A request draws its step's 2B + 1 uniforms (B = the draft's block size) in one call on its own
-generator, in this order:
+A request's step uses 2B + 1 uniforms (B = the draft's block size), in this order:
 - [0, B): the Markov head's draws, one a draft position (`sampling.pick`);
 - [B, 2B): verification's acceptances, one a draft token (standard, block and synthetic);
 - 2B: the token verification appends (`pick` from P_k or the residual).
 It draws them when they can change its tokens: above temperature 0, or under synthetic
 verification (which keeps drafts by the uniforms at any temperature). At temperature 0 under
 greedy, standard or block verification every draw is decided by an argmax, and the request draws
-nothing: its row holds zeros. Both forms of a step (stepwise and whole, spec/step_graph.py) draw
-through `draw_uniforms`, so a request's generator gives the same uniforms to either, and the step's
-device work reads them from one tensor, which a CUDA graph can hold.
+nothing: its row holds zeros.
+
+A step's draws are keyed (counter-based, Philox as Triton's `tl.rand` makes it): uniform j of the
+s-th step in which a request draws is rand(seed, s * (2B + 1) + j), with `seed` its generator's
+initial seed (the default generator's, without one) and s its count of drawing steps so far
+(`SpecRequest.draws`, which the step that commits advances). So a request's draws follow from its
+seed and its own history, not from the requests beside it or its generator's state, and one
+kernel (`keyed_uniforms`) makes a whole step's rows from a table of keys the host writes
+(`step_keys`): on a GPU inside the whole step's CUDA graph, with no launch a request. Both forms
+of a step (stepwise and whole, spec/step_graph.py) draw so: the same uniforms, the same tokens.
+
+Verification alone (`verify.verify_batch`: k + 1 uniforms a request) draws from the generators
+themselves (`draw_uniforms`), as `verify` does for one request.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import torch
+import triton
+import triton.language as tl
+
+NO_DRAW = -1  # a key's step for a request that draws nothing this step: its row is zeros
 
 
 def uniforms_per_step(block_size: int) -> int:
@@ -27,9 +42,41 @@ def draws(temperature: float, method: str) -> bool:
     return temperature > 0 or method == "synthetic"
 
 
+def step_keys(requests, method: str) -> torch.Tensor:
+    """The keys of a step of `requests` (each with temperature, generator and draws, as
+    SpecRequest), int64 [2, R] on the host: each request's seed (its generator's initial seed,
+    modulo 2**63: an int64) and the step of its draws (`draws`), or NO_DRAW."""
+    flat = array("q", [(q.generator.initial_seed() if q.generator is not None else torch.initial_seed()) % 2**63
+                       for q in requests])
+    flat.extend(q.draws if draws(q.temperature, method) else NO_DRAW for q in requests)
+    return torch.frombuffer(flat, dtype=torch.long).view(2, -1)
+
+
+def keyed_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """The uniforms [R, n] fp32 in [0, 1) of keys [2, R] (int64, on the device that computes
+    them): row r is rand(seed_r, step_r * n + j) for j < n, or zeros where step_r is NO_DRAW."""
+    rows = keys.shape[1]
+    out = torch.empty(rows, n, dtype=torch.float32, device=keys.device)
+    if rows:
+        _keyed_uniforms[(rows,)](keys, out, rows, N=n, BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+@triton.jit
+def _keyed_uniforms(keys_ptr, out_ptr, rows, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (R,): program r writes row r. Offsets are int32 (Philox's 4 x 32-bit counter with a
+    64-bit key), so a request's stream repeats after 2**31 / N steps."""
+    r = tl.program_id(0)
+    seed = tl.load(keys_ptr + r)
+    step = tl.load(keys_ptr + rows + r)
+    j = tl.arange(0, BLOCK)
+    u = tl.rand(seed, (step * N + j).to(tl.int32))
+    tl.store(out_ptr + r * N + j, tl.where(step < 0, 0.0, u), mask=j < N)  # NO_DRAW
+
+
 def draw_uniforms(sampling, method: str, out: torch.Tensor) -> torch.Tensor:
-    """Each request's uniforms into its row of out [R, n] (n = `uniforms_per_step` for a step;
-    verification alone draws k + 1), the rows of requests that draw none zeroed; `sampling`: each
+    """Verification alone: each request's uniforms into its row of out [R, k + 1] from its
+    generator, in one draw, the rows of requests that draw none zeroed; `sampling`: each
     request's (temperature, top_p, top_k, generator)."""
     drawing = [draws(temperature, method) for temperature, *_ in sampling]
     if not all(drawing):

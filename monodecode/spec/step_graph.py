@@ -12,10 +12,11 @@ rows, without their row-by-row grouping) and each runner's `load_rows` loads the
 into the scratch of its width: the draft's blocks [anchor, noise x (B - 1)], the
 verify rows [anchor, 0 x B] (0 in the drafts' places, which the device fills), their positions
 and slots. Then the request count's input buffers: each request's sampling settings
-(`RowSettings`, one copy) and its uniforms, drawn from its generator (`draws.draw_uniforms`, as
-the stepwise path draws them). Those buffers are the step's only inputs.
+(`RowSettings`, one copy) and the keys of its draws (`draws.step_keys`: its seed and its count of
+drawing steps, one copy). Those buffers are the step's only inputs.
 
 Device (`_device_step`; nothing read back to the host, no tensor made from host data): the
+step's uniforms from the keys (`draws.keyed_uniforms`, as the stepwise path makes them), the
 draft's stages (`DraftRunner.run_rows`), its head (every request greedy: `Draft.greedy_tokens`,
 the argmax proposals; else `Draft.sampled_tokens`, the tokens picked by the Markov head's
 uniforms and their distributions; neither makes the confidences, which the step does not read),
@@ -50,7 +51,7 @@ import torch
 
 from ..decode import Decoder, KernelDraft
 from ..sampling import RowSettings
-from .draws import draw_uniforms, markov, uniforms_per_step, verification
+from .draws import keyed_uniforms, markov, step_keys, uniforms_per_step, verification
 from .verify import Verdict, verdicts, verify_rows
 
 
@@ -65,7 +66,7 @@ class StepInputs(NamedTuple):
     """A request count's input buffers, written by the host before each step."""
 
     settings: torch.Tensor  # RowSettings.values [3, R]
-    uniforms: torch.Tensor  # [R, 2B + 1] (spec/draws.py)
+    keys: torch.Tensor  # the draws' keys, int64 [2, R] (spec/draws.py)
 
 
 class WholeStep:
@@ -102,8 +103,8 @@ class WholeStep:
         each request's verdict, and the target's logits [R, B + 1, vocab] of the verify rows (on a
         GPU the graph's output: valid until the next step)."""
         drafted, verified = self._prepare(caches, requests)
-        settings, uniforms = self._load_inputs(requests)
-        readback, logits = self.device_work(caches, drafted, verified, settings, uniforms)
+        settings, keys = self._load_inputs(requests)
+        readback, logits = self.device_work(caches, drafted, verified, settings, keys)
         read = readback.tolist()  # the step's one read of the device
         n_draft, n_target = len(self.draft_runner.sync), len(self.target.sync)  # their error words
         self._raise_errors(read[:n_draft], read[n_draft:n_draft + n_target])
@@ -174,28 +175,28 @@ class WholeStep:
             taken.add(q.slot)
 
     def _load_inputs(self, requests) -> tuple[RowSettings, torch.Tensor]:
-        """The requests' settings and uniforms, written into the input buffers of their count
+        """The requests' settings and draws' keys, written into the input buffers of their count
         (what the step's graph reads)."""
         r = len(requests)
         if r not in self.inputs:
             device = self.target.device
             self.inputs[r] = StepInputs(torch.empty(3, r, device=device),
-                                        torch.empty(r, uniforms_per_step(self.block_size), device=device))
+                                        torch.empty(2, r, dtype=torch.long, device=device))
         inputs = self.inputs[r]
         settings = RowSettings.of([q.settings for q in requests], out=inputs.settings)
-        return settings, draw_uniforms([q.sampling for q in requests], self.method, inputs.uniforms)
+        return settings, inputs.keys.copy_(step_keys(requests, self.method), non_blocking=True)
 
     def device_work(self, caches, drafted, verified, settings: RowSettings,
-                    uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The device step eagerly, or through its key's graph (module docstring): what the host
         reads (both runners' error words, then the verdict rows, flat) and the logits. `run` calls
         it between the host's parts (bench decode times it alone)."""
         def work():
-            return self._device_step(caches, drafted, verified, settings, uniforms)
+            return self._device_step(caches, drafted, verified, settings, keys)
 
         if not self.graphs_enabled:
             return work()
-        key = (len(uniforms), settings.greedy, settings.filters, id(caches.target), id(caches.draft))
+        key = (keys.shape[1], settings.greedy, settings.filters, id(caches.target), id(caches.draft))
         captured = self.graphs.get(key)
         if captured is not None and not self._current(captured):  # a runner was configured since
             del self.graphs[key]
@@ -230,12 +231,13 @@ class WholeStep:
         return Captured(graph, rows, logits, (self.target.sync, self.draft_runner.sync))
 
     def _device_step(self, caches, drafted, verified, settings: RowSettings,
-                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole step on the prepared scratch `drafted` (the draft runner's) and `verified`
         (the target runner's): what the host reads (the draft's and the target's error words,
         then the verdict rows [R, B + 2], flat: made in the graph, so the host makes no tensor
         to read them) and the logits [R, B + 1, vocab]."""
         b = self.block_size
+        uniforms = keyed_uniforms(keys, uniforms_per_step(b))
         streams = self.draft_runner.run_rows(drafted, caches.draft, return_hidden=False)
         anchors = drafted.tokens.view(-1, b)[:, 0]
         if settings.greedy:
