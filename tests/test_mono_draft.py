@@ -313,8 +313,8 @@ def test_whole_sampled_steps_are_lossless(kernel_decoder, method):
     start = spec.prefill(caches, 0, [7, 70, 300, 12], 1.0, 1.0, None, top_k=20)
     generator = torch.Generator(kernel_decoder.device).manual_seed(90)
     counts, first_row = torch.zeros(kernel_decoder.config.vocab_size, dtype=torch.long), None
-    for _ in range(3000):
-        committed, logits = spec.step(caches, [replace(start, generator=generator)], return_logits=True)
+    for i in range(3000):  # the i-th drawing step of the request's seed: fresh uniforms (spec/draws.py)
+        committed, logits = spec.step(caches, [replace(start, generator=generator, draws=i)], return_logits=True)
         counts[committed[0][0]] += 1
         if first_row is None:
             first_row = logits[0][0].clone()

@@ -21,7 +21,7 @@ import torch
 from monodecode.sampling import argmax_rows, pick, probabilities, sample, sample_from
 from monodecode.spec import verify as verify_module
 from monodecode.spec.config import REJECTION_SAMPLE_METHODS, SpeculativeConfig
-from monodecode.spec.draws import draw_uniforms, draws, keyed_uniforms, step_keys, uniforms_per_step
+from monodecode.spec.draws import _philox_uniforms, draw_uniforms, draws, keyed_uniforms, step_keys, uniforms_per_step
 from monodecode.spec.verify import (Verdict, synthetic_acceptance_rate, verify, verify_batch, verify_block,
                                     verify_greedy, verify_standard, verify_synthetic)
 
@@ -436,6 +436,20 @@ def test_a_step_draws_a_requests_uniforms_by_its_seed_and_steps_only_where_they_
             assert torch.equal(out[i], torch.zeros(n))
         assert torch.equal(out[i], alone[i])  # not changed by the requests beside it
     assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, states))
+
+
+def test_the_cpu_form_of_keyed_uniforms_is_the_kernel_bit_for_bit(device):
+    """`_philox_uniforms` (a CPU without Triton's interpreter) against the kernel on the test's
+    device and the Python reference: random 63-bit seeds, steps up to 2**27, rows that draw none."""
+    n, rows = uniforms_per_step(5), 64
+    keys = torch.stack([torch.randint(0, 2**63 - 1, (rows,)), torch.randint(-1, 2**27, (rows,))])
+    keys[1, :4] = -1
+    cpu = _philox_uniforms(keys, n)
+    assert torch.equal(cpu, keyed_uniforms(keys.to(device), n).cpu())
+    for r in range(8, rows, 7):
+        seed, step = keys[:, r].tolist()
+        assert torch.equal(cpu[r], philox_uniforms(seed, [step * n + j for j in range(n)]) if step >= 0
+                           else torch.zeros(n)), r
 
 
 def test_keyed_uniforms_are_uniform_and_differ_from_step_to_step(device):

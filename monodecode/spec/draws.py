@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..mono.plan import interpreted
+
 NO_DRAW = -1  # a key's step for a request that draws nothing this step: its row is zeros
 
 
@@ -54,12 +56,47 @@ def step_keys(requests, method: str) -> torch.Tensor:
 
 def keyed_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
     """The uniforms [R, n] fp32 in [0, 1) of keys [2, R] (int64, on the device that computes
-    them): row r is rand(seed_r, step_r * n + j) for j < n, or zeros where step_r is NO_DRAW."""
+    them): row r is rand(seed_r, step_r * n + j) for j < n, or zeros where step_r is NO_DRAW.
+    One kernel on a GPU (or under Triton's interpreter); on a CPU without it, the same values from
+    torch's integer operations (`_philox_uniforms`)."""
     rows = keys.shape[1]
+    if not (keys.is_cuda or interpreted()):
+        return _philox_uniforms(keys, n)
     out = torch.empty(rows, n, dtype=torch.float32, device=keys.device)
     if rows:
         _keyed_uniforms[(rows,)](keys, out, rows, N=n, BLOCK=triton.next_power_of_2(n))
     return out
+
+
+PHILOX_ROUNDS, PHILOX_MULTIPLIERS, PHILOX_KEY_STEPS = 10, (0xD2511F53, 0xCD9E8D57), (0x9E3779B9, 0xBB67AE85)
+WORD = 0xFFFFFFFF
+
+
+def _philox_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """`_keyed_uniforms`' values from torch's int64 operations: Philox 4x32 in 10 rounds on the
+    counter (offset, 0, 0, 0) with the key (seed's low word, high word), as `tl.rand` computes it,
+    the first word read as a signed int32 and mapped to [0, 1) as Triton maps it."""
+    seed, step = keys
+    offsets = step[:, None] * n + torch.arange(n, device=keys.device)
+    c0 = offsets & WORD  # the int32 offset's bits
+    c1, c2, c3 = (torch.zeros_like(c0) for _ in range(3))
+    lo, hi = (seed & WORD)[:, None], ((seed >> 32) & WORD)[:, None]
+    for _ in range(PHILOX_ROUNDS):
+        (a_hi, a_lo), (b_hi, b_lo) = _wide_product(PHILOX_MULTIPLIERS[0], c0), _wide_product(PHILOX_MULTIPLIERS[1], c2)
+        c0, c1, c2, c3 = b_hi ^ c1 ^ lo, b_lo, a_hi ^ c3 ^ hi, a_lo
+        lo, hi = (lo + PHILOX_KEY_STEPS[0]) & WORD, (hi + PHILOX_KEY_STEPS[1]) & WORD
+    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    magnitude = torch.where(signed < 0, -signed - 1, signed).to(torch.float32)
+    uniforms = magnitude * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+    return torch.where(step[:, None] < 0, 0.0, uniforms)
+
+
+def _wide_product(multiplier: int, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of multiplier * words (32-bit unsigned values in int64),
+    in 16-bit halves so that no int64 product overflows."""
+    low, high = multiplier * (words & 0xFFFF), multiplier * (words >> 16)  # each < 2**48
+    partial = low + ((high & 0xFFFF) << 16)
+    return (partial >> 32) + (high >> 16), partial & WORD
 
 
 @triton.jit
