@@ -15,10 +15,11 @@ positions are decoded again (model/cache.py). The draft's rings likewise: a bloc
 positions before its anchor, all committed, and the step that commits a position writes it last
 (a rejected row's position is written again by every later step until one commits it).
 Every draw of a step (the Markov head's, verification's) picks by a uniform made at the start of
-the step from the request's seed and its count of drawing steps (spec/draws.py: keyed draws). With the mono kernels running both the
-target and the draft's stages, a step runs whole instead: steps 1-4 as device work only, one
-CUDA graph on a GPU, then one read of the kernels' error words and one of the verdicts
-(spec/step_graph.py, `WholeStep`); it commits what the stepwise path commits.
+the step from the request's seed and its count of drawing steps (spec/draws.py: keyed draws).
+With the mono kernels running both the target and the draft's stages, a step runs whole
+instead: steps 1-4 as device work only, one CUDA graph on a GPU, then one read of the kernels'
+error words and one of the verdicts (spec/step_graph.py, `WholeStep`); it commits what the
+stepwise path commits.
 """
 
 from __future__ import annotations
