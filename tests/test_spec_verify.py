@@ -417,11 +417,12 @@ def philox_uniforms(seed: int, offsets: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("method", REJECTION_SAMPLE_METHODS)
 def test_a_step_draws_a_requests_uniforms_by_its_seed_and_steps_only_where_they_can_change_its_tokens(method, device):
     """spec/draws.py: above temperature 0, or under synthetic verification, a request's 2B + 1
-    uniforms of its s-th drawing step are rand(seed, s * (2B + 1) + j) (the reference Philox),
-    whatever requests are beside it; otherwise its row is zeros. Its generator is not drawn from."""
+    uniforms of its s-th drawing step are rand(seed, s * (2B + 1) + j) (the reference Philox,
+    any 64-bit seed), whatever requests are beside it; otherwise its row is zeros. Its generator
+    is not drawn from."""
     b, n = 5, uniforms_per_step(5)
     seed = int(torch.randint(0, 2**62, (1,)))
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(3)] + [None]
+    generators = [torch.Generator().manual_seed(seed + i + (i % 2) * 2**63) for i in range(3)] + [None]
     settings = [0.0, 0.8, 0.0, 1.0]
     requests = [SimpleNamespace(temperature=t, generator=g, draws=int(torch.randint(0, 10**6, (1,))))
                 for t, g in zip(settings, generators)]
@@ -431,7 +432,7 @@ def test_a_step_draws_a_requests_uniforms_by_its_seed_and_steps_only_where_they_
     for i, q in enumerate(requests):
         if draws(q.temperature, method):
             key = q.generator.initial_seed() if q.generator is not None else torch.initial_seed()
-            assert torch.equal(out[i], philox_uniforms(key % 2**63, [q.draws * n + j for j in range(n)])), i
+            assert torch.equal(out[i], philox_uniforms(key, [q.draws * n + j for j in range(n)])), i
         else:
             assert torch.equal(out[i], torch.zeros(n))
         assert torch.equal(out[i], alone[i])  # not changed by the requests beside it
@@ -442,7 +443,7 @@ def test_the_cpu_form_of_keyed_uniforms_is_the_kernel_bit_for_bit(device):
     """`_philox_uniforms` (a CPU without Triton's interpreter) against the kernel on the test's
     device and the Python reference: random 63-bit seeds, steps up to 2**27, rows that draw none."""
     n, rows = uniforms_per_step(5), 64
-    keys = torch.stack([torch.randint(0, 2**63 - 1, (rows,)), torch.randint(-1, 2**27, (rows,))])
+    keys = torch.stack([torch.randint(-2**63, 2**63 - 1, (rows,)), torch.randint(-1, 2**27, (rows,))])
     keys[1, :4] = -1
     cpu = _philox_uniforms(keys, n)
     assert torch.equal(cpu, keyed_uniforms(keys.to(device), n).cpu())

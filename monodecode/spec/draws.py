@@ -47,9 +47,9 @@ def draws(temperature: float, method: str) -> bool:
 def step_keys(requests, method: str) -> torch.Tensor:
     """The keys of a step of `requests` (each with temperature, generator and draws, as
     SpecRequest), int64 [2, R] on the host: each request's seed (its generator's initial seed,
-    modulo 2**63: an int64) and the step of its draws (`draws`), or NO_DRAW."""
-    flat = array("q", [(q.generator.initial_seed() if q.generator is not None else torch.initial_seed()) % 2**63
-                       for q in requests])
+    0 to 2**64 - 1, its 64 bits as an int64) and the step of its draws (`draws`), or NO_DRAW."""
+    seeds = [q.generator.initial_seed() if q.generator is not None else torch.initial_seed() for q in requests]
+    flat = array("q", [seed - 2**64 if seed >= 2**63 else seed for seed in seeds])
     flat.extend(q.draws if draws(q.temperature, method) else NO_DRAW for q in requests)
     return torch.frombuffer(flat, dtype=torch.long).view(2, -1)
 
