@@ -59,7 +59,7 @@ def test_bench_layer_reports_each_kind_and_width(device, tmp_path, capsys, monke
     assert all(wider[k] > narrow[k] for k in wider)  # more rows read more KV (and experts)
     assert "of floor" in printed
     table_rows = [line.split() for line in printed.splitlines()
-                  if line.startswith(("window ", "CSA ")) and " layer, " not in line]
+                  if line.startswith(("window ", "CSA ", "HCA ")) and " layer, " not in line]
     assert len(table_rows) == len(rows) and "cosine flips" in printed  # the agreement in the table too
     assert all(float(cells[-4]) > 0.9999 and cells[-3] == "0" for cells in table_rows)
     # the table and PNG again from the JSON alone (a GPU host may have no matplotlib), and of a cut run
@@ -284,6 +284,7 @@ def test_bench_decode_times_the_paths_asked_for(device, tmp_path, capsys):
     assert "unknown path(s) eager: choose from per-op, stepwise, whole" in capsys.readouterr().err
 
 
+@pytest.mark.cpu
 def test_bench_layer_over_two_ranks(tmp_path):
     """`bench layer --tensor-parallel-size 2` (gloo; both ranks interpreted): mono and the eager
     per-op layer timed, no batched per-op graph, and a floor below one process's (each rank reads
@@ -301,6 +302,7 @@ def test_bench_layer_over_two_ranks(tmp_path):
     assert 0 < row["floor_bytes"] < one["layers"][0]["floor_bytes"]
 
 
+@pytest.mark.cpu
 @pytest.mark.slow
 def test_bench_decode_over_two_ranks(tmp_path):
     """`bench decode --tensor-parallel-size 2` (gloo; both ranks interpreted): the mono stepwise
@@ -372,6 +374,7 @@ def test_bench_layer_records_a_refused_shape_and_goes_on(device, tmp_path, monke
 
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("context", [22, 300])
 def test_the_filled_cache_has_the_layout_a_prefill_leaves(context):
     """`bench layer`'s cache (random values, any context at once) holds what a per-op prefill of

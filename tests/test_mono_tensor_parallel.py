@@ -197,7 +197,7 @@ def test_graphs_over_two_ranks_replay_bit_exact(tmp_path, device):
         assert torch.equal(ranks[0]["first"][width], ranks[1]["first"][width]), width
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
+@pytest.mark.cpu  # CPU ranks under the interpreter
 def test_a_rank_that_never_launches_makes_the_other_raise(tmp_path):
     """A sum over the ranks whose other rank never comes gives up (bounded) and names its stage."""
     results = str(tmp_path / "errors")
@@ -218,7 +218,7 @@ def test_a_size_whose_slices_split_fp8_blocks_is_refused():
         MonoRunner(eighth)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
+@pytest.mark.cpu  # CPU ranks under the interpreter
 def test_generate_over_two_ranks_runs_the_kernels_on_each():
     """What `generate` and `serve` start at `--tensor-parallel-size 2 --mono on`: rank 0's
     Decoder builds a runner on every rank (`LeadingModel.build_mono`) and sends each decode step
@@ -241,7 +241,7 @@ def test_generate_over_two_ranks_runs_the_kernels_on_each():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEVICE != "cpu", reason="CPU ranks under the interpreter")
+@pytest.mark.cpu  # CPU ranks under the interpreter
 def test_greedy_speculation_over_two_ranks_runs_the_draft_on_their_kernels():
     """`generate --speculative-config ... --tensor-parallel-size 2 --mono on`: rank 0's Decoder
     builds the draft's runner on every rank (`LeadingDraft.build_mono`), each proposal's stages

@@ -462,7 +462,9 @@ def test_keyed_uniforms_are_uniform_and_differ_from_step_to_step(device):
     assert rows.min() >= 0 and rows.max() < 1
     values = rows.flatten().double().sort().values
     cdf = torch.arange(1, len(values) + 1, dtype=torch.float64) / len(values)
-    assert (cdf - values).abs().max() < 1.63 / len(values) ** 0.5  # KS at p = 0.01
+    # Kolmogorov-Smirnov at p = 1e-6: a fresh seed each run, so a run fails by chance once in a
+    # million (at p = 0.01, one CI run in a hundred did)
+    assert (cdf - values).abs().max() < 2.69 / len(values) ** 0.5
     assert len({tuple(r.tolist()) for r in rows}) == steps
 
 
