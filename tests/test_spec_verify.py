@@ -1,5 +1,6 @@
-"""The speculative verification rules (monodecode/spec/verify.py), SpeculativeConfig, and the
-`probabilities` that both sides of a verification are built from.
+"""The speculative verification rules (monodecode/spec/verify.py), SpeculativeConfig, the
+`probabilities` that both sides of a verification are built from, `argmax_rows`, and a step's
+keyed uniforms (monodecode/spec/draws.py) against a Python Philox reference.
 
 The statistical tests use a toy target p(x | prefix) and draft q(x | prefix): an independent
 random distribution for every prefix of up to K tokens over V tokens, so every position's
@@ -8,7 +9,9 @@ and continues the committed tokens by sampling from p up to K + 1 tokens. For a 
 those K + 1 tokens are distributed exactly as K + 1 tokens sampled from p: a chi-square
 goodness-of-fit test must not reject at 1e-3 (on the first token, the first two, and all K + 1).
 Deliberately broken rules must be rejected at 1e-9 by the same test, which shows its power.
-Seeds are fixed, so every statistical outcome is reproducible.
+The verification rules' seeds are fixed, so their statistical outcomes are reproducible; the
+keyed uniforms' tests take a fresh seed each run (their uniformity bound fails by chance once in
+a million runs).
 """
 
 import itertools
