@@ -232,7 +232,10 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
     """Two layers (window and CSA), two request counts of two timed greedy steps are `slow`; by
     default one window layer, one request at temperature 0.8 (top-p 0.9), one timed step (after
     the two warm-up steps). The per-op and mono stepwise steps split into draft, verify and the
-    rest, the whole mono step into its device work and the rest; all three accept alike."""
+    rest, the whole mono step into its device work (itself into its parts, in order) and the
+    rest; all three accept alike."""
+    from monodecode.spec.step_graph import PARTS
+
     assert main(["bench", "decode", "--preset", "tiny", "--layers", str(layers), "--requests",
                  ",".join(map(str, requests)), "--steps", str(steps), "--context", "12", "--reps", "1",
                  "--temperature", str(temperature), "--top-p", "0.9", "--device", device, "--out", str(tmp_path)]) == 0
@@ -244,11 +247,15 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
     for r in report["rows"]:
         assert r["rows"] == r["requests"] * (report["block"] + 1)
         assert 1 <= r["tokens_per_step"] <= report["block"] + 1 and r["tokens_per_s_per_user"] > 0
-        if r["path"] == "mono":  # one device part: nothing timed apart
+        if r["path"] == "mono":  # one device part: nothing timed apart but the parts of its work
             assert r["step_s"] >= r["device_s"] > 0 and 0 < r["other_s"] < r["step_s"]  # step by step
             assert r["draft_s"] is r["verify_s"] is r["draft_stages_s"] is None
+            assert list(r["device_parts_s"]) == list(PARTS)
+            assert all(s > 0 for s in r["device_parts_s"].values())
+            # each step's parts lie within its device work, and the medians of one or two steps are means
+            assert sum(r["device_parts_s"].values()) <= r["device_s"]
             continue
-        assert r["device_s"] is None
+        assert r["device_s"] is r["device_parts_s"] is None
         # the head is timed apart, in a graph of its own (one rep here): not compared with the verify
         # step that contains it, whose time a busy machine can make the shorter of the two
         assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > 0 and r["head_s"] > 0

@@ -17,8 +17,10 @@ Per path and B: the median step time; stepwise, split into the draft's proposal 
 mono stepwise, its stages on the kernels: the draft runner's steps), the target's verify step
 (of which the head: hc_head, norm, lm_head, timed alone) and the rest (verification, sampling,
 commits to the draft's rings: host work); whole, split into its device work (the graph's replay,
-the device synchronised around it) and the rest (host work: loading the rows, drawing the
-uniforms, reading the verdicts); tokens committed a step a request; tokens/s per user. The
+the device synchronised around it), itself split into its parts (`PartClock`: the draft's stages,
+the draft's head, the verify step, the commit and verification, as the graph runs them), and the
+rest (host work: loading the rows and the inputs, reading the verdicts); tokens committed a step
+a request; tokens/s per user. The
 draft follows its path: per-op and eager with the per-op graph, on the kernels with mono.
 `--paths` picks among them (`per-op`, `stepwise`, `whole`; default all three: a GPU call short of
 time can leave the per-op graph out, whose experts take minutes to dequantize).
@@ -138,6 +140,34 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
+class PartClock:
+    """A whole step's device work part by part (`WholeStep.clock`, spec/step_graph.py): called with
+    "start" and then each part's name as the work goes. On a GPU each name has one timing event,
+    recorded where the call is made: inside the step's graph, as an external event (a node of the
+    graph, recorded again by every replay); on a CPU the host's clock (the device work runs
+    synchronously there). `read`, once the step's device work is done, adds each part's seconds."""
+
+    def __init__(self, device):
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.marks: dict[str, object] = {}  # name -> its event (GPU) or its time (CPU), in the work's order
+        self.seconds: dict[str, list[float]] = {}
+
+    def __call__(self, name: str) -> None:
+        if not self.on_gpu:
+            self.marks[name] = time.perf_counter()
+            return
+        if name not in self.marks:
+            self.marks[name] = torch.cuda.Event(enable_timing=True, external=True)
+        self.marks[name].record()
+
+    def read(self) -> None:
+        names = list(self.marks)
+        for before, name in zip(names, names[1:]):
+            start, end = self.marks[before], self.marks[name]
+            seconds = start.elapsed_time(end) / 1e3 if self.on_gpu else end - start
+            self.seconds.setdefault(name, []).append(seconds)
+
+
 def measure(model, target_step, caches, requests, steps: int, acceptance: float, whole: bool = False,
             host_profile: bool = False) -> dict:
     """`steps` timed speculative steps (after two warm-up steps, which capture the graphs) of
@@ -162,8 +192,9 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     if runner:
         runner.step = stages
     device_work = Timer(decoder.whole_step.device_work, model.device) if whole else None
+    clock = PartClock(model.device) if whole else None
     if whole:
-        decoder.whole_step.device_work = device_work
+        decoder.whole_step.device_work, decoder.whole_step.clock = device_work, clock
     step = Timer(decoder.step, model.device)
     try:
         for _ in range(2):
@@ -171,15 +202,19 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
         for timer in (verify, propose, step, stages, device_work):
             if timer:
                 timer.seconds.clear()
-        committed = sum(len(tokens) for _ in range(steps) for tokens in step(caches, requests))
+        committed = 0
+        for _ in range(steps):
+            committed += sum(len(tokens) for tokens in step(caches, requests))
+            if clock:  # the step's device work is done (its timer synchronised)
+                clock.read()
+        untimed(draft, runner, decoder.whole_step)
+        # without the timers' syncs (but the verify step's, which the decoder holds: stepwise only),
+        # the part clock still set (a graph of the same key: no capture inside the profile)
+        profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     finally:
-        del draft.propose  # the instance attributes: back to the classes' methods
-        if runner:
-            del runner.step
+        untimed(draft, runner, decoder.whole_step)
         if whole:
-            del decoder.whole_step.device_work
-    # without the timers' syncs (but the verify step's, which the decoder holds: stepwise only)
-    profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
+            decoder.whole_step.clock = None
     median = statistics.median
     parts = {"draft_s": propose, "draft_stages_s": stages, "verify_s": verify, "device_s": device_work}
     # a step's other time less its timed parts, step by step: the difference of the medians would
@@ -188,9 +223,17 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     others = [s - sum(t) for s, *t in zip(step.seconds, *(timer.seconds for timer in timed_parts), strict=True)]
     return {"step_s": median(step.seconds), "other_s": median(others),
             **{name: median(t.seconds) if t and t.seconds else None for name, t in parts.items()},
+            "device_parts_s": {name: median(s) for name, s in clock.seconds.items()} if clock else None,
             "tokens_per_step": committed / steps / len(requests),
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds),
             **({"host_profile": profile} if host_profile else {})}
+
+
+def untimed(draft, runner, whole_step) -> None:
+    """`measure`'s timers taken off: the instance attributes deleted, back to the classes' methods."""
+    for obj, name in ((draft, "propose"), (runner, "step"), (whole_step, "device_work")):
+        if obj is not None and name in vars(obj):
+            delattr(obj, name)
 
 
 PROFILE_ROWS = 12  # operations, and kernels, `--host-profile` reports a path
@@ -308,11 +351,13 @@ def profile_lines(profile: dict[str, list[dict]]) -> str:
 
 def line(r: dict) -> str:
     ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    head = f" (head {ms(r['head_s']).strip()})" if r["head_s"] is not None else ""
     if r["device_s"] is not None:
-        split = f"device {ms(r['device_s'])} (draft, verify, head and verification: one graph)"
+        parts = ", ".join(f"{name} {ms(s).strip()}{head if name == 'verify step' else ''}"
+                          for name, s in r["device_parts_s"].items())
+        split = f"device {ms(r['device_s'])} (one graph: {parts})"
     else:
         stages = f" (stages {ms(r['draft_stages_s']).strip()})" if r["draft_stages_s"] is not None else ""
-        head = f" (head {ms(r['head_s'])})" if r["head_s"] is not None else ""
         split = f"draft {ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])}{head}"
     return (f"{r['path']:<14}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = {split} "
             f"+ other {ms(r['other_s'])}; {r['tokens_per_step']:.2f} tokens a step, "

@@ -27,12 +27,16 @@ the operations of the stepwise path, in its order.
 
 On a GPU (both runners' graphs enabled) that device work is one CUDA graph a key: (request
 count, whether every request is greedy, whether any request filters by top-k or top-p, the
-target cache's identity, the draft cache's identity); the graph holds the two widths' scratch,
-the input buffers and both caches' pointers. A key's first step runs eagerly (it compiles the
+target cache's identity, the draft cache's identity, the part clock's); the graph holds the two
+widths' scratch, the input buffers and both caches' pointers. A key's first step runs eagerly (it compiles the
 kernels at its widths and makes the scratch's lazily made buffers, outside any capture); its
 second step captures the graph and replays it; later steps replay it. A graph goes with either
 of its caches, and is captured again after either runner's `configure` (new grids and sync
 words). On a CPU (Triton's interpreter) the same device work runs eagerly every step.
+
+A part clock (`clock`, None unless a benchmark sets one: `bench decode`'s `PartClock`) is
+called with a part's name at the device work's start ("start") and after each of its parts
+(`PARTS`), in the work's order; on a GPU its marks are recorded inside the graph.
 
 Host, after: one read of the device, both runners' error words and the verdict rows together,
 which the device work gathers into one tensor (one host round trip a step). A wait that gave up
@@ -60,6 +64,7 @@ class Captured(NamedTuple):
     readback: torch.Tensor  # the graph's outputs: both runners' error words, then verify_rows' [R, B + 2]
     logits: torch.Tensor  # [R, B + 1, vocab]
     syncs: tuple[dict, dict]  # the runners' sync states it was captured with
+    clock: object  # the part clock it marks (None: none), kept alive while the graph records its marks
 
 
 class StepInputs(NamedTuple):
@@ -67,6 +72,10 @@ class StepInputs(NamedTuple):
 
     settings: torch.Tensor  # RowSettings.values [3, R]
     keys: torch.Tensor  # the draws' keys, int64 [2, R] (spec/draws.py)
+
+
+# the device work's parts, in order: what a part clock is called with after each
+PARTS = ("draft stages", "draft head", "verify step", "commit and verification")
 
 
 class WholeStep:
@@ -81,6 +90,7 @@ class WholeStep:
         self.graphs_enabled = target.graphs_enabled and draft_runner.graphs_enabled
         self.graphs: dict[tuple, Captured] = {}
         self.warmed: set[tuple] = set()  # keys whose eager first step has run
+        self.clock = None  # a part clock (module docstring), set by a benchmark
 
     @classmethod
     def of(cls, model, draft, config) -> WholeStep | None:
@@ -196,7 +206,8 @@ class WholeStep:
 
         if not self.graphs_enabled:
             return work()
-        key = (keys.shape[1], settings.greedy, settings.filters, id(caches.target), id(caches.draft))
+        key = (keys.shape[1], settings.greedy, settings.filters, id(caches.target), id(caches.draft),
+               None if self.clock is None else id(self.clock))
         captured = self.graphs.get(key)
         if captured is not None and not self._current(captured):  # a runner was configured since
             del self.graphs[key]
@@ -228,7 +239,7 @@ class WholeStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             rows, logits = work()
-        return Captured(graph, rows, logits, (self.target.sync, self.draft_runner.sync))
+        return Captured(graph, rows, logits, (self.target.sync, self.draft_runner.sync), self.clock)
 
     def _device_step(self, caches, drafted, verified, settings: RowSettings,
                      keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,19 +247,25 @@ class WholeStep:
         (the target runner's): what the host reads (the draft's and the target's error words,
         then the verdict rows [R, B + 2], flat: made in the graph, so the host makes no tensor
         to read them) and the logits [R, B + 1, vocab]."""
-        b = self.block_size
+        b, mark = self.block_size, self.clock or (lambda part: None)
+        mark("start")
         uniforms = keyed_uniforms(keys, uniforms_per_step(b))
         streams = self.draft_runner.run_rows(drafted, caches.draft, return_hidden=False)
+        mark(PARTS[0])
         anchors = drafted.tokens.view(-1, b)[:, 0]
         if settings.greedy:
             drafts, draft_probs = self.draft.greedy_tokens(streams, anchors), None
         else:
             drafts, draft_probs = self.draft.sampled_tokens(streams, anchors, settings, markov(uniforms, b))
+        mark(PARTS[1])
         verified.tokens.view(-1, b + 1)[:, 1:].copy_(drafts)
         logits, hidden = self.target.run_rows(verified, caches.target, return_hidden=True)
+        mark(PARTS[2])
         self.draft.commit(caches.draft, verified.slots, verified.positions, hidden)
         logits = logits.view(drafts.shape[0], b + 1, -1)
         rows = verify_rows(self.method, logits, drafts, draft_probs, settings, verification(uniforms, b),
                            self.acceptance_length)
         words = (self.draft_runner.error_words(), self.target.error_words())
-        return torch.cat([*words, rows.flatten()]), logits
+        readback = torch.cat([*words, rows.flatten()])
+        mark(PARTS[3])
+        return readback, logits
