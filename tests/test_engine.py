@@ -129,6 +129,30 @@ def test_load_gauges_are_true_between_steps(model):
     assert load() == (0, 0) and eng.metrics.requests["abort"] == 2
 
 
+def test_the_latency_histograms_render_cumulative_buckets():
+    """The inter-token latency histogram after random gaps (some exactly on a bound, several tokens
+    at once): each bucket counts the observations at or below its bound, +Inf all of them, and the
+    sum is theirs, as Prometheus defines a histogram."""
+    from monodecode.engine.metrics import LATENCY_BUCKETS, Metrics
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    metrics, seen = Metrics(), []
+    for _ in range(200):
+        bound = LATENCY_BUCKETS[int(torch.randint(0, len(LATENCY_BUCKETS), (), generator=g))]
+        if torch.rand((), generator=g) < 0.5:  # one token, its gap on the bound
+            n, gap = 1, bound
+        else:
+            n = int(torch.randint(1, 7, (), generator=g))
+            gap = bound * n * float(torch.rand((), generator=g)) * 3
+        metrics.count_tokens(n, None, gap)
+        seen += [gap / n] * n
+    lines = dict(line.rsplit(" ", 1) for line in metrics.itl.lines("itl"))
+    for bound in LATENCY_BUCKETS:
+        assert int(lines[f'itl_bucket{{le="{bound}"}}']) == sum(v <= bound for v in seen)
+    assert int(lines['itl_bucket{le="+Inf"}']) == int(lines["itl_count"]) == len(seen)
+    assert float(lines["itl_sum"]) == pytest.approx(sum(seen))
+
+
 def test_greedy_verification_refuses_sampling(model):
     """Greedy verification decodes greedily, so it cannot honour a temperature: refused, not
     sampled at the first token and greedy after."""

@@ -10,25 +10,32 @@ token and inter-token latency (seconds).
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import Counter
+from itertools import accumulate
 
 PREFIX = "monodecode"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Histogram:
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+    """Observations counted by the first bucket bound at or above them (one search an
+    observation, on the engine's path of every token); rendered with Prometheus' cumulative
+    buckets."""
 
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets, self.sum, self.count = buckets, 0.0, 0
+        self.counts = [0] * (len(buckets) + 1)  # [i]: observations in (bound i - 1, bound i]; the last: above all
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """`times` observations of `value`."""
+        self.sum += value * times
+        self.count += times
+        self.counts[bisect_left(self.buckets, value)] += times
 
     def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
+        cumulative = accumulate(self.counts[:-1])
+        out = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, cumulative)]
         return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
 
@@ -58,8 +65,7 @@ class Metrics:
             if ttft is not None:
                 self.ttft.observe(ttft)
             if gap is not None:
-                for _ in range(n):
-                    self.itl.observe(gap / n)
+                self.itl.observe(gap / n, times=n)
 
     def count_finished(self, reason: str) -> None:
         with self._lock:
