@@ -165,9 +165,15 @@ def test_greedy_verification_refuses_sampling(model):
         generate(model, PROMPTS[0], 6)]
 
 
-def test_logprobs_and_echo_match_a_full_prefill(model):
-    eng = engine(model)
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprobs_and_echo_match_a_full_prefill(model, speculative):
+    """Under speculation each committed token's logprobs come from the verify rows, in steps
+    shared with a request that asks for none (whose steps skip them)."""
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 5}) if speculative else None
+    eng = engine(model, speculative=spec)
     prompt = PROMPTS[4]  # 40 tokens: 6 prefill chunks of at most 7
+    if speculative:
+        eng.add_request("other", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     ids, _, _, outputs = run(eng, prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, echo=True))
     sequence = prompt + ids
     expected = model.score(sequence).log_softmax(-1)

@@ -149,7 +149,12 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> None:
         if self.decoder is not None:
-            committed, logits = self.decoder.step(self.caches, [r.spec for r in requests], return_logits=True)
+            # the verify rows' logits only for logprobs (a whole step's are the graph's: copied out)
+            if any(r.params.logprobs is not None for r in requests):
+                committed, logits = self.decoder.step(self.caches, [r.spec for r in requests], return_logits=True)
+            else:
+                committed = self.decoder.step(self.caches, [r.spec for r in requests])
+                logits = [None] * len(requests)
             for request, tokens, rows in zip(requests, committed, logits):
                 for token, logprob in zip(tokens, self._logprobs(request, rows, tokens)):
                     request.append(token, logprob)
