@@ -16,6 +16,9 @@
 #                 shape; SKIP=graph,timeline,error_path (say) runs only the rest. Give it a call of its own: on a
 #                 fresh machine 330 s were not enough (torch.compile of the CSA / HCA attention at every width)
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
+#   spec-check    python -m monodecode.bench.spec_check --layers 4: greedy speculation with the draft on the
+#                 kernels (the draft's blocks, and the plain path's own tokens cut at random places) against
+#                 plain greedy decoding, $TOKENS (default 32) tokens a request at $REQUESTS (default 1,2,4,8)
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline,
 #                 over $TP ranks (default 1; one GPU each: a multi-GPU kind); WARM=1 first compiles every kind,
 #                 width and shape in parallel processes (as ab's), with $ALONGSIDE beside them
@@ -102,6 +105,9 @@ case $part in
   check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 4 --skip "${SKIP:-}" --shape "${SHAPE:-default}" \
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
+  spec-check)
+    timeout ${TIMEOUT:-560} python3 -m monodecode.bench.spec_check --layers 4 --requests "${REQUESTS:-1,2,4,8}" \
+      --tokens "${TOKENS:-32}" --out "$out/spec_check.json" >> "$out/$part.txt" 2>&1 ;;
   check-shape)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;

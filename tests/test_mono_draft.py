@@ -323,3 +323,44 @@ def test_whole_sampled_steps_are_lossless(kernel_decoder, method):
     pvalue = chi_square_pvalue(counts, probabilities(first_row, 1.0, 1.0, 20).cpu())
     print(f"{method}: p-value of the first committed token over 3,000 whole steps: {pvalue:.3g}")
     assert pvalue > LOSSLESS_P
+
+
+def test_the_speculation_check_compares_with_plain_greedy_decoding(device, tmp_path, capsys):
+    """`python -m monodecode.bench.spec_check` (run on the GPU at v4-flash sizes), one tiny layer
+    with the kernels on, one request, blocks from the plain path cut at random places: every step
+    whole, drafts accepted, the sequences equal, the JSON written."""
+    import json
+
+    from monodecode.bench import spec_check
+
+    out = tmp_path / "spec_check.json"
+    assert spec_check.main(["--preset", "tiny", "--layers", "1", "--requests", "1", "--tokens", "6", "--drafts",
+                            "oracle", "--device", device, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    oracle = report["counts"]["1"]["oracle"]
+    assert oracle["all_equal"] and oracle["paths"] == {"whole": oracle["steps"]}
+    assert oracle["tokens_a_step"] > 1  # the plain path's tokens were proposed and kept
+    [row] = oracle["requests"]
+    assert row["prompt_length"] == spec_check.PROMPTS[0] and row["first_difference"] is None
+    assert json.dumps(report["counts"]["1"]) in capsys.readouterr().out
+
+
+def test_the_speculation_check_reports_where_the_sequences_part(monkeypatch):
+    """Where a request's speculative tokens part from its plain ones: the index and the plain
+    path's top-two gap there; the tokens after it not compared."""
+    from types import SimpleNamespace
+
+    from monodecode.bench import spec_check
+
+    plain, gaps = [[5, 6, 7, 8], [1, 2, 3, 4]], [[0.5, 0.25, 0.125, 2.0], [1.0, 0.75, 3.0, 0.5]]
+    speculative = [[5, 6, 9, 9], [1, 2, 3, 4]]
+    monkeypatch.setattr(spec_check, "plain_greedy", lambda decoder, prompt_ids, tokens: (plain, gaps))
+    monkeypatch.setattr(spec_check, "speculative_greedy",
+                        lambda decoder, prompt_ids, tokens, oracle, seed: (speculative, {"steps": 2}))
+    decoder = SimpleNamespace(config=SimpleNamespace(vocab_size=10))
+    report = spec_check.check(decoder, 2, 4, seed=0, drafts=("draft",))["draft"]
+    assert not report["all_equal"] and report["steps"] == 2
+    parted, same = report["requests"]
+    assert (parted["equal"], parted["first_difference"], parted["top2_gap_there"]) == (False, 2, 0.125)
+    assert parted["smallest_top2_gap"] == 0.125  # up to the parting token, not after
+    assert (same["equal"], same["first_difference"], same["smallest_top2_gap"]) == (True, None, 0.5)
