@@ -228,18 +228,33 @@ def test_bench_layer_times_the_compiled_per_op_layer(device, tmp_path, kinds):
 @pytest.mark.parametrize("layers,requests,steps,temperature", [pytest.param(2, (1, 2), 2, 0.0, marks=pytest.mark.slow),
                                                             (1, (1,), 1, 0.8)],
                          ids=["2_layers_1_and_2_requests_greedy", "1_layer_1_request_sampled"])
-def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, layers, requests, steps, temperature):
+def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, capsys, layers, requests, steps,
+                                                             temperature):
     """Two layers (window and CSA), two request counts of two timed greedy steps are `slow`; by
     default one window layer, one request at temperature 0.8 (top-p 0.9), one timed step (after
     the two warm-up steps). The per-op and mono stepwise steps split into draft, verify and the
     rest, the whole mono step into its device work (itself into its parts, in order) and the
-    rest; all three accept alike."""
+    rest; all three accept alike. With `--host-profile`: the host's operations a step (and on a
+    GPU the device's kernels, the whole step's graph's among them)."""
     from monodecode.spec.step_graph import PARTS
 
     assert main(["bench", "decode", "--preset", "tiny", "--layers", str(layers), "--requests",
                  ",".join(map(str, requests)), "--steps", str(steps), "--context", "12", "--reps", "1",
-                 "--temperature", str(temperature), "--top-p", "0.9", "--device", device, "--out", str(tmp_path)]) == 0
+                 "--temperature", str(temperature), "--top-p", "0.9", "--host-profile", "--device", device,
+                 "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
+    printed = capsys.readouterr().out
+    for r in report["rows"]:
+        host, kernels = (r["host_profile"][side] for side in ("host", "device"))
+        assert 0 < len(host) <= 12 and all(p["self_us_a_step"] > 0 and p["calls_a_step"] > 0 for p in host)
+        assert any(p["op"].startswith("aten::") for p in host)  # torch's operations the host ran
+        assert f"host   {host[0]['self_us_a_step']:8.1f} us a step in {host[0]['calls_a_step']:5.1f} calls: " in printed
+        if device == "cpu":
+            assert kernels == []
+            continue
+        assert 0 < len(kernels) <= 12 and all(p["self_us_a_step"] > 0 for p in kernels)
+        if r["path"] == "mono":  # the whole step's graph's kernels, the kernels' own among them
+            assert any(p["op"].startswith("_k") for p in kernels)
     assert report["layers"] == layers and report["block"] >= 1 and report["steps"] == steps
     assert (report["temperature"], report["top_p"]) == (temperature, 0.9)
     assert [(r["path"], r["requests"]) for r in report["rows"]] == [
@@ -269,24 +284,13 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, l
 
 
 def test_bench_decode_times_the_paths_asked_for(device, tmp_path, capsys):
-    """`--paths whole`: the whole mono row alone (the test above times all three paths), with
-    `--host-profile`: the host's operations a step (and on a GPU the device's kernels); an unknown
-    path is refused."""
+    """`--paths per-op`: the per-op graph's row alone (the test above times all three paths); an
+    unknown path is refused."""
     assert main(["bench", "decode", "--preset", "tiny", "--layers", "1", "--requests", "1", "--steps", "1",
-                 "--context", "12", "--reps", "1", "--paths", "whole", "--host-profile", "--device", device,
+                 "--context", "12", "--reps", "1", "--paths", "per-op", "--device", device,
                  "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert [r["path"] for r in report["rows"]] == ["mono"]
-    host, kernels = (report["rows"][0]["host_profile"][side] for side in ("host", "device"))
-    assert 0 < len(host) <= 12 and all(p["self_us_a_step"] > 0 and p["calls_a_step"] > 0 for p in host)
-    assert any(p["op"].startswith("aten::") for p in host)  # torch's operations the host ran
-    if device == "cuda":  # the whole step's graph's kernels, the kernels' own among them
-        assert 0 < len(kernels) <= 12 and all(p["self_us_a_step"] > 0 for p in kernels)
-        assert any(p["op"].startswith("_k") for p in kernels)
-    else:
-        assert kernels == []
-    printed = capsys.readouterr().out
-    assert f"host   {host[0]['self_us_a_step']:8.1f} us a step in {host[0]['calls_a_step']:5.1f} calls: " in printed
+    assert [r["path"] for r in report["rows"]] == ["per-op graph"]
     assert main(["bench", "decode", "--paths", "per-op,eager", "--device", device]) == 2
     assert "unknown path(s) eager: choose from per-op, stepwise, whole" in capsys.readouterr().err
 

@@ -175,9 +175,10 @@ def test_synthetic_mode_hits_its_acceptance_length(model):
     caches = decoder.make_caches(num_slots=8, max_context=1024)
     requests = [decoder.prefill(caches, s, [s + 1, 2, 3], 1.0, 1.0, torch.Generator(model.device).manual_seed(s))
                 for s in range(8)]
-    for _ in range(60):
+    for _ in range(30):
         decoder.step(caches, requests)
-    assert decoder.stats.steps == 480
+    assert decoder.stats.steps == 240
+    # the seeds are fixed; 240 verdicts of sd ~1.5 about 3.51: 8 % is ~2.9 of the mean's sd
     assert abs(decoder.stats.mean_acceptance_length - 3.51) / 3.51 < 0.08
 
 

@@ -208,8 +208,9 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             if clock:  # the step's device work is done (its timer synchronised)
                 clock.read()
         untimed(draft, runner, decoder.whole_step)
-        # without the timers' syncs (but the verify step's, which the decoder holds: stepwise only),
-        # the part clock still set (a graph of the same key: no capture inside the profile)
+        decoder.target_step = target_step
+        # without the timers and their syncs, the part clock still set (a graph of the same key: no
+        # capture inside the profile)
         profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     finally:
         untimed(draft, runner, decoder.whole_step)
