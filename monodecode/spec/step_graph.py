@@ -147,11 +147,16 @@ class WholeStep:
         def rows(after_anchor: list[int]) -> torch.Tensor:
             """Each request's anchor then `after_anchor`, at consecutive positions from the
             anchor's, in its slot: [3, rows] (tokens, positions, slots), made as one flat int64
-            array (torch.tensor of nested lists converts element by element)."""
-            n = len(after_anchor) + 1
-            flat = array("q", [t for q in requests for t in (q.anchor, *after_anchor)])
-            flat.extend(q.position + i for q in requests for i in range(n))
-            flat.extend(q.slot for q in requests for _ in range(n))
+            array, a request's run at a time (torch.tensor of nested lists converts element by
+            element)."""
+            n, flat = len(after_anchor) + 1, array("q")
+            for q in requests:
+                flat.append(q.anchor)
+                flat.extend(after_anchor)
+            for q in requests:
+                flat.extend(range(q.position, q.position + n))
+            for q in requests:
+                flat.extend([q.slot] * n)
             return torch.frombuffer(flat, dtype=torch.long).view(3, -1)
 
         return (self.draft_runner.load_rows(caches.draft, rows([noise] * (b - 1))),
