@@ -207,15 +207,14 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             committed += sum(len(tokens) for tokens in step(caches, requests))
             if clock:  # the step's device work is done (its timer synchronised)
                 clock.read()
-        untimed(draft, runner, decoder.whole_step)
-        decoder.target_step = target_step
-        # without the timers and their syncs, the part clock still set (a graph of the same key: no
-        # capture inside the profile)
-        profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
-    finally:
-        untimed(draft, runner, decoder.whole_step)
-        if whole:
-            decoder.whole_step.clock = None
+    finally:  # the timers off, back to the classes' methods (the draft and its runner are the model's)
+        for obj, name in ((draft, "propose"), (runner, "step"), (decoder.whole_step, "device_work")):
+            if obj is not None and name in vars(obj):
+                delattr(obj, name)
+    decoder.target_step = target_step
+    # without the timers and their syncs, the part clock still set (a graph of the same key: no
+    # capture inside the profile)
+    profile = profile_host(lambda: decoder.step(caches, requests), steps, model.device) if host_profile else None
     median = statistics.median
     parts = {"draft_s": propose, "draft_stages_s": stages, "verify_s": verify, "device_s": device_work}
     # a step's other time less its timed parts, step by step: the difference of the medians would
@@ -228,13 +227,6 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
             "tokens_per_step": committed / steps / len(requests),
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds),
             **({"host_profile": profile} if host_profile else {})}
-
-
-def untimed(draft, runner, whole_step) -> None:
-    """`measure`'s timers taken off: the instance attributes deleted, back to the classes' methods."""
-    for obj, name in ((draft, "propose"), (runner, "step"), (whole_step, "device_work")):
-        if obj is not None and name in vars(obj):
-            delattr(obj, name)
 
 
 PROFILE_ROWS = 12  # operations, and kernels, `--host-profile` reports a path

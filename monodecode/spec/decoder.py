@@ -53,10 +53,6 @@ class SpecRequest:
     def settings(self) -> tuple[float, float, int]:
         return self.temperature, self.top_p, self.top_k
 
-    @property
-    def sampling(self) -> tuple[float, float, int, torch.Generator | None]:
-        return self.temperature, self.top_p, self.top_k, self.generator
-
 
 @dataclass
 class AcceptanceStats:
