@@ -5,6 +5,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from monodecode.checkpoint import CheckpointError, write_synthetic_checkpoint
 from monodecode.cli import main
@@ -12,6 +13,7 @@ from monodecode.config import preset
 from monodecode.generate import generate, generate_speculative
 from monodecode.model import load_model
 from monodecode.model.draft import _drawn as drawn
+from monodecode.model.norm import rms_norm
 from monodecode.sampling import RowSettings
 from monodecode.spec.config import SpeculativeConfig
 from monodecode.spec.decoder import SpeculativeDecoder
@@ -85,6 +87,38 @@ def test_batched_requests_commit_consistent_caches(model):
             want, fresh_valid = fresh_ring.read(0, window)
             assert valid.all() and fresh_valid.all()
             assert torch.allclose(got["kv"], want["kv"], rtol=1e-4, atol=1e-5)
+
+
+def per_stage_commit(draft, cache, slot, positions, hidden):
+    """`Draft.commit` one stage at a time: each stage's keys from its own attention's `keys`."""
+    main_x = rms_norm(F.linear(hidden.to(draft.model.dtype), draft.w["mtp.0.main_proj"]),
+                      draft.w["mtp.0.main_norm"], draft.c.rms_norm_eps)
+    for stage, ring in zip(draft.stages, cache.rings):
+        ring.write(slot, positions, {"kv": stage.attention.keys(main_x, positions)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_draft_commits_every_stage_at_once_as_one_stage_at_a_time(device, dtype):
+    """`Draft.commit` makes all stages' context keys in one pass (stacked wkv, one norm, one
+    rotation): the rings hold bit for bit what each stage's own keys give, for the FP8 weights
+    of the synthetic checkpoint dequantized to fp32 or bf16; a prompt shorter than the ring, one
+    longer (only its last rows kept), and a verify step's rows of several slots, each with fresh
+    random features."""
+    model = load_model("tiny", seed=21, device=device, dtype=dtype)
+    draft, c = model.draft(), model.config
+    g = torch.Generator().manual_seed(3)
+    size = c.sliding_window + c.dspark_block_size
+    cases = [(1, torch.arange(5)), (2, torch.arange(3, 3 + size + 7)),
+             ([0, 0, 3, 3, 3], torch.tensor([7, 8, 40, 41, 42]))]
+    caches = [draft.make_cache(4) for _ in range(2)]
+    for slot, positions in cases:
+        hidden = torch.randn(len(positions), len(c.dspark_target_layer_ids) * c.hidden_size, generator=g)
+        positions, hidden = positions.to(device), hidden.to(device)
+        draft.commit(caches[0], slot, positions, hidden)
+        per_stage_commit(draft, caches[1], slot, positions, hidden)
+        for ring, ref in zip(*(cache.rings for cache in caches)):
+            assert torch.equal(ring.pos, ref.pos)
+            assert torch.equal(ring.data["kv"], ref.data["kv"])
 
 
 def test_proposal_is_well_formed_and_leaves_the_rings_alone(model):

@@ -38,6 +38,16 @@ class RequestRows:
     positions: torch.Tensor  # consecutive
 
 
+def rotated_keys(x: torch.Tensor, wkv: torch.Tensor, kv_norm: torch.Tensor, positions: torch.Tensor,
+                 freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """K=V heads of x [N, d]: `wkv` -> `kv_norm` -> RoPE at positions [N]. One head, wkv [D, d]
+    and kv_norm [D], gives [N, D]; the heads of several attentions stacked, wkv [S * D, d] and
+    kv_norm [S, D], give [N, S, D] in one GEMM, one norm and one rotation for them all (the
+    draft's stages, whose attentions share their frequencies: `Draft.commit`)."""
+    kv = F.linear(x, wkv).unflatten(-1, kv_norm.shape)
+    return apply_rope(rms_norm(kv, kv_norm, eps), positions, freqs)
+
+
 class Attention:
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, ratio: int,
                  tp: TensorParallel = SINGLE):
@@ -99,8 +109,7 @@ class Attention:
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The shared K=V head of `x`, rotated at `positions`."""
-        kv = rms_norm(F.linear(x, self.w["wkv"]), self.w["kv_norm"], self.c.rms_norm_eps)
-        return apply_rope(kv, positions, self.freqs)
+        return rotated_keys(x, self.w["wkv"], self.w["kv_norm"], positions, self.freqs, self.c.rms_norm_eps)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Softmax attention of q [n, H, D] over keys [K, D] (or [n, K, D], per query; = values)

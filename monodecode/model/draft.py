@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import RowSettings, argmax_rows, pick, row_probabilities
-from .attention import Attention, RequestRows
+from .attention import Attention, RequestRows, rotated_keys
 from .cache import PositionRing
 from .delayed_block import DelayedBlock, entry_pre
 from .hc import collapse, hc_head
@@ -106,6 +106,7 @@ class Draft:
         self.last = f"mtp.{c.num_nextn_predict_layers - 1}."
         self.markov_w1, self.markov_w2 = (f"{self.last}markov_head.{name}" for name in c.markov_tensor_names)
         self._greedy_graphs: dict[int, tuple] = {}  # requests -> (inputs, outputs, graph)
+        self._stacked_keys = self._stack_keys()
 
     def _stage(self, k: int) -> Block:
         c, p, tp = self.c, f"mtp.{k}.", self.model.tp
@@ -114,6 +115,18 @@ class Draft:
             attention = DraftAttention(c, self.w, f"{p}attn.", 0, tp)
             return DelayedBlock(c, self.w, p, experts, c.draft_num_experts_per_tok, attention, tp=tp)
         return Block(c, self.w, p, experts, 0, False, c.draft_num_experts_per_tok, attention_cls=DraftAttention, tp=tp)
+
+    def _stack_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stage's `wkv` stacked [S * D, d] and `kv_norm` [S, D], so that `commit` makes all
+        stages' context keys in one pass; the stages (and `self.w`) read views of the stacks from
+        now on, so those weights are held once."""
+        names = ("wkv", "kv_norm")
+        stacks = {name: torch.stack([stage.attention.w[name] for stage in self.stages]) for name in names}
+        for k, stage in enumerate(self.stages):
+            views = {name: stacks[name][k] for name in names}
+            self.w.update({f"mtp.{k}.attn.{name}": view for name, view in views.items()})
+            stage.attention.share_weights(views)
+        return stacks["wkv"].flatten(0, 1), stacks["kv_norm"]
 
     def replace_experts(self, stage: int, experts) -> None:
         """Serve the stage's routed experts from `experts` (as `Model.replace_experts`)."""
@@ -130,8 +143,10 @@ class Draft:
         requests at once, rejected ones included: later steps write those positions again)."""
         main_x = rms_norm(F.linear(hidden.to(self.model.dtype), self.w["mtp.0.main_proj"]),
                           self.w["mtp.0.main_norm"], self.c.rms_norm_eps)
-        for stage, ring in zip(self.stages, cache.rings):
-            ring.write(slot, positions, {"kv": stage.attention.keys(main_x, positions)})
+        keys = rotated_keys(main_x, *self._stacked_keys, positions, self.stages[0].attention.freqs,
+                            self.c.rms_norm_eps)  # [n, stages, D]
+        for k, ring in enumerate(cache.rings):
+            ring.write(slot, positions, {"kv": keys[:, k]})
 
     @torch.no_grad()
     def propose(self, cache: DraftCache, anchors: torch.Tensor, anchor_positions: torch.Tensor,
