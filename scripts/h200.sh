@@ -18,7 +18,8 @@
 #   check-shape   the same on 2 layers with $SHAPE (a LaunchShape spec), before making it the default
 #   spec-check    python -m monodecode.bench.spec_check --layers 4: greedy speculation with the draft on the
 #                 kernels (the draft's blocks, and the plain path's own tokens cut at random places) against
-#                 plain greedy decoding, $TOKENS (default 32) tokens a request at $REQUESTS (default 1,2,4,8)
+#                 plain greedy decoding, $TOKENS (default 32) tokens a request at $REQUESTS (default 1,2,4,8), the
+#                 blocks of $DRAFTS (default draft,oracle); 1,2,4 with both took 560 s on a fresh H100: give 8 a call
 #   bench-layer   monodecode bench layer at 1, 6, 16, 48 rows with the shapes in $SHAPES and the timeline,
 #                 over $TP ranks (default 1; one GPU each: a multi-GPU kind); WARM=1 first compiles every kind,
 #                 width and shape in parallel processes (as ab's), with $ALONGSIDE beside them
@@ -107,7 +108,7 @@ case $part in
       --out "$out/check.json" >> "$out/$part.txt" 2>&1 ;;
   spec-check)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.spec_check --layers 4 --requests "${REQUESTS:-1,2,4,8}" \
-      --tokens "${TOKENS:-32}" --out "$out/spec_check.json" >> "$out/$part.txt" 2>&1 ;;
+      --tokens "${TOKENS:-32}" --drafts "${DRAFTS:-draft,oracle}" --out "$out/spec_check.json" >> "$out/$part.txt" 2>&1 ;;
   check-shape)
     timeout ${TIMEOUT:-560} python3 -m monodecode.bench.mono_check --layers 2 --shape "${SHAPE:?set SHAPE}" --skip timeline \
       --out "$out/check_shape.json" >> "$out/$part.txt" 2>&1 ;;

@@ -328,7 +328,7 @@ def test_whole_sampled_steps_are_lossless(kernel_decoder, method):
 def test_the_speculation_check_compares_with_plain_greedy_decoding(device, tmp_path, capsys):
     """`python -m monodecode.bench.spec_check` (run on the GPU at v4-flash sizes), one tiny layer
     with the kernels on, one request, blocks from the plain path cut at random places: every step
-    whole, drafts accepted, the sequences equal, the JSON written."""
+    whole, drafts accepted, the sequences equal and their logits agreeing, the JSON written."""
     import json
 
     from monodecode.bench import spec_check
@@ -338,7 +338,7 @@ def test_the_speculation_check_compares_with_plain_greedy_decoding(device, tmp_p
                             "oracle", "--device", device, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     oracle = report["counts"]["1"]["oracle"]
-    assert oracle["all_equal"] and oracle["paths"] == {"whole": oracle["steps"]}
+    assert oracle["all_equal"] and oracle["logits_agree"] and oracle["paths"] == {"whole": oracle["steps"]}
     assert oracle["tokens_a_step"] > 1  # the plain path's tokens were proposed and kept
     [row] = oracle["requests"]
     assert row["prompt_length"] == spec_check.PROMPTS[0] and row["first_difference"] is None
@@ -346,21 +346,43 @@ def test_the_speculation_check_compares_with_plain_greedy_decoding(device, tmp_p
 
 
 def test_the_speculation_check_reports_where_the_sequences_part(monkeypatch):
-    """Where a request's speculative tokens part from its plain ones: the index and the plain
-    path's top-two gap there; the tokens after it not compared."""
+    """Where a request's speculative tokens part from its plain ones: the index, the plain path's
+    top-two gap and its margin over the speculative token there, the tokens after it not
+    compared; the two paths' logits on the rows of one prefix (not the first, the prefill's):
+    their lowest cosine and largest difference, and a request whose logits disagree (a fault,
+    not rounding) failing the agreement."""
     from types import SimpleNamespace
 
     from monodecode.bench import spec_check
 
-    plain, gaps = [[5, 6, 7, 8], [1, 2, 3, 4]], [[0.5, 0.25, 0.125, 2.0], [1.0, 0.75, 3.0, 0.5]]
-    speculative = [[5, 6, 9, 9], [1, 2, 3, 4]]
-    monkeypatch.setattr(spec_check, "plain_greedy", lambda decoder, prompt_ids, tokens: (plain, gaps))
+    def logits_of(tokens, gaps, runners_up):  # each row: its token at its gap over the runner-up, the rest lower
+        rows = torch.full((len(tokens), 10), -4.0)
+        for row, token, gap, runner_up in zip(rows, tokens, gaps, runners_up):
+            row[runner_up], row[token] = 0.0, gap
+        return rows
+
+    plain = [[5, 6, 7, 8], [1, 2, 3, 4], [1, 2, 3, 4]]
+    plain_logits = [logits_of(plain[0], [0.5, 0.25, 0.125, 2.0], [0, 0, 9, 0]),
+                    logits_of(plain[1], [1.0, 0.75, 3.0, 0.5], [0, 0, 0, 0]),
+                    logits_of(plain[2], [1.0, 0.75, 3.0, 0.5], [0, 0, 0, 0])]
+    speculative = [[5, 6, 9, 9], [1, 2, 3, 4], [1, 2, 3, 4]]
+    spec_logits = [rows[1:].clone() for rows in plain_logits]
+    spec_logits[0][1, 9] += 0.25  # token 2: 9 over 7 by 0.125
+    spec_logits[0][2] = torch.randn(10)  # after the parting: not compared
+    spec_logits[2][0] = torch.randn(10)  # the same tokens from logits that are not the plain path's
+    monkeypatch.setattr(spec_check, "plain_greedy", lambda decoder, prompt_ids, tokens: (plain, plain_logits))
     monkeypatch.setattr(spec_check, "speculative_greedy",
-                        lambda decoder, prompt_ids, tokens, oracle, seed: (speculative, {"steps": 2}))
+                        lambda decoder, prompt_ids, tokens, oracle, seed: (speculative, spec_logits, {"steps": 2}))
     decoder = SimpleNamespace(config=SimpleNamespace(vocab_size=10))
-    report = spec_check.check(decoder, 2, 4, seed=0, drafts=("draft",))["draft"]
-    assert not report["all_equal"] and report["steps"] == 2
-    parted, same = report["requests"]
+    report = spec_check.check(decoder, 3, 4, seed=0, drafts=("draft",))["draft"]
+    assert not report["all_equal"] and not report["logits_agree"] and report["steps"] == 2
+    parted, same, faulty = report["requests"]
     assert (parted["equal"], parted["first_difference"], parted["top2_gap_there"]) == (False, 2, 0.125)
-    assert parted["smallest_top2_gap"] == 0.125  # up to the parting token, not after
+    assert (parted["plain"], parted["speculative"]) == (plain[0], speculative[0])
+    assert parted["margin_there"] == 0.125 and parted["smallest_top2_gap"] == 0.125  # up to the parting token
+    want = torch.nn.functional.cosine_similarity(plain_logits[0][2].double(), spec_logits[0][1].double(), dim=0)
+    assert parted["lowest_logit_cosine"] == pytest.approx(want.item()) and parted["largest_logit_difference"] == 0.25
     assert (same["equal"], same["first_difference"], same["smallest_top2_gap"]) == (True, None, 0.5)
+    assert (same["margin_there"], same["largest_logit_difference"]) == (None, 0.0)
+    assert same["lowest_logit_cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert faulty["equal"] and faulty["lowest_logit_cosine"] < spec_check.AGREEMENT

@@ -19,9 +19,15 @@ T tokens each twice, from caches prefilled alike:
     drafts, and a step's accepted rows, its rejected ones and what they leave in the caches are
     what the next steps read.
 Lossless means each request's two sequences are equal. Where they part, the report gives the
-index and the plain path's top-two logit gap there: the two paths run the target at different
-widths, whose bf16 rounding can flip a near-tie, after which the sequences are different
-decodings and are not compared further. Printed and written as JSON, a request count at a time.
+index, the plain path's top-two logit gap there and its margin over the token the speculative
+path chose: the two paths run the target at different widths (and write its caches at them),
+whose bf16 rounding can flip a near-tie, after which the sequences are different decodings and
+are not compared further. To tell such a flip from a fault, every row both paths computed from
+the same tokens (up to and including the parting one; the first token is the prefill's, the same
+on both) has its two logit vectors compared: their lowest cosine and largest difference. A fault
+(a wrong position, a stale cache row) shows there as a cosine far from 1; rounding as a cosine of
+about the per-layer agreement (`AGREEMENT`), with the parting margin below the largest difference.
+Printed and written as JSON, a request count at a time.
 Not a benchmark. On a CPU (tests: `--preset tiny`, TRITON_INTERPRET=1) the kernels run under
 Triton's interpreter.
 """
@@ -34,6 +40,7 @@ import platform
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from ..sampling import argmax_rows
@@ -44,6 +51,9 @@ from .decode import build
 # each request's prompt length: short, past the window (128 at v4-flash), across an HCA entry's
 # end (position 127 and 255) and a CSA entry's (every 4)
 PROMPTS = (37, 150, 9, 250, 122, 5, 130, 61)
+# the lowest cosine of two paths' logits for one prefix that rounding alone explains: the agreement
+# asked of the draft's layers on the kernels with their per-op path, which the target's layers exceed
+AGREEMENT = 0.9999
 
 
 def prompts(requests: int, vocab: int, seed: int) -> list[list[int]]:
@@ -51,25 +61,24 @@ def prompts(requests: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPTS[:requests]]
 
 
-def plain_greedy(decoder, prompt_ids: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Each request's first `tokens` greedy tokens, all requests a step together, and the top-two
-    logit gap each was chosen at."""
+def plain_greedy(decoder, prompt_ids: list[list[int]], tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each request's first `tokens` greedy tokens, all requests a step together, and the fp32
+    logits [tokens, vocab] each was chosen from."""
     r = len(prompt_ids)
     cache = decoder.make_cache(r, max(map(len, prompt_ids)) + tokens, max_step_rows=1)
     last = []
     for slot, ids in enumerate(prompt_ids):  # a prompt-sized step: per-op
         last.append(decoder.step(cache, ids, range(len(ids)), [slot] * len(ids))[-1])
-    logits, out, gaps = torch.stack(last), [[] for _ in range(r)], [[] for _ in range(r)]
+    logits, out, rows = torch.stack(last), [[] for _ in range(r)], []
     for t in range(tokens):
-        top2 = logits.float().topk(2, dim=-1).values
-        for i, (token, (first, second)) in enumerate(zip(argmax_rows(logits).tolist(), top2.tolist())):
+        rows.append(logits.float())
+        for i, token in enumerate(argmax_rows(logits).tolist()):
             out[i].append(token)  # as `sample` picks at temperature 0
-            gaps[i].append(first - second)
         if t + 1 < tokens:
             positions = [len(ids) + t for ids in prompt_ids]
             logits = decoder.step(cache, [o[-1] for o in out], positions, list(range(r)))
             assert decoder.last_path == "mono", decoder.last_path
-    return out, gaps
+    return out, list(torch.stack(rows, dim=1))
 
 
 class OracleBlocks:
@@ -98,9 +107,10 @@ class OracleBlocks:
 
 
 def speculative_greedy(decoder, prompt_ids: list[list[int]], tokens: int, oracle: list[list[int]] | None,
-                       seed: int) -> tuple[list[list[int]], dict]:
+                       seed: int) -> tuple[list[list[int]], list[torch.Tensor], dict]:
     """Each request's first `tokens` tokens by greedy speculation (the blocks `oracle`'s when
-    given: `OracleBlocks`), and the steps' record."""
+    given: `OracleBlocks`), the fp32 logits [tokens - 1, vocab] its verify steps chose all but
+    the first (the prefill's) from, and the steps' record."""
     paths = []
     config = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": decoder.draft().block_size,
                                           "rejection_sample_method": "greedy"})
@@ -108,7 +118,7 @@ def speculative_greedy(decoder, prompt_ids: list[list[int]], tokens: int, oracle
     # a request may run ahead of the slowest, up to block + 1 tokens a step
     caches = spec.make_caches(len(prompt_ids), max(map(len, prompt_ids)) + (tokens + 2) * (spec.block_size + 1))
     requests = [spec.prefill(caches, slot, ids) for slot, ids in enumerate(prompt_ids)]
-    out = [[q.anchor] for q in requests]
+    out, rows = [[q.anchor] for q in requests], [[] for _ in requests]
     blocks = None
     if oracle is not None:
         blocks = spec.whole_step.draft.greedy_tokens = OracleBlocks(len(requests), spec.block_size, decoder.device, seed)
@@ -116,13 +126,35 @@ def speculative_greedy(decoder, prompt_ids: list[list[int]], tokens: int, oracle
         while min(map(len, out)) < tokens:
             if blocks is not None:
                 blocks.set(oracle, out, decoder.config.vocab_size)
-            for o, committed in zip(out, spec.step(caches, requests)):
+            for o, r, committed, logits in zip(out, rows, *spec.step(caches, requests, return_logits=True)):
                 o += committed
+                r.append(logits)
     finally:
         if blocks is not None:
             del spec.whole_step.draft.greedy_tokens  # the instance attribute: back to the class's method
-    return [o[:tokens] for o in out], {"steps": len(paths), "paths": {p: paths.count(p) for p in sorted(set(paths))},
-                                       "tokens_a_step": spec.stats.mean_acceptance_length}
+    record = {"steps": len(paths), "paths": {p: paths.count(p) for p in sorted(set(paths))},
+              "tokens_a_step": spec.stats.mean_acceptance_length}
+    return [o[:tokens] for o in out], [torch.cat(r)[:tokens - 1] for r in rows], record
+
+
+def compare(plain: list[int], plain_logits: torch.Tensor, spec: list[int], spec_logits: torch.Tensor) -> dict:
+    """One request's two sequences (module docstring), where they part, the plain path's top-two
+    gap and margin there, and its logits against the speculative path's on the rows both
+    computed from the same tokens. The tokens are kept: a prompt's plain sequences at other
+    request counts (other widths) show whether plain decoding alone parts as well."""
+    first = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), None)
+    shared = len(plain) if first is None else first + 1  # rows of one prefix, the parting one too
+    top2 = plain_logits[:shared].topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()
+    row = {"plain": plain, "speculative": spec, "equal": first is None, "first_difference": first,
+           "top2_gap_there": None if first is None else gaps[first],
+           "margin_there": None if first is None else float(plain_logits[first, plain[first]] - plain_logits[first, spec[first]]),
+           "smallest_top2_gap": min(gaps), "lowest_logit_cosine": None, "largest_logit_difference": None}
+    if shared > 1:  # row 0 is the prefill's on both paths
+        ours, theirs = plain_logits[1:shared].double(), spec_logits[:shared - 1].double()
+        row["lowest_logit_cosine"] = F.cosine_similarity(ours, theirs, dim=-1).min().item()
+        row["largest_logit_difference"] = (ours - theirs).abs().max().item()
+    return row
 
 
 DRAFTS = ("draft", "oracle")  # `--drafts`: whose blocks the speculative runs verify (module docstring)
@@ -131,17 +163,16 @@ DRAFTS = ("draft", "oracle")  # `--drafts`: whose blocks the speculative runs ve
 def check(decoder, requests: int, tokens: int, seed: int, drafts=DRAFTS) -> dict:
     """Plain greedy decoding against greedy speculation of each kind of blocks in `drafts`."""
     prompt_ids = prompts(requests, decoder.config.vocab_size, seed)
-    plain, gaps = plain_greedy(decoder, prompt_ids, tokens)
+    plain, plain_logits = plain_greedy(decoder, prompt_ids, tokens)
     report = {}
     for kind in drafts:
-        spec, record = speculative_greedy(decoder, prompt_ids, tokens, plain if kind == "oracle" else None, seed)
-        rows = []
-        for ids, a, b, gap in zip(prompt_ids, plain, spec, gaps):
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            rows.append({"prompt_length": len(ids), "equal": first is None, "first_difference": first,
-                         "top2_gap_there": None if first is None else gap[first],
-                         "smallest_top2_gap": min(gap[:len(a) if first is None else first + 1])})
-        report[kind] = {"requests": rows, "all_equal": all(r["equal"] for r in rows), **record}
+        spec, spec_logits, record = speculative_greedy(decoder, prompt_ids, tokens, plain if kind == "oracle" else None,
+                                                       seed)
+        rows = [{"prompt_length": len(ids), **compare(*pair)}
+                for ids, *pair in zip(prompt_ids, plain, plain_logits, spec, spec_logits)]
+        cosines = [r["lowest_logit_cosine"] for r in rows if r["lowest_logit_cosine"] is not None]
+        report[kind] = {"requests": rows, "all_equal": all(r["equal"] for r in rows),
+                        "logits_agree": min(cosines, default=1.0) >= AGREEMENT, **record}
     return report
 
 
