@@ -26,7 +26,7 @@ are not compared further. To tell such a flip from a fault, every row both paths
 the same tokens (up to and including the parting one; the first token is the prefill's, the same
 on both) has its two logit vectors compared: their lowest cosine and largest difference. A fault
 (a wrong position, a stale cache row) shows there as a cosine far from 1; rounding as a cosine of
-about the per-layer agreement (`AGREEMENT`), with the parting margin below the largest difference.
+about the per-layer agreement (`AGREEMENT`) and differences of the size of the parting margins.
 Printed and written as JSON, a request count at a time.
 Not a benchmark. On a CPU (tests: `--preset tiny`, TRITON_INTERPRET=1) the kernels run under
 Triton's interpreter.
@@ -148,7 +148,8 @@ def compare(plain: list[int], plain_logits: torch.Tensor, spec: list[int], spec_
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     row = {"plain": plain, "speculative": spec, "equal": first is None, "first_difference": first,
            "top2_gap_there": None if first is None else gaps[first],
-           "margin_there": None if first is None else float(plain_logits[first, plain[first]] - plain_logits[first, spec[first]]),
+           "margin_there": None if first is None else (plain_logits[first, plain[first]]
+                                                       - plain_logits[first, spec[first]]).item(),
            "smallest_top2_gap": min(gaps), "lowest_logit_cosine": None, "largest_logit_difference": None}
     if shared > 1:  # row 0 is the prefill's on both paths
         ours, theirs = plain_logits[1:shared].double(), spec_logits[:shared - 1].double()
