@@ -234,8 +234,9 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, c
     default one window layer, one request at temperature 0.8 (top-p 0.9), one timed step (after
     the two warm-up steps). The per-op and mono stepwise steps split into draft, verify and the
     rest, the whole mono step into its device work (itself into its parts, in order) and the
-    rest; all three accept alike. With `--host-profile`: the host's operations a step (and on a
+    rest (itself into the host's parts, in order); all three accept alike. With `--host-profile`: the host's operations a step (and on a
     GPU the device's kernels, the whole step's graph's among them)."""
+    from monodecode.bench.decode import HOST_PARTS
     from monodecode.spec.step_graph import PARTS
 
     assert main(["bench", "decode", "--preset", "tiny", "--layers", str(layers), "--requests",
@@ -269,8 +270,13 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, c
             assert all(s > 0 for s in r["device_parts_s"].values())
             # each step's parts lie within its device work, and the medians of one or two steps are means
             assert sum(r["device_parts_s"].values()) <= r["device_s"]
+            # the rest, the host's, in consecutive spans that make it up
+            assert list(r["other_parts_s"]) == list(HOST_PARTS) and all(s >= 0 for s in r["other_parts_s"].values())
+            assert r["other_parts_s"]["rows"] > 0 and r["other_parts_s"]["after"] > 0
+            assert sum(r["other_parts_s"].values()) == pytest.approx(r["other_s"], rel=1e-6)
+            assert f"(rows {r['other_parts_s']['rows'] * 1e3:.2f}, inputs " in printed
             continue
-        assert r["device_s"] is r["device_parts_s"] is None
+        assert r["device_s"] is r["device_parts_s"] is r["other_parts_s"] is None
         # the head is timed apart, in a graph of its own (one rep here): not compared with the verify
         # step that contains it, whose time a busy machine can make the shorter of the two
         assert r["step_s"] >= r["draft_s"] + r["verify_s"] > 0 and r["verify_s"] > 0 and r["head_s"] > 0

@@ -19,7 +19,9 @@ mono stepwise, its stages on the kernels: the draft runner's steps), the target'
 commits to the draft's rings: host work); whole, split into its device work (the graph's replay,
 the device synchronised around it), itself split into its parts (`PartClock`: the draft's stages,
 the draft's head, the verify step, the commit and verification, as the graph runs them), and the
-rest (host work: loading the rows and the inputs, reading the verdicts); tokens committed a step
+rest (host work, itself split: making and loading the rows, the settings and keys, the wait for
+their copies, and after the device work reading the verdicts and moving the requests on, each the
+median over the steps, so that the parts need not sum to the rest's median); tokens committed a step
 a request; tokens/s per user. The
 draft follows its path: per-op and eager with the per-op graph, on the kernels with mono.
 `--paths` picks among them (`per-op`, `stepwise`, `whole`; default all three: a GPU call short of
@@ -122,22 +124,41 @@ class PerOpGraphStep:
 
 
 class Timer:
-    """Wraps a function: the seconds of each call, the device synchronised around it."""
+    """Wraps a function: the host's clock at the start and end of each call (`spans`), the device
+    synchronised around it (`device` None: not, for host work)."""
 
-    def __init__(self, fn, device):
-        self.fn, self.device, self.seconds = fn, torch.device(device), []
+    def __init__(self, fn, device=None):
+        self.fn, self.device, self.spans = fn, device and torch.device(device), []
 
     def __call__(self, *args, **kwargs):
         self._sync()
         start = time.perf_counter()
         out = self.fn(*args, **kwargs)
         self._sync()
-        self.seconds.append(time.perf_counter() - start)
+        self.spans.append((start, time.perf_counter()))
         return out
 
+    @property
+    def seconds(self) -> list[float]:
+        return [end - start for start, end in self.spans]
+
     def _sync(self):
-        if self.device.type == "cuda":
+        if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+HOST_PARTS = ("rows", "inputs", "copies", "after")  # a whole step's host work (`host_parts`)
+
+
+def host_parts(step: Timer, rows: Timer, inputs: Timer, device_work: Timer) -> dict[str, list[float]]:
+    """A whole step's time outside its device work, step by step, as consecutive spans of the host's
+    clock: making and loading the rows (from the step's start: its checks too), the settings and
+    keys, the wait for their copies (the device work's first sync), and after the device work
+    (reading the verdicts, moving the requests on). Their sum is the step less its device work."""
+    spans = zip(step.spans, rows.spans, inputs.spans, device_work.spans, strict=True)
+    parts = [(r_end - s_start, i_end - r_end, d_start - i_end, s_end - d_end)
+             for (s_start, s_end), (_, r_end), (_, i_end), (d_start, d_end) in spans]
+    return dict(zip(HOST_PARTS, map(list, zip(*parts))))
 
 
 class PartClock:
@@ -193,22 +214,25 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
         runner.step = stages
     device_work = Timer(decoder.whole_step.device_work, model.device) if whole else None
     clock = PartClock(model.device) if whole else None
+    rows, inputs = (Timer(decoder.whole_step._prepare), Timer(decoder.whole_step._load_inputs)) if whole else (None, None)
     if whole:
         decoder.whole_step.device_work, decoder.whole_step.clock = device_work, clock
+        decoder.whole_step._prepare, decoder.whole_step._load_inputs = rows, inputs
     step = Timer(decoder.step, model.device)
     try:
         for _ in range(2):
             step(caches, requests)
-        for timer in (verify, propose, step, stages, device_work):
+        for timer in (verify, propose, step, stages, device_work, rows, inputs):
             if timer:
-                timer.seconds.clear()
+                timer.spans.clear()
         committed = 0
         for _ in range(steps):
             committed += sum(len(tokens) for tokens in step(caches, requests))
             if clock:  # the step's device work is done (its timer synchronised)
                 clock.read()
     finally:  # the timers off, back to the classes' methods (the draft and its runner are the model's)
-        for obj, name in ((draft, "propose"), (runner, "step"), (decoder.whole_step, "device_work")):
+        for obj, name in ((draft, "propose"), (runner, "step"), (decoder.whole_step, "device_work"),
+                          (decoder.whole_step, "_prepare"), (decoder.whole_step, "_load_inputs")):
             if obj is not None and name in vars(obj):
                 delattr(obj, name)
     decoder.target_step = target_step
@@ -224,6 +248,8 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     return {"step_s": median(step.seconds), "other_s": median(others),
             **{name: median(t.seconds) if t and t.seconds else None for name, t in parts.items()},
             "device_parts_s": {name: median(s) for name, s in clock.seconds.items()} if clock else None,
+            "other_parts_s": {name: median(s) for name, s in host_parts(step, rows, inputs, device_work).items()}
+            if whole else None,
             "tokens_per_step": committed / steps / len(requests),
             "tokens_per_s_per_user": committed / steps / len(requests) / median(step.seconds),
             **({"host_profile": profile} if host_profile else {})}
@@ -352,6 +378,9 @@ def line(r: dict) -> str:
     else:
         stages = f" (stages {ms(r['draft_stages_s']).strip()})" if r["draft_stages_s"] is not None else ""
         split = f"draft {ms(r['draft_s'])}{stages} + verify {ms(r['verify_s'])}{head}"
+    other = f"other {ms(r['other_s'])}"
+    if r["other_parts_s"] is not None:
+        other += f" ({', '.join(f'{name} {ms(s).strip()}' for name, s in r['other_parts_s'].items())})"
     return (f"{r['path']:<14}{r['requests']:>3} requests ({r['rows']:>2} rows): step {ms(r['step_s'])} ms = {split} "
-            f"+ other {ms(r['other_s'])}; {r['tokens_per_step']:.2f} tokens a step, "
+            f"+ {other}; {r['tokens_per_step']:.2f} tokens a step, "
             f"{r['tokens_per_s_per_user']:.1f} tokens/s/user")
