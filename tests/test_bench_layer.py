@@ -234,8 +234,9 @@ def test_bench_decode_times_every_path_at_each_request_count(device, tmp_path, c
     default one window layer, one request at temperature 0.8 (top-p 0.9), one timed step (after
     the two warm-up steps). The per-op and mono stepwise steps split into draft, verify and the
     rest, the whole mono step into its device work (itself into its parts, in order) and the
-    rest (itself into the host's parts, in order); all three accept alike. With `--host-profile`: the host's operations a step (and on a
-    GPU the device's kernels, the whole step's graph's among them)."""
+    rest (itself into the host's parts, in order); all three accept alike. With `--host-profile`:
+    the host's operations a step (and on a GPU the device's kernels, the whole step's graph's
+    among them)."""
     from monodecode.bench.decode import HOST_PARTS
     from monodecode.spec.step_graph import PARTS
 

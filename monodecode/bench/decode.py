@@ -212,12 +212,12 @@ def measure(model, target_step, caches, requests, steps: int, acceptance: float,
     stages = Timer(runner.step, model.device) if runner else None
     if runner:
         runner.step = stages
-    device_work = Timer(decoder.whole_step.device_work, model.device) if whole else None
-    clock = PartClock(model.device) if whole else None
-    rows, inputs = (Timer(decoder.whole_step._prepare), Timer(decoder.whole_step._load_inputs)) if whole else (None, None)
-    if whole:
-        decoder.whole_step.device_work, decoder.whole_step.clock = device_work, clock
-        decoder.whole_step._prepare, decoder.whole_step._load_inputs = rows, inputs
+    device_work = clock = rows = inputs = None
+    if whole:  # its device work timed (and its parts), and the host's rows and inputs
+        w = decoder.whole_step
+        device_work, clock = Timer(w.device_work, model.device), PartClock(model.device)
+        rows, inputs = Timer(w._prepare), Timer(w._load_inputs)  # host work: no syncs
+        w.device_work, w.clock, w._prepare, w._load_inputs = device_work, clock, rows, inputs
     step = Timer(decoder.step, model.device)
     try:
         for _ in range(2):
